@@ -1,0 +1,52 @@
+"""jdist: TensorFlow's tf.distribute API for JAX.
+
+Strategies (`MirroredStrategy`, `OneDeviceStrategy`) replicate a step function over devices as
+one compiled SPMD program; distributed values (`PerReplica`, `Mirrored`) are thin wrappers around
+sharded ``jax.Array`` s; ``reduce`` / ``all_reduce`` lower to ``lax.psum`` / ``lax.pmean``.
+
+Example:
+  >>> import jax.numpy as jnp, jdist
+  >>> strategy = jdist.MirroredStrategy(["cpu:0"])
+  >>> def step(x):
+  ...   return jdist.get_replica_context().all_reduce("sum", x * 2)
+  >>> float(strategy.run(step, args=(jnp.float32(1.5),)))
+  3.0
+"""
+
+from jdist import errors
+from jdist._src.context import ReplicaContext
+from jdist._src.context import ValueContext
+from jdist._src.context import experimental_set_strategy
+from jdist._src.context import get_replica_context
+from jdist._src.context import get_strategy
+from jdist._src.context import has_strategy
+from jdist._src.context import in_cross_replica_context
+from jdist._src.mirrored import MirroredStrategy
+from jdist._src.mirrored import OneDeviceStrategy
+from jdist._src.reduce_op import ReduceOp
+from jdist._src.strategy import Strategy
+from jdist._src.strategy import StrategyExtended
+from jdist._src.values import DistributedValues
+from jdist._src.values import Mirrored
+from jdist._src.values import PerReplica
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "DistributedValues",
+    "Mirrored",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyExtended",
+    "ValueContext",
+    "errors",
+    "experimental_set_strategy",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+)

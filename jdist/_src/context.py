@@ -1,0 +1,385 @@
+"""Which strategy is current, and whether code runs in a replica or the cross-replica context.
+
+tf.distribute code is written against two contexts:
+
+* the **cross-replica context** (inside ``with strategy.scope()``, or inside a ``merge_fn``), where
+  distributed values are seen whole and ``strategy.reduce`` / ``strategy.gather`` combine them;
+* the **replica context** (inside the function given to ``strategy.run``), where code sees one
+  replica's values and communicates through `ReplicaContext` (``all_reduce``, ``merge_call``).
+
+Outside both there is a *default* strategy with one replica, whose replica context is always
+available, so library code can be written once for both distributed and plain use.
+
+The state is a per-thread stack of frames (TF keeps it per thread too); `experimental_set_strategy`
+sets a process-wide fallback under it.
+"""
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+from jdist._src import errors
+from jdist._src.reduce_op import ReduceOp
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frame:
+    strategy: Any
+    replica_context: Optional["ReplicaContext"]  # None: cross-replica frame.
+    in_merge: bool = False  # A cross-replica frame entered by merge_call inside a trace.
+
+
+class _State(threading.local):
+
+    def __init__(self):
+        self.frames = []
+
+
+_state = _State()
+_global_strategy = None  # Set by experimental_set_strategy.
+_default_strategy = None  # Created lazily by the strategy module (avoids an import cycle).
+_default_strategy_factory = None
+
+
+def _register_default_strategy_factory(factory):
+    global _default_strategy_factory
+    _default_strategy_factory = factory
+
+
+def _top():
+    if _state.frames:
+        return _state.frames[-1]
+    if _global_strategy is not None:
+        return _Frame(_global_strategy, None)
+    return None
+
+
+def _default():
+    global _default_strategy
+    if _default_strategy is None:
+        _default_strategy = _default_strategy_factory()
+    return _default_strategy
+
+
+def get_strategy():
+    """Returns the current strategy: the one whose scope or ``run`` encloses this call.
+
+    Returns:
+      The current `Strategy`, or the default one-replica strategy when none is set.
+
+    Example:
+      >>> import jdist
+      >>> jdist.get_strategy().num_replicas_in_sync
+      1
+    """
+    top = _top()
+    return _default() if top is None else top.strategy
+
+
+def has_strategy():
+    """Returns whether a non-default strategy is current.
+
+    Example:
+      >>> import jdist
+      >>> jdist.has_strategy()
+      False
+    """
+    top = _top()
+    return top is not None and top.strategy is not _default()
+
+
+def in_cross_replica_context():
+    """Returns whether code runs in a cross-replica context (a scope, or a ``merge_fn``).
+
+    Example:
+      >>> import jdist
+      >>> jdist.in_cross_replica_context()
+      False
+    """
+    top = _top()
+    return top is not None and top.replica_context is None
+
+
+def get_replica_context():
+    """Returns the current `ReplicaContext`, or None in a cross-replica context.
+
+    Outside any strategy this is the default strategy's replica context (one replica, id 0).
+
+    Example:
+      >>> import jdist
+      >>> ctx = jdist.get_replica_context()
+      >>> ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
+      (1, 0)
+    """
+    top = _top()
+    if top is None:
+        return ReplicaContext(_default(), 0)
+    return top.replica_context
+
+
+def experimental_set_strategy(strategy):
+    """Makes ``strategy`` current for the whole process, as if inside ``strategy.scope()``.
+
+    Args:
+      strategy: a `Strategy`, or None to go back to the default strategy.
+
+    Raises:
+      WrongContextError: called inside a ``strategy.scope()`` or a replica function.
+
+    Example:
+      >>> import jdist
+      >>> s = jdist.OneDeviceStrategy("cpu:0")
+      >>> jdist.experimental_set_strategy(s)
+      >>> jdist.get_strategy() is s
+      True
+      >>> jdist.experimental_set_strategy(None)
+      >>> jdist.has_strategy()
+      False
+    """
+    global _global_strategy
+    if _state.frames:
+        raise errors.WrongContextError(
+            "experimental_set_strategy cannot be called inside a `strategy.scope()` or a replica "
+            "function; leave the scope first.")
+    _global_strategy = strategy
+
+
+@contextlib.contextmanager
+def cross_replica_scope(strategy, *, in_merge=False):
+    """Enters ``strategy``'s cross-replica context (what ``strategy.scope()`` does)."""
+    top = _top()
+    if not in_merge and top is not None and top.strategy is not strategy and (
+            top.strategy is not _default()):
+        raise errors.MixedStrategyError(
+            f"Mixing different tf.distribute.Strategy objects: {strategy!r} is entered inside the "
+            f"scope of {top.strategy!r}. Leave the current strategy's scope first.")
+    if not in_merge and top is not None and top.replica_context is not None and (
+            top.strategy is not _default()):
+        raise errors.WrongContextError(
+            "strategy.scope() cannot be entered inside a replica function; use "
+            "get_replica_context().merge_call to reach the cross-replica context.")
+    _state.frames.append(_Frame(strategy, None, in_merge))
+    try:
+        yield strategy
+    finally:
+        _state.frames.pop()
+
+
+@contextlib.contextmanager
+def replica_scope(replica_context):
+    """Enters a replica context (what ``strategy.run`` does around the replica function)."""
+    _state.frames.append(_Frame(replica_context.strategy, replica_context))
+    try:
+        yield replica_context
+    finally:
+        _state.frames.pop()
+
+
+def in_merge_call():
+    """Whether the innermost frame is a ``merge_fn`` running inside a traced replica function."""
+    top = _top()
+    return top is not None and top.in_merge
+
+
+def require_cross_replica(strategy, what):
+    """Raises `WrongContextError` when ``what`` is called from a replica function of ``strategy``."""
+    top = _top()
+    if top is not None and top.replica_context is not None and top.strategy is not _default():
+        alternative = "get_replica_context().all_gather" if "gather" in what else (
+            "get_replica_context().all_reduce or merge_call")
+        raise errors.WrongContextError(
+            f"`{what}` was called inside a replica function (strategy.run); it may only be called "
+            f"in the cross-replica context. Inside the replica function use {alternative}.")
+
+
+@dataclasses.dataclass
+class _Binding:
+    """What a replica context knows while its replica function is being traced."""
+    axis_name: str
+    replica_id: Any  # A traced int32.
+    valid_rows: Any = None  # Traced int32: real rows of this replica's batch, or None.
+    padded_rows: Optional[int] = None  # The static per-replica batch size the rows are padded to.
+    active: bool = True
+
+
+class ReplicaContext:
+    """The strategy API inside a replica function (``tf.distribute.ReplicaContext``).
+
+    Obtain it with `get_replica_context` inside the function given to ``strategy.run``. There the
+    function is traced once as an SPMD program, so ``replica_id_in_sync_group`` is a traced int32
+    scalar and the collectives lower to ``lax.psum`` / ``lax.all_gather`` over the replica axis.
+
+    Args:
+      strategy: the strategy this replica belongs to.
+      replica_id_in_sync_group: this replica's index, an int or a traced int32 scalar.
+
+    Example:
+      >>> import jax.numpy as jnp, jdist
+      >>> s = jdist.MirroredStrategy(["cpu:0"])
+      >>> def step():
+      ...   ctx = jdist.get_replica_context()
+      ...   return ctx.all_reduce("sum", jnp.float32(ctx.replica_id_in_sync_group + 1))
+      >>> float(s.run(step))
+      1.0
+    """
+
+    def __init__(self, strategy, replica_id_in_sync_group, *, _binding=None):
+        self._strategy = strategy
+        self._replica_id = replica_id_in_sync_group
+        self._binding = _binding
+
+    @property
+    def strategy(self):
+        """The `Strategy` this replica belongs to."""
+        return self._strategy
+
+    @property
+    def num_replicas_in_sync(self):
+        """The number of replicas over which values are aggregated (a Python int)."""
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self):
+        """This replica's index in ``[0, num_replicas_in_sync)``; traced inside ``strategy.run``."""
+        return self._replica_id
+
+    @property
+    def devices(self):
+        """The devices this replica runs on, as a tuple of TF-style strings (``"/cpu:0"``).
+
+        Inside a traced replica function every replica shares one program, so this is the tuple
+        of all the strategy's devices' names when the replica id is traced.
+        """
+        names = self._strategy.extended._device_names
+        if isinstance(self._replica_id, int):
+            return (names[self._replica_id],)
+        return tuple(names)
+
+    @property
+    def valid_rows(self):
+        """How many leading rows of this replica's batch are real (the rest is padding).
+
+        A partial or uneven batch is passed to every replica padded to one static size, so the
+        step compiles once; this traced int32 says how many rows are real. It is None when the
+        replica function received no batched per-replica value.
+        """
+        self._check_active("valid_rows")
+        return None if self._binding is None else self._binding.valid_rows
+
+    def row_mask(self, rows=None):
+        """Returns a bool vector marking this replica's real rows.
+
+        Args:
+          rows: the length of the mask; by default the padded per-replica batch size.
+
+        Returns:
+          ``jnp.arange(rows) < valid_rows``, or all True when there is no partial batch.
+        """
+        self._check_active("row_mask")
+        binding = self._binding
+        if rows is None:
+            if binding is None or binding.padded_rows is None:
+                raise errors.InvalidArgumentError(
+                    "row_mask() needs `rows` when the replica function got no batched input.")
+            rows = binding.padded_rows
+        if binding is None or binding.valid_rows is None:
+            return jnp.ones((rows,), bool)
+        return jnp.arange(rows) < binding.valid_rows
+
+    def _check_active(self, what):
+        if self._binding is not None and not self._binding.active:
+            raise errors.WrongContextError(
+                f"ReplicaContext.{what} was called after its strategy.run returned; a replica "
+                "context may only be used inside the replica function that obtained it.")
+
+    def all_reduce(self, reduce_op, value):
+        """All-reduces a nest of arrays across replicas; every replica gets the result.
+
+        Args:
+          reduce_op: a `ReduceOp` or its name (``"sum"``, ``"mean"``).
+          value: a nest of arrays with the same structure and shapes on every replica.
+
+        Returns:
+          The nest with each leaf replaced by its sum or mean over replicas.
+
+        Example (with two replicas):
+          replica 0 ``{'a': 1, 'b': [40, 1]}`` and replica 1 ``{'a': 3, 'b': [2, 98]}`` give
+          ``{'a': 4, 'b': [42, 99]}`` for SUM and ``{'a': 2, 'b': [21, 49.5]}`` for MEAN.
+        """
+        self._check_active("all_reduce")
+        op = ReduceOp.from_any(reduce_op)
+        if self._binding is None:
+            return self._strategy.extended._reduce_outside_trace(op, value)
+        return self._strategy.extended._replica_all_reduce(self._binding, op, value)
+
+    def all_gather(self, value, axis):
+        """Concatenates each replica's ``value`` along ``axis``; every replica gets the result.
+
+        Args:
+          value: a nest of arrays; sizes along ``axis`` may differ only through padded batches.
+          axis: the axis to concatenate along (negative counts from the end).
+
+        Returns:
+          The nest of gathered arrays. When ``value``'s rows are a padded partial batch (axis 0,
+          leading size equal to the padded batch size), the real rows of all replicas come first,
+          in replica order, and the padding follows as zeros; ``all_reduce("sum", valid_rows)``
+          says how many are real.
+        """
+        self._check_active("all_gather")
+        if self._binding is None:
+            return self._strategy.extended._gather_outside_trace(value, axis)
+        return self._strategy.extended._replica_all_gather(self._binding, value, axis)
+
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        """Runs ``merge_fn(strategy, *args, **kwargs)`` once in the cross-replica context.
+
+        Per-replica arguments reach ``merge_fn`` as `PerReplica` values (values equal on every
+        replica as `Mirrored`); what it returns reaches every replica, with `PerReplica` results
+        unpacked so each replica gets its own component.
+
+        Inside a traced replica function the merge function is traced once and computed by every
+        device on the gathered arguments (SPMD); for pure merge functions this gives TF's numbers.
+
+        Args:
+          merge_fn: a function ``(strategy, *args, **kwargs) -> nest``.
+          args: a tuple or list of positional arguments.
+          kwargs: a dict of keyword arguments.
+
+        Returns:
+          ``merge_fn``'s result as seen by this replica.
+        """
+        self._check_active("merge_call")
+        if not isinstance(args, (tuple, list)):
+            raise errors.InvalidArgumentError(
+                f"merge_call args must be a tuple or list, got {type(args).__name__}.")
+        kwargs = {} if kwargs is None else kwargs
+        if self._binding is None:
+            with cross_replica_scope(self._strategy, in_merge=True):
+                return merge_fn(self._strategy, *args, **kwargs)
+        return self._strategy.extended._merge_call(self._binding, merge_fn, args, kwargs)
+
+    def __enter__(self):
+        self._scope = replica_scope(self)
+        return self._scope.__enter__()
+
+    def __exit__(self, *exc):
+        return self._scope.__exit__(*exc)
+
+    def __repr__(self):
+        return (f"ReplicaContext(strategy={self._strategy!r}, "
+                f"replica_id_in_sync_group={self._replica_id!r})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueContext:
+    """What `Strategy.experimental_distribute_values_from_function` tells ``value_fn``.
+
+    Attributes:
+      replica_id_in_sync_group: the replica the value is for (an int).
+      num_replicas_in_sync: the number of replicas (an int).
+    """
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1

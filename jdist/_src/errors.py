@@ -1,0 +1,42 @@
+"""Typed errors raised by jdist.
+
+Every error subclasses both :class:`JdistError` (catch anything jdist raises) and the builtin
+TensorFlow raises for the same situation (``ValueError``, ``TypeError``, ``RuntimeError``), so code
+ported from tf.distribute that catches the builtin keeps working.
+"""
+
+
+class JdistError(Exception):
+    """Base class of every error jdist raises on purpose."""
+
+
+class InvalidArgumentError(JdistError, ValueError):
+    """An argument has the wrong value (an unknown op, an axis out of range, ...)."""
+
+
+class ShapeMismatchError(InvalidArgumentError):
+    """Per-replica values whose shapes must agree do not."""
+
+
+class UnknownDeviceError(InvalidArgumentError):
+    """A device name or object does not name a device this process can use."""
+
+
+class OutOfRangeError(JdistError, IndexError):
+    """An iterator was asked for an element after its data ended (TF's ``OutOfRangeError``)."""
+
+
+class WrongContextError(JdistError, RuntimeError):
+    """A call was made in a context where it is not allowed (replica vs cross-replica)."""
+
+
+class MixedStrategyError(WrongContextError):
+    """A scope of one strategy was entered inside the scope of another."""
+
+
+class CrossReplicaArithmeticError(JdistError, TypeError):
+    """Arithmetic was attempted on a per-replica value outside the replica function."""
+
+
+class UnsupportedValueError(JdistError, TypeError):
+    """A value of a type jdist cannot distribute or return from a replica function."""

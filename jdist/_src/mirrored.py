@@ -1,0 +1,163 @@
+"""`MirroredStrategy` and `OneDeviceStrategy`: synchronous replicas on this process's devices.
+
+Both keep one 1-D mesh over their devices with the replica axis ``"replica"``; values live as
+arrays sharded over it (`jdist._src.values`), ``run`` compiles to one SPMD program
+(`jdist._src.spmd`), and ``reduce`` / ``gather`` are compiled collectives
+(`jdist._src.collectives`). Every launch goes through the platform's dispatch guard
+(`jdist._src.dispatch`), which on CPU keeps collective programs from overlapping.
+"""
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jdist._src import collectives
+from jdist._src import devices as devices_lib
+from jdist._src import dispatch
+from jdist._src import errors
+from jdist._src import spmd
+from jdist._src.strategy import Strategy
+from jdist._src.strategy import StrategyExtended
+from jdist._src.values import PerReplica
+
+REPLICA_AXIS = "replica"
+
+
+class MirroredExtended(StrategyExtended):
+    """`StrategyExtended` over a mesh of local devices, one replica per device."""
+
+    def __init__(self, container_strategy, devices, cross_device_ops=None):
+        super().__init__(container_strategy, devices)
+        platforms = {d.platform for d in self._devices}
+        if len(platforms) != 1:
+            raise errors.InvalidArgumentError(
+                f"all replicas must be on one platform, got devices on {sorted(platforms)}.")
+        self._platform = platforms.pop()
+        self._mesh = Mesh(np.array(self._devices), (REPLICA_AXIS,))
+        self._guard = dispatch.guard_for(self._platform, len(self._devices))
+        self._programs = collectives.ReplicaPrograms(self._mesh, REPLICA_AXIS, self._guard)
+        self._runner = spmd.ReplicatedRunner(container_strategy, self._programs, self._mesh,
+                                             REPLICA_AXIS, self._guard)
+        self._cross_device_ops = cross_device_ops
+
+    @property
+    def mesh(self):
+        """The ``jax.sharding.Mesh`` of the replicas, with the single axis ``"replica"``."""
+        return self._mesh
+
+    @property
+    def replica_axis(self):
+        """The name of the mesh axis the replicas are laid along (``"replica"``)."""
+        return REPLICA_AXIS
+
+    def _run(self, fn, args, kwargs):
+        return self._runner.run(fn, args, kwargs)
+
+    def _reduce_per_replica(self, op, value, axes):
+        return self._programs.reduce(op, value.stacked, axes, value.lengths)
+
+    def _gather_per_replica(self, value, axis):
+        return self._programs.gather(value.stacked, axis, value.lengths)
+
+    def _replica_all_reduce(self, binding, op, value):
+        return collectives.replica_all_reduce(binding.axis_name, op, value)
+
+    def _replica_all_gather(self, binding, value, axis):
+        return collectives.replica_all_gather(binding.axis_name, value, axis,
+                                              binding.valid_rows, binding.padded_rows)
+
+    def _merge_call(self, binding, merge_fn, args, kwargs):
+        return self._runner.merge_call(binding, merge_fn, args, kwargs)
+
+    def _replicate(self, value):
+        return self._programs.place_replicated(value)
+
+    def _distribute_components(self, components):
+        """One sharded array from one component per replica, padding uneven leading sizes."""
+        arrays = [np.asarray(c) if not isinstance(c, jax.Array) else c for c in components]
+        shapes = [tuple(a.shape) for a in arrays]
+        dtypes = {np.dtype(a.dtype) for a in arrays}
+        if len(dtypes) != 1:
+            raise errors.InvalidArgumentError(
+                f"replica values must share a dtype, got {sorted(map(str, dtypes))}.")
+        lengths = None
+        if len(set(shapes)) != 1:
+            if len({len(s) for s in shapes}) != 1 or len({s[1:] for s in shapes}) != 1 or (
+                    not shapes[0]):
+                raise errors.ShapeMismatchError(
+                    f"replica values must agree in every dimension but the first, got {shapes}.")
+            lengths = tuple(s[0] for s in shapes)
+            padded = max(lengths)
+            arrays = [_pad_rows(np.asarray(a), padded) for a in arrays]
+        blocks = [jax.device_put(a[None], d) for a, d in zip(arrays, self._devices)]
+        stacked = jax.make_array_from_single_device_arrays(
+            (len(blocks),) + tuple(blocks[0].shape[1:]), self._programs.per_replica_sharding,
+            blocks)
+        return PerReplica._from_stacked(stacked, lengths)
+
+    def _wait_all(self):
+        self._guard.wait()
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous data parallelism over this process's devices (``tf.distribute.MirroredStrategy``).
+
+    One replica per device; ``run`` compiles the replica function once into an SPMD program
+    over all of them, and collectives lower to XLA's (``psum`` becomes NCCL on GPUs).
+
+    Args:
+      devices: the devices to use: jax devices or TF-style names (``"CPU:0"``, ``"/gpu:1"``).
+        Default: every local device of the default backend.
+      cross_device_ops: how values are combined across devices (a ``CrossDeviceOps``); None
+        picks the backend's all-reduce.
+
+    Raises:
+      InvalidArgumentError: ``devices`` is empty, repeats a device or mixes platforms.
+      UnknownDeviceError: a name does not match a local device.
+
+    Example:
+      >>> import jdist
+      >>> s = jdist.MirroredStrategy(["cpu:0"])
+      >>> s.num_replicas_in_sync
+      1
+    """
+
+    def __init__(self, devices=None, cross_device_ops=None):
+        if devices is None:
+            resolved = jax.local_devices()
+        else:
+            if isinstance(devices, (str, jax.Device)):
+                devices = [devices]
+            resolved = [devices_lib.resolve(d) for d in devices]
+            if not resolved:
+                raise errors.InvalidArgumentError("MirroredStrategy needs at least one device.")
+            if len(set(resolved)) != len(resolved):
+                raise errors.InvalidArgumentError(
+                    f"devices must not repeat, got {list(devices)}; each replica needs its own "
+                    "device.")
+        super().__init__(MirroredExtended(self, resolved, cross_device_ops))
+
+
+class OneDeviceStrategy(Strategy):
+    """Runs on one device (``tf.distribute.OneDeviceStrategy``): same API, one replica.
+
+    Useful to write code once and switch to `MirroredStrategy` later; values are placed on
+    ``device`` and ``run`` compiles for it.
+
+    Args:
+      device: a jax device or a TF-style name such as ``"/gpu:0"``.
+
+    Example:
+      >>> import jax.numpy as jnp, jdist
+      >>> s = jdist.OneDeviceStrategy("cpu:0")
+      >>> float(s.reduce("sum", s.run(lambda: jnp.float32(2.0))))
+      2.0
+    """
+
+    def __init__(self, device):
+        super().__init__(MirroredExtended(self, [devices_lib.resolve(device)]))
+
+
+def _pad_rows(array, rows):
+    pad = [(0, rows - array.shape[0])] + [(0, 0)] * (array.ndim - 1)
+    return np.pad(array, pad)

@@ -1,0 +1,282 @@
+"""Compiling a replica function into one SPMD program over the strategy's devices.
+
+``strategy.run(fn, args)`` becomes ``jax.jit(jax.shard_map(body, mesh, in_specs, out_specs,
+check_vma=True))`` where ``body`` unpacks per-replica arguments, enters the replica context and
+calls ``fn`` with per-replica shapes (as ``pmap`` would). Why ``jit(shard_map)`` and not ``pmap``
+is in ``docs/design.md``; in short: ``pmap`` rejects functions without a mapped argument, types
+every value as replicated (so it cannot tell Mirrored from PerReplica outputs), and reduces over
+local devices only when traced inside ``jit`` in a multi-process job. In jax 0.10 ``pmap`` is
+``jit(shard_map(check_vma=False))`` anyway.
+
+Outputs are classified by shard_map's varying-axes typing: a value that does not vary over the
+replica axis (an all-reduce result, a constant) leaves as `Mirrored` with ``out_specs=P()``;
+anything else as `PerReplica` with ``P(axis)``. The classification needs one abstract trace
+before the program is built, so ``fn`` is traced twice when a new signature is first seen.
+Programs are cached per (fn, argument structure, shapes, dtypes, static leaves).
+"""
+
+import dataclasses
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jdist._src import collectives
+from jdist._src import context
+from jdist._src import errors
+from jdist._src.values import DistributedValues
+from jdist._src.values import Mirrored
+from jdist._src.values import PerReplica
+from jdist._src.values import is_distributed
+
+# Leaf kinds of run's flattened arguments.
+_PER_REPLICA, _MIRRORED, _ARRAY, _STATIC = "per_replica", "mirrored", "array", "static"
+_SCALARS = (bool, int, float, complex)
+
+
+@dataclasses.dataclass
+class _Program:
+    jitted: Any
+    out_tree: Any
+    out_varying: tuple  # Per output leaf: whether it differs between replicas.
+    out_inherits_lengths: tuple  # Per output leaf: whether it is a padded batch (see design.md).
+
+
+class ReplicatedRunner:
+    """Runs replica functions as cached SPMD programs on one strategy's mesh.
+
+    Args:
+      strategy: the owning strategy (what `get_strategy` returns inside the function).
+      programs: the strategy's `collectives.ReplicaPrograms` (mesh, shardings, guard).
+      axis_name: the name of the replica axis.
+    """
+
+    def __init__(self, strategy, programs, mesh, axis_name, guard):
+        self._strategy = weakref.proxy(strategy)
+        self._programs = programs
+        self._mesh = mesh
+        self._axis = axis_name
+        self._guard = guard
+        self._n = programs.num_replicas
+        self._cache = weakref.WeakKeyDictionary()
+        self._strong_cache = {}  # For callables that cannot be weakly referenced.
+
+    # ----------------------------------------------------------------------------- run
+    def run(self, fn, args, kwargs):
+        leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
+        kinds, dynamic, signature, lengths, padded = self._classify(leaves)
+        tracing = any(isinstance(x, jax.core.Tracer) for x in dynamic)
+        if lengths is not None:
+            dynamic.append(self._programs.lengths_array(lengths))
+        program = self._program(fn, in_tree, tuple(kinds), tuple(signature), leaves,
+                                lengths is not None, padded)
+        if tracing:
+            outputs = program.jitted(*dynamic)
+        else:
+            outputs = self._guard.dispatch(program.jitted, *dynamic)
+        return self._wrap_outputs(program, outputs, lengths)
+
+    def _classify(self, leaves):
+        kinds, dynamic, signature = [], [], []
+        lengths, padded = None, None
+        place = self._programs
+        for leaf in leaves:
+            if isinstance(leaf, PerReplica):
+                stacked = leaf._stacked
+                if not isinstance(stacked, jax.core.Tracer):
+                    stacked = place.place_per_replica(stacked)
+                if leaf._lengths is not None:
+                    if lengths is not None and (leaf._lengths != lengths
+                                                or stacked.shape[1] != padded):
+                        raise errors.InvalidArgumentError(
+                            "strategy.run got padded batches with different per-replica lengths "
+                            f"({lengths} and {leaf._lengths}); pass values of one batch.")
+                    lengths, padded = leaf._lengths, stacked.shape[1]
+                kinds.append(_PER_REPLICA)
+                dynamic.append(stacked)
+                signature.append((stacked.shape, stacked.dtype, leaf._lengths is not None))
+            elif isinstance(leaf, Mirrored):
+                value = leaf._value
+                if not isinstance(value, jax.core.Tracer):
+                    value = place.place_replicated(value)
+                kinds.append(_MIRRORED)
+                dynamic.append(value)
+                signature.append((value.shape, value.dtype))
+            elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+                if (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+                        and leaf.committed and leaf.sharding != place.replicated_sharding):
+                    leaf = place.place_replicated(leaf)
+                kinds.append(_ARRAY)
+                dynamic.append(leaf)
+                signature.append((leaf.shape, leaf.dtype,
+                                  getattr(leaf, "weak_type", False)))
+            elif isinstance(leaf, _SCALARS):
+                kinds.append(_ARRAY)
+                dynamic.append(leaf)
+                signature.append((type(leaf),))
+            else:
+                try:
+                    hash(leaf)
+                except TypeError:
+                    raise errors.UnsupportedValueError(
+                        f"strategy.run got an argument of type {type(leaf).__name__} that is "
+                        "neither an array nor hashable; pass arrays, DistributedValues or "
+                        "hashable Python objects (those are compiled in as constants).") from None
+                kinds.append(_STATIC)
+                signature.append(("static", type(leaf), leaf))
+        return kinds, dynamic, signature, lengths, padded
+
+    def _program(self, fn, in_tree, kinds, signature, leaves, has_lengths, padded):
+        key = (in_tree, kinds, signature, padded)
+        try:
+            per_fn = self._cache.get(fn)
+            if per_fn is None:
+                per_fn = self._cache[fn] = {}
+        except TypeError:
+            per_fn = self._strong_cache.setdefault(fn, {})
+        program = per_fn.get(key)
+        if program is None:
+            statics = [leaf if k == _STATIC else None for leaf, k in zip(leaves, kinds)]
+            program = per_fn[key] = self._compile(fn, in_tree, kinds, statics, has_lengths,
+                                                  padded, leaves)
+        return program
+
+    def _compile(self, fn, in_tree, kinds, statics, has_lengths, padded, leaves):
+        axis, n = self._axis, self._n
+        record = {}
+
+        def body(*arrays, final_varying=None):
+            arrays = list(arrays)
+            valid = arrays.pop()[0] if has_lengths else None
+            it = iter(arrays)
+            values = []
+            for kind, static in zip(kinds, statics):
+                if kind == _STATIC:
+                    values.append(static)
+                elif kind == _PER_REPLICA:
+                    values.append(next(it)[0])
+                else:
+                    values.append(next(it))
+            args, kwargs = jax.tree_util.tree_unflatten(in_tree, values)
+            binding = context._Binding(axis, lax.axis_index(axis), valid, padded)
+            ctx = context.ReplicaContext(self._strategy, binding.replica_id, _binding=binding)
+            try:
+                with context.replica_scope(ctx):
+                    out = fn(*args, **kwargs)
+            finally:
+                binding.active = False
+            out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_distributed)
+            out_leaves = [_as_output_array(x) for x in out_leaves]
+            varying = tuple(_is_varying(x, axis) for x in out_leaves)
+            record["tree"], record["varying"] = out_tree, varying
+            record["shapes"] = tuple(x.shape for x in out_leaves)
+            if final_varying is None:  # The classifying trace: every output leaves stacked.
+                return [x[None] for x in out_leaves]
+            return [x[None] if v else x for x, v in zip(out_leaves, final_varying)]
+
+        in_specs = [P(axis) if k == _PER_REPLICA else P() for k in kinds if k != _STATIC]
+        if has_lengths:
+            in_specs.append(P(axis))
+        in_specs = tuple(in_specs)
+
+        def build(out_specs, **body_kwargs):
+            mapped = jax.shard_map(lambda *a: body(*a, **body_kwargs), mesh=self._mesh,
+                                   in_specs=in_specs, out_specs=out_specs, check_vma=n > 1)
+            return jax.jit(mapped)
+
+        abstract = [_abstract(leaf, kind) for leaf, kind in zip(leaves, kinds)
+                    if kind != _STATIC]
+        if has_lengths:
+            abstract.append(jax.ShapeDtypeStruct((n,), jnp.int32))
+        if n > 1:
+            jax.eval_shape(build(P(axis)), *abstract)
+            varying = record["varying"]
+        else:  # One device: without vma checking nothing varies; outputs leave as they are.
+            jax.eval_shape(build(P()), *abstract)
+            varying = tuple(False for _ in record["varying"])
+        out_specs = [P(axis) if v else P() for v in varying]
+        jitted = build(out_specs, final_varying=varying)
+        inherits = tuple(
+            has_lengths and (v or n == 1) and len(shape) >= 1 and shape[0] == padded
+            for v, shape in zip(varying, record["shapes"]))
+        return _Program(jitted, record["tree"], varying, inherits)
+
+    def _wrap_outputs(self, program, outputs, lengths):
+        wrapped = []
+        for x, varying, inherits in zip(outputs, program.out_varying,
+                                        program.out_inherits_lengths):
+            if inherits:
+                wrapped.append(PerReplica._from_stacked(x if varying else x[None], lengths))
+            elif varying:
+                wrapped.append(PerReplica._from_stacked(x))
+            elif self._n == 1:
+                wrapped.append(x)  # One replica: TF returns plain values.
+            else:
+                wrapped.append(Mirrored._from_value(x, self._n))
+        return jax.tree_util.tree_unflatten(program.out_tree, wrapped)
+
+    # ------------------------------------------------------------------ replica context
+    def merge_call(self, binding, merge_fn, args, kwargs):
+        axis, n = self._axis, self._n
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
+        views = []
+        for leaf in leaves:
+            if isinstance(leaf, DistributedValues) or not _is_traceable(leaf):
+                views.append(leaf)
+            elif _is_varying(jnp.asarray(leaf), axis):
+                stacked = collectives.invariant_stack(axis, n, leaf)
+                view = PerReplica._from_stacked(stacked)
+                if (binding.valid_rows is not None and stacked.ndim >= 2
+                        and stacked.shape[1] == binding.padded_rows):
+                    view._view_valid_rows = collectives.invariant_stack(
+                        axis, n, binding.valid_rows)
+                views.append(view)
+            else:
+                views.append(Mirrored._from_value(jnp.asarray(leaf), n))
+        m_args, m_kwargs = jax.tree_util.tree_unflatten(tree, views)
+        with context.cross_replica_scope(self._strategy, in_merge=True):
+            result = merge_fn(self._strategy, *m_args, **m_kwargs)
+        replica = lax.axis_index(axis)
+
+        def unpack(x):
+            if isinstance(x, PerReplica):
+                return x._stacked[replica]
+            if isinstance(x, Mirrored):
+                return x._value
+            return x
+        return jax.tree_util.tree_map(unpack, result, is_leaf=is_distributed)
+
+
+def _abstract(leaf, kind):
+    if kind == _PER_REPLICA:
+        return jax.ShapeDtypeStruct(leaf._stacked.shape, leaf._stacked.dtype)
+    if kind == _MIRRORED:
+        return jax.ShapeDtypeStruct(leaf._value.shape, leaf._value.dtype)
+    if isinstance(leaf, _SCALARS):
+        return jax.ShapeDtypeStruct((), jnp.asarray(leaf).dtype, weak_type=True)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                weak_type=getattr(leaf, "weak_type", False))
+
+
+def _is_traceable(x):
+    return isinstance(x, (jax.Array, np.ndarray, np.generic) + _SCALARS)
+
+
+def _as_output_array(x):
+    if isinstance(x, DistributedValues):
+        raise errors.UnsupportedValueError(
+            f"the replica function returned a {type(x).__name__}; inside strategy.run return "
+            "per-replica arrays (merge_call results are already unpacked per replica).")
+    if not _is_traceable(x):
+        raise errors.UnsupportedValueError(
+            f"the replica function returned a {type(x).__name__}; it must return a nest of "
+            "arrays (or Python numbers).")
+    return jnp.asarray(x)
+
+
+def _is_varying(x, axis):
+    return axis in jax.typeof(x).manual_axis_type.varying

@@ -1,0 +1,473 @@
+"""`Strategy` and `StrategyExtended`: the cross-replica API every strategy shares.
+
+This module holds the rules (what ``reduce``, ``gather``, ``run`` and ``experimental_local_results``
+compute for each kind of value, and which context allows them); how values move between devices
+is the concern of the concrete strategy's `StrategyExtended` (`jdist._src.mirrored`).
+"""
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdist._src import collectives
+from jdist._src import context
+from jdist._src import devices as devices_lib
+from jdist._src import errors
+from jdist._src.reduce_op import ReduceOp
+from jdist._src.values import DistributedValues
+from jdist._src.values import Mirrored
+from jdist._src.values import PerReplica
+from jdist._src.values import is_distributed
+from jdist._src.values import local_results
+
+
+class StrategyExtended:
+    """Lower-level strategy API (``strategy.extended``): devices, reduce_to, broadcast_to.
+
+    Args:
+      container_strategy: the `Strategy` this object extends.
+      devices: the jax devices of the replicas, one per replica, in replica order.
+    """
+
+    def __init__(self, container_strategy, devices):
+        self._container_strategy_ref = container_strategy
+        self._devices = tuple(devices)
+        self._device_names = tuple(devices_lib.name(d) for d in self._devices)
+        self._session_config = None
+
+    @property
+    def worker_devices(self):
+        """The devices the replicas run on, one per replica (a tuple of ``jax.Device``)."""
+        return self._devices
+
+    @property
+    def parameter_devices(self):
+        """The devices that hold mirrored values: every replica's device."""
+        return self._devices
+
+    @property
+    def experimental_require_static_shapes(self):
+        """True: XLA compiles one program per shape, so per-replica shapes must be static."""
+        return True
+
+    @property
+    def _num_replicas(self):
+        return len(self._devices)
+
+    # Replica-side hooks, used by ReplicaContext. Outside a traced replica function (the default
+    # strategy, or a ReplicaContext entered by hand) there is exactly one replica.
+    def _reduce_outside_trace(self, op, value):
+        if self._num_replicas != 1:
+            raise errors.WrongContextError(
+                "all_reduce was called on a replica context that is not inside strategy.run; call "
+                "it from the replica function.")
+        return jax.tree_util.tree_map(lambda x: _one_replica_reduce(op, x, None), value)
+
+    def _gather_outside_trace(self, value, axis):
+        if self._num_replicas != 1:
+            raise errors.WrongContextError(
+                "all_gather was called on a replica context that is not inside strategy.run; call "
+                "it from the replica function.")
+        return value
+
+    # Cross-replica primitives of the default (one-replica, eager) strategy.
+    def _run(self, fn, args, kwargs):
+        args, kwargs = jax.tree_util.tree_map(lambda v: local_results(v)[0], (args, kwargs),
+                                              is_leaf=is_distributed)
+        with context.ReplicaContext(self._container_strategy_ref, 0):
+            return fn(*args, **kwargs)
+
+    def _reduce_per_replica(self, op, value, axes):
+        stacked, lengths = jnp.asarray(value.stacked), value.lengths
+        if lengths is not None and (axes is None or 0 not in axes):
+            common = collectives.equal_lengths_or_raise(lengths, stacked.shape[1], "reduce")
+            stacked = stacked if common is None else stacked[:, :common]
+            lengths = None
+        valid = None if lengths is None else jnp.asarray(lengths)
+        return collectives.stacked_reduce(op, stacked, axes, valid)
+
+    def _gather_per_replica(self, value, axis):
+        return jnp.concatenate(value.values, axis=axis)
+
+    def _distribute_components(self, components):
+        return PerReplica._from_stacked(np.stack([np.asarray(c) for c in components]))
+
+    def _replicate(self, value):
+        return jnp.asarray(value)
+
+    # Public cross-replica API.
+    def reduce_to(self, reduce_op, value, destinations, options=None):
+        """Reduces ``value`` across replicas and places the result on ``destinations``.
+
+        Args:
+          reduce_op: a `ReduceOp` or its name.
+          value: a `DistributedValues` or an array (an array counts as a one-replica value).
+          destinations: a `DistributedValues` (the result is `Mirrored` on its devices), or a
+            device (name or ``jax.Device``; the result is an array on that device).
+          options: accepted for TF compatibility (communication hints); unused here.
+
+        Returns:
+          A `Mirrored` value or an array, as ``destinations`` says.
+        """
+        context.require_cross_replica(self._container_strategy_ref, "extended.reduce_to")
+        op = ReduceOp.from_any(reduce_op)
+        return self._to_destinations(self._reduce_value(op, value, None), destinations)
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        """`reduce_to` for a sequence of ``(value, destinations)`` pairs; returns a list."""
+        context.require_cross_replica(self._container_strategy_ref, "extended.batch_reduce_to")
+        op = ReduceOp.from_any(reduce_op)
+        pairs = list(value_destination_pairs)
+        if not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+            raise errors.InvalidArgumentError(
+                "value_destination_pairs must be a sequence of (value, destinations) tuples.")
+        return [self._to_destinations(self._reduce_value(op, v, None), d) for v, d in pairs]
+
+    def broadcast_to(self, tensor, destinations):
+        """Copies ``tensor`` to ``destinations`` (a `DistributedValues` or a device)."""
+        context.require_cross_replica(self._container_strategy_ref, "extended.broadcast_to")
+        return self._to_destinations(tensor, destinations)
+
+    def _to_destinations(self, result, destinations):
+        if isinstance(destinations, DistributedValues):
+            return Mirrored._from_value(self._replicate(result), self._num_replicas)
+        device = devices_lib.resolve(destinations)
+        return jax.device_put(result, device)
+
+    def _reduce_value(self, op, value, axis):
+        """The reduce rules of SEMANTICS.md for one value (not a nest)."""
+        n = self._num_replicas
+        if isinstance(value, PerReplica):
+            if value.num_replicas != n:
+                raise errors.InvalidArgumentError(
+                    f"the PerReplica value has {value.num_replicas} components but the strategy "
+                    f"has {n} replicas; reduce it with the strategy that produced it.")
+            ndim = value.stacked.ndim - 1
+            axes = collectives.normalize_axis(axis, ndim)
+            if isinstance(value.stacked, jax.core.Tracer):  # A merge_call view.
+                return collectives.stacked_reduce(op, value.stacked, axes, value._view_valid_rows)
+            return self._reduce_per_replica(op, value, axes)
+        if isinstance(value, Mirrored):
+            value = value.value
+        elif axis is None and n > 1:
+            if op is ReduceOp.SUM:
+                raise errors.InvalidArgumentError(
+                    f"A non-DistributedValues value {_short(value)} cannot be reduced with "
+                    "ReduceOp.SUM on a strategy with several replicas: it is not per-replica. "
+                    "Reduce the PerReplica value returned by strategy.run instead.")
+            return value
+        elif n == 1 and axis is None:
+            return value
+        # The same value on every replica (TF runs the within-replica reduce on each of them).
+        value = jnp.asarray(value)
+        return _one_replica_reduce(op, value, collectives.normalize_axis(axis, value.ndim), n)
+
+
+class Strategy:
+    """A set of devices and how a computation is replicated over them (``tf.distribute.Strategy``).
+
+    Use a concrete strategy (`MirroredStrategy`, `OneDeviceStrategy`), or `get_strategy` for the
+    current one. The methods here follow TF's meaning; see ``docs/api.md`` for the JAX meaning of
+    the TF1 names that have no JAX counterpart (sessions, ConfigProto).
+    """
+
+    def __init__(self, extended):
+        self._extended = extended
+
+    @property
+    def extended(self):
+        """The `StrategyExtended` with the lower-level API."""
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self):
+        """How many replicas run in sync (values are aggregated over this many)."""
+        return self._extended._num_replicas
+
+    @property
+    def cluster_resolver(self):
+        """The cluster resolver of a multi-worker strategy; None for single-process strategies."""
+        return None
+
+    def scope(self):
+        """Returns a context manager that makes this strategy current (cross-replica context).
+
+        Example:
+          >>> import jdist
+          >>> s = jdist.OneDeviceStrategy("cpu:0")
+          >>> with s.scope():
+          ...   print(jdist.get_strategy() is s, jdist.in_cross_replica_context())
+          True True
+        """
+        return context.cross_replica_scope(self)
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """Runs ``fn`` on every replica and returns the per-replica results.
+
+        ``fn`` is compiled once per argument signature into one SPMD program over the replicas
+        (see ``docs/design.md``) and sees per-replica shapes. `DistributedValues` arguments are
+        unpacked per replica; other arrays and numbers reach every replica as they are; other
+        hashable objects are compiled in as constants.
+
+        Args:
+          fn: the replica function. It may call `get_replica_context` for collectives.
+          args: a tuple or list of positional arguments.
+          kwargs: a dict of keyword arguments.
+          options: accepted for TF compatibility (``tf.distribute.RunOptions``); unused.
+
+        Returns:
+          ``fn``'s output nest, with `Mirrored` leaves for values equal on every replica (e.g.
+          all-reduce results) and `PerReplica` leaves otherwise; plain arrays on one replica.
+
+        Example:
+          >>> import jax.numpy as jnp, jdist
+          >>> s = jdist.MirroredStrategy(["cpu:0"])
+          >>> float(s.run(lambda x: x * 2, args=(jnp.float32(3),)))
+          6.0
+        """
+        if not isinstance(args, (tuple, list)):
+            raise errors.InvalidArgumentError(
+                f"run() expects args to be a tuple or list, got {type(args).__name__}; "
+                "write args=(value,) for a single argument.")
+        if kwargs is None:
+            kwargs = {}
+        elif not isinstance(kwargs, dict):
+            raise errors.InvalidArgumentError(f"run() expects kwargs to be a dict, got "
+                                              f"{type(kwargs).__name__}.")
+        replica = context.get_replica_context()
+        if replica is not None and replica.strategy is not context._default():
+            raise errors.WrongContextError(
+                "strategy.run was called inside a replica function; nested run is not allowed. "
+                "Call the inner function directly, or use get_replica_context().merge_call.")
+        return self._extended._run(fn, tuple(args), kwargs)
+
+    experimental_run_v2 = run
+
+    def reduce(self, reduce_op, value, axis=None):
+        """Reduces a per-replica value across replicas (and optionally along ``axis``).
+
+        Args:
+          reduce_op: ``ReduceOp.SUM`` / ``ReduceOp.MEAN`` or their names in any case.
+          value: a `PerReplica` or `Mirrored` value, a nest of them (only with ``axis=None``),
+            or a plain array.
+          axis: None to combine replicas element-wise; an int or tuple of ints to reduce inside
+            each replica along those axes first. MEAN then divides by the total number of
+            elements along ``axis`` over all replicas, padding excluded.
+
+        Returns:
+          The reduced array (a nest for a nest).
+
+        Example:
+          >>> import numpy as np, jdist
+          >>> s = jdist.get_strategy()
+          >>> float(s.reduce("mean", np.float32(4.0)))
+          4.0
+        """
+        context.require_cross_replica(self, "strategy.reduce")
+        op = ReduceOp.from_any(reduce_op)
+        if axis is not None and not _is_single_value(value):
+            raise errors.UnsupportedValueError(
+                "strategy.reduce with an axis takes a single value, not a nest; reduce each "
+                "leaf separately, or use axis=None.")
+        return jax.tree_util.tree_map(lambda v: self._extended._reduce_value(op, v, axis), value,
+                                      is_leaf=is_distributed)
+
+    def gather(self, value, axis):
+        """Concatenates the replicas' values along ``axis`` (cross-replica context).
+
+        Sizes along ``axis`` may differ between replicas (a partial batch); only real rows are
+        returned. A plain array comes back unchanged.
+
+        Args:
+          value: a `DistributedValues`, a plain array, or a nest of them.
+          axis: the per-replica axis to concatenate along.
+
+        Returns:
+          The gathered array (a nest for a nest).
+        """
+        context.require_cross_replica(self, "strategy.gather")
+        return jax.tree_util.tree_map(lambda v: self._gather_value(v, axis), value,
+                                      is_leaf=is_distributed)
+
+    def _gather_value(self, value, axis):
+        if isinstance(value, Mirrored):
+            value = PerReplica._from_stacked(
+                jnp.broadcast_to(value.value, (value.num_replicas,) + value.value.shape))
+        if not isinstance(value, PerReplica):
+            return value
+        if value.stacked.ndim == 1:
+            raise errors.InvalidArgumentError(
+                "gather needs per-replica values of rank >= 1 (got scalars); give each replica's "
+                "value a leading axis first, e.g. x[None] in the replica function.")
+        (axis,) = collectives.normalize_axis(axis, value.stacked.ndim - 1)
+        if isinstance(value.stacked, jax.core.Tracer):
+            return collectives.stacked_gather(value.stacked, axis)
+        return self._extended._gather_per_replica(value, axis)
+
+    def experimental_local_results(self, value):
+        """Returns the per-replica components of ``value`` held by this process, as a tuple.
+
+        Args:
+          value: a `DistributedValues`, a nest containing them, or a plain value.
+
+        Returns:
+          A tuple with one entry per local replica (nests keep their structure); a plain value
+          gives a 1-tuple. Components are read from their own devices, without a gather.
+
+        Example:
+          >>> import jdist
+          >>> jdist.get_strategy().experimental_local_results(3.0)
+          (3.0,)
+        """
+        if isinstance(value, DistributedValues):
+            return local_results(value)
+        leaves, tree = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
+        if not any(isinstance(x, DistributedValues) for x in leaves):
+            return (value,)
+        per_leaf = [local_results(x) if isinstance(x, DistributedValues) else None
+                    for x in leaves]
+        n = max(len(r) for r in per_leaf if r is not None)
+        return tuple(
+            jax.tree_util.tree_unflatten(tree, [x if r is None else r[i]
+                                                for x, r in zip(leaves, per_leaf)])
+            for i in range(n))
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        """Builds per-replica values by calling ``value_fn`` once per replica, in order.
+
+        Args:
+          value_fn: a function of a `ValueContext` returning a nest of arrays. Components may
+            differ in their leading size (an uneven batch): they are padded to the largest and
+            carry their true lengths, so ``reduce(..., axis=0)`` and ``gather`` stay exact.
+
+        Returns:
+          The nest with `PerReplica` leaves (plain values on a one-replica strategy).
+
+        Example:
+          >>> import numpy as np, jdist
+          >>> s = jdist.get_strategy()
+          >>> v = s.experimental_distribute_values_from_function(
+          ...     lambda ctx: np.arange(2.0) + ctx.replica_id_in_sync_group)
+          >>> v.tolist()
+          [0.0, 1.0]
+        """
+        n = self.num_replicas_in_sync
+        per_replica = [value_fn(context.ValueContext(i, n)) for i in range(n)]
+        trees = [jax.tree_util.tree_structure(v) for v in per_replica]
+        if any(t != trees[0] for t in trees[1:]):
+            raise errors.InvalidArgumentError(
+                "value_fn returned different structures for different replicas: "
+                f"{trees[0]} vs {next(t for t in trees if t != trees[0])}.")
+        if n == 1:
+            return per_replica[0]
+        columns = zip(*(jax.tree_util.tree_leaves(v) for v in per_replica))
+        leaves = [self._extended._distribute_components(list(c)) for c in columns]
+        return jax.tree_util.tree_unflatten(trees[0], leaves)
+
+    # Names from the TF 1.x API (see docs/api.md for what each means without sessions).
+    def unwrap(self, value):
+        """TF1 name of `experimental_local_results`: the local components of ``value``."""
+        return self.experimental_local_results(value)
+
+    def group(self, value, name=None):
+        """Waits until every local component of ``value`` is computed, then returns ``value``.
+
+        TF1 grouped the components into one op to run in a session; in JAX the equivalent of
+        running that op is waiting for the asynchronous computation (``jax.block_until_ready``).
+        """
+        return jax.block_until_ready(value)
+
+    def colocate_vars_with(self, colocate_with_variable):
+        """Returns a context manager for creating state next to ``colocate_with_variable``.
+
+        jdist has no variables: state is explicit arrays, placed by the step's outputs (Mirrored
+        on every replica's device). The context manager only checks that the value belongs to
+        this strategy.
+        """
+        if isinstance(colocate_with_variable, DistributedValues) and (
+                colocate_with_variable.num_replicas != self.num_replicas_in_sync):
+            raise errors.InvalidArgumentError(
+                "colocate_vars_with got a value of another strategy "
+                f"({colocate_with_variable.num_replicas} replicas, this one has "
+                f"{self.num_replicas_in_sync}).")
+        return self.scope()
+
+    def update_config_proto(self, config_proto):
+        """Returns a copy of ``config_proto``: JAX has no session config to adjust.
+
+        Devices and collectives are configured by XLA flags and jax.config before JAX starts, so
+        the config is returned unchanged (a deep copy, as TF returns a modified copy).
+        """
+        return copy.deepcopy(config_proto)
+
+    def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None):
+        """TF1 configuration hook. Records ``session_config``; a multi-worker cluster is an error.
+
+        Raises:
+          InvalidArgumentError: ``cluster_spec`` describes more than one worker; use a
+            multi-worker strategy, which reads the cluster from ``TF_CONFIG``.
+        """
+        spec = cluster_spec or {}
+        spec = spec.as_dict() if hasattr(spec, "as_dict") else dict(spec)
+        workers = sum(len(v) for k, v in spec.items() if k in ("worker", "chief"))
+        if workers > 1:
+            raise errors.InvalidArgumentError(
+                f"{type(self).__name__} runs in one process; a cluster of {workers} workers needs "
+                "MultiWorkerMirroredStrategy.")
+        self._extended._session_config = session_config
+
+    def experimental_initialize(self):
+        """Initialisation ops to run before any computation: none are needed in JAX (``[]``)."""
+        return []
+
+    def experimental_finalize(self):
+        """Waits for every program this strategy dispatched to finish; returns ``[]`` (no ops)."""
+        self._extended._wait_all()
+        return []
+
+    def __deepcopy__(self, memo):
+        # A strategy owns devices and compiled programs: copies share it, as in TF.
+        return self
+
+    def __repr__(self):
+        return f"{type(self).__name__}(devices={list(self._extended._device_names)})"
+
+
+class _DefaultExtended(StrategyExtended):
+
+    def _wait_all(self):
+        pass
+
+
+class _DefaultStrategy(Strategy):
+    """The strategy in effect when none is set: one replica, ``run`` calls ``fn`` directly."""
+
+    def __init__(self):
+        super().__init__(_DefaultExtended(self, jax.local_devices()[:1]))
+
+    def __repr__(self):
+        return "DefaultStrategy()"
+
+
+context._register_default_strategy_factory(_DefaultStrategy)
+
+
+def _is_single_value(value):
+    return isinstance(value, (DistributedValues, jax.Array, np.ndarray, np.generic, int, float))
+
+
+def _one_replica_reduce(op, value, axes, n=1):
+    """Reduces a value that every one of ``n`` replicas holds identically."""
+    value = jnp.asarray(value)
+    if op is ReduceOp.MEAN:
+        value = value.astype(collectives.mean_dtype(value.dtype))
+        return value if axes is None else jnp.mean(value, axis=axes)
+    total = value if axes is None else jnp.sum(value, axis=axes)
+    return total * n if n != 1 else total
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) < 60 else text[:57] + "..."

@@ -1,0 +1,298 @@
+"""Distributed values: one sharded `jax.Array` seen as one value per replica.
+
+* `PerReplica` wraps one array of shape ``(num_replicas, *per_replica_shape)`` sharded over the
+  replica axis, so replica ``i``'s value is the block device ``i`` already holds (no copy).
+  A padded partial batch also carries ``lengths``: how many leading rows of each replica's value
+  are real (see ``docs/design.md``).
+* `Mirrored` wraps one replicated array of the per-replica shape: every replica holds the same
+  value.
+
+Both are pytree nodes, so they pass through ``jax.jit``, ``jax.tree_util`` and ``lax.scan``. The
+lengths are static pytree metadata (a tuple of ints): a jitted function sees them as part of the
+value's structure, so it can never mix up real rows and padding.
+"""
+
+import jax
+import numpy as np
+
+from jdist._src import errors
+
+
+def _is_array(x):
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+class DistributedValues:
+    """Base class of values with one component per replica (``tf.distribute.DistributedValues``).
+
+    Not created directly: `Strategy.run`, `Strategy.experimental_distribute_values_from_function`
+    and distributed datasets create them.
+    """
+
+    __slots__ = ()
+    # Makes NumPy hand binary operators back to us, so `np_array + per_replica` raises our error.
+    __array_ufunc__ = None
+
+    @property
+    def values(self):
+        """The per-replica components, a tuple with one array per local replica, in order."""
+        return self._local_results()
+
+    def _local_results(self):
+        raise errors.UnsupportedValueError(f"{type(self).__name__} has no per-replica components.")
+
+    @property
+    def num_replicas(self):
+        """How many replicas this value has a component for."""
+        return len(self._local_results())
+
+
+class PerReplica(DistributedValues):
+    """A value that may differ between replicas (``tf.distribute.PerReplica``).
+
+    Held as one array ``stacked`` of shape ``(num_replicas, *per_replica_shape)``. Arithmetic on
+    it in the cross-replica context is an error, as in TF: combine it with ``strategy.reduce``
+    or ``strategy.gather``, or pass it to ``strategy.run``.
+
+    Args:
+      values: a sequence with one array per replica. Arrays that already sit on distinct
+        devices are assembled into one sharded array without copying; host arrays are stacked.
+
+    Example:
+      >>> import numpy as np, jdist
+      >>> v = jdist.PerReplica([np.float32(1.0), np.float32(2.0)])
+      >>> [float(x) for x in v.values]
+      [1.0, 2.0]
+    """
+
+    # `_view_valid_rows`: traced real-row counts of a merge_call view (see spmd.merge_call).
+    __slots__ = ("_stacked", "_lengths", "_view_valid_rows")
+
+    def __init__(self, values):
+        if isinstance(values, DistributedValues) or not isinstance(values, (tuple, list)):
+            raise errors.UnsupportedValueError(
+                "PerReplica(values) takes a tuple or list with one array per replica, got "
+                f"{type(values).__name__}.")
+        if not values:
+            raise errors.InvalidArgumentError("PerReplica needs at least one replica value.")
+        self._stacked = _stack(values)
+        self._lengths = None
+        self._view_valid_rows = None
+
+    @classmethod
+    def _from_stacked(cls, stacked, lengths=None):
+        """Wraps ``stacked`` (replica axis first) without copying; ``lengths`` marks real rows."""
+        self = object.__new__(cls)
+        self._stacked = stacked
+        self._lengths = None if lengths is None else tuple(int(n) for n in lengths)
+        self._view_valid_rows = None
+        return self
+
+    @property
+    def stacked(self):
+        """The array of shape ``(num_replicas, *per_replica_shape)`` holding every component."""
+        return self._stacked
+
+    @property
+    def lengths(self):
+        """Real rows of each replica's padded batch (a tuple of ints), or None if not padded."""
+        return self._lengths
+
+    @property
+    def num_replicas(self):
+        return self._stacked.shape[0]
+
+    def _local_results(self):
+        return tuple(_component(self._stacked, i, self._lengths) for i in range(self.num_replicas))
+
+    def __repr__(self):
+        lengths = "" if self._lengths is None else f", lengths={self._lengths}"
+        return (f"PerReplica(num_replicas={self.num_replicas}, "
+                f"shape={tuple(self._stacked.shape[1:])}, dtype={self._stacked.dtype}{lengths})")
+
+    def _raise_arithmetic(self, *_):
+        raise errors.CrossReplicaArithmeticError(
+            "Arithmetic on a PerReplica value is not allowed in the cross-replica context: each "
+            "replica holds a different value. Combine them with strategy.reduce(...) or "
+            "strategy.gather(...), or compute inside strategy.run(fn, args=(value,)).")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _raise_arithmetic
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _raise_arithmetic
+    __matmul__ = __rmatmul__ = __pow__ = __rpow__ = __mod__ = __rmod__ = _raise_arithmetic
+    __neg__ = __abs__ = __lt__ = __le__ = __gt__ = __ge__ = _raise_arithmetic
+    __array__ = __jax_array__ = __float__ = __int__ = __bool__ = _raise_arithmetic
+
+
+class Mirrored(DistributedValues):
+    """A value that is the same on every replica (``tf.distribute.Mirrored``).
+
+    Held as one replicated array of the per-replica shape. Since every replica agrees, it can be
+    used like an array in the cross-replica context: arithmetic, ``np.asarray`` and jax.numpy
+    functions see the common value.
+
+    Args:
+      values: a sequence with one (equal) array per replica, or a single array.
+
+    Example:
+      >>> import numpy as np, jdist
+      >>> m = jdist.Mirrored([np.float32(3.0), np.float32(3.0)])
+      >>> float(m + 1)
+      4.0
+    """
+
+    __slots__ = ("_value", "_num_replicas")
+
+    def __init__(self, values):
+        if isinstance(values, (tuple, list)):
+            if not values:
+                raise errors.InvalidArgumentError("Mirrored needs at least one replica value.")
+            first = np.asarray(values[0])
+            for v in values[1:]:
+                if not np.array_equal(np.asarray(v), first):
+                    raise errors.InvalidArgumentError(
+                        "Mirrored values must be equal on every replica; use PerReplica for "
+                        "values that differ.")
+            self._value, self._num_replicas = jax.numpy.asarray(values[0]), len(values)
+        else:
+            self._value, self._num_replicas = jax.numpy.asarray(values), 1
+
+    @classmethod
+    def _from_value(cls, value, num_replicas):
+        self = object.__new__(cls)
+        self._value = value
+        self._num_replicas = num_replicas
+        return self
+
+    @property
+    def value(self):
+        """The common value, an array replicated on every replica's device."""
+        return self._value
+
+    @property
+    def num_replicas(self):
+        return self._num_replicas
+
+    def _local_results(self):
+        value = self._value
+        shards = getattr(value, "addressable_shards", None)
+        if shards is not None and len(shards) == self._num_replicas:
+            # Each device already holds the whole value: hand out those copies, no transfer.
+            return tuple(shard.data for shard in shards)
+        return (value,) * self._num_replicas
+
+    def __repr__(self):
+        return (f"Mirrored(num_replicas={self._num_replicas}, shape={tuple(self._value.shape)}, "
+                f"dtype={self._value.dtype})")
+
+    def __jax_array__(self):
+        return self._value
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self._value, dtype=dtype)
+
+    def __float__(self):
+        return float(self._value)
+
+    def __int__(self):
+        return int(self._value)
+
+    def __bool__(self):
+        return bool(self._value)
+
+    def __getitem__(self, index):
+        return self._value[index]
+
+    @property
+    def shape(self):
+        return self._value.shape
+
+    @property
+    def dtype(self):
+        return self._value.dtype
+
+
+def _mirrored_binary(name):
+    def method(self, other):
+        if isinstance(other, Mirrored):
+            other = other._value
+        return getattr(self._value, name)(other)
+    method.__name__ = name
+    return method
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+              "__rtruediv__", "__floordiv__", "__rfloordiv__", "__pow__", "__rpow__", "__mod__",
+              "__rmod__", "__matmul__", "__rmatmul__", "__lt__", "__le__", "__gt__", "__ge__"):
+    setattr(Mirrored, _name, _mirrored_binary(_name))
+Mirrored.__neg__ = lambda self: -self._value
+Mirrored.__abs__ = lambda self: abs(self._value)
+
+
+def _stack(values):
+    """Stacks per-replica arrays into one array with the replica axis first."""
+    arrays = [v if isinstance(v, jax.Array) else np.asarray(v) for v in values]
+    shapes = {tuple(a.shape) for a in arrays}
+    if len(shapes) > 1:
+        raise errors.ShapeMismatchError(
+            f"PerReplica components must have one shape, got {sorted(shapes)}; use "
+            "strategy.experimental_distribute_values_from_function for uneven batches.")
+    devices = [next(iter(a.devices())) if isinstance(a, jax.Array) and a.committed
+               and len(a.devices()) == 1 else None for a in arrays]
+    if None not in devices and len(set(devices)) == len(devices):
+        mesh = jax.sharding.Mesh(np.array(devices), ("replica",))
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
+        return jax.make_array_from_single_device_arrays(
+            (len(arrays), *arrays[0].shape), sharding, [a[None] for a in arrays])
+    return np.stack([np.asarray(a) for a in arrays])
+
+
+def _component(stacked, index, lengths):
+    """Replica ``index``'s component of ``stacked``, read from its own device when sharded."""
+    shards = getattr(stacked, "addressable_shards", None)
+    if shards is not None and len(shards) == stacked.shape[0]:
+        block = shards[index].data  # Already on the replica's device: no gather.
+    else:
+        block = stacked[index:index + 1]
+    value = block[0]
+    if lengths is not None:
+        value = value[:lengths[index]]
+    return value
+
+
+def _flatten_per_replica(v):
+    return (v._stacked,), v._lengths
+
+
+def _unflatten_per_replica(lengths, children):
+    return PerReplica._from_stacked(children[0], lengths)
+
+
+def _flatten_mirrored(v):
+    return (v._value,), v._num_replicas
+
+
+def _unflatten_mirrored(num_replicas, children):
+    return Mirrored._from_value(children[0], num_replicas)
+
+
+jax.tree_util.register_pytree_node(PerReplica, _flatten_per_replica, _unflatten_per_replica)
+jax.tree_util.register_pytree_node(Mirrored, _flatten_mirrored, _unflatten_mirrored)
+
+
+def is_distributed(x):
+    """Whether ``x`` is a `DistributedValues` (used as ``is_leaf`` when flattening nests)."""
+    return isinstance(x, DistributedValues)
+
+
+def local_results(value):
+    """Returns the per-replica components of ``value`` as a tuple (see `Strategy`).
+
+    Args:
+      value: a `DistributedValues`, or any other value (a one-replica value).
+
+    Returns:
+      A tuple with one component per local replica; a plain value gives a 1-tuple.
+    """
+    if isinstance(value, DistributedValues):
+        return value._local_results()
+    return (value,)

@@ -1,0 +1,23 @@
+"""Errors raised by jdist; see :mod:`jdist._src.errors`."""
+
+from jdist._src.errors import CrossReplicaArithmeticError
+from jdist._src.errors import InvalidArgumentError
+from jdist._src.errors import JdistError
+from jdist._src.errors import MixedStrategyError
+from jdist._src.errors import OutOfRangeError
+from jdist._src.errors import ShapeMismatchError
+from jdist._src.errors import UnknownDeviceError
+from jdist._src.errors import UnsupportedValueError
+from jdist._src.errors import WrongContextError
+
+__all__ = (
+    "CrossReplicaArithmeticError",
+    "InvalidArgumentError",
+    "JdistError",
+    "MixedStrategyError",
+    "OutOfRangeError",
+    "ShapeMismatchError",
+    "UnknownDeviceError",
+    "UnsupportedValueError",
+    "WrongContextError",
+)
