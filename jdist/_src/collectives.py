@@ -115,6 +115,8 @@ def replica_all_reduce(axis_name, op, value):
     """All-reduces every leaf of ``value`` over ``axis_name`` inside a replica function."""
     def reduce_leaf(x):
         x = jnp.asarray(x)
+        if x.size == 0:  # XLA rejects zero-size collectives; the reduction of nothing is empty.
+            return x.astype(mean_dtype(x.dtype)) if op is ReduceOp.MEAN else x
         if op is ReduceOp.MEAN:
             return lax.pmean(x.astype(mean_dtype(x.dtype)), axis_name)
         return lax.psum(x, axis_name)
@@ -133,6 +135,10 @@ def replica_all_gather(axis_name, value, axis, valid_rows=None, padded_rows=None
             raise errors.InvalidArgumentError(
                 "all_gather needs values of rank >= 1; wrap scalars with x[None] first.")
         a = normalize_axis(axis, x.ndim)[0]
+        if x.size == 0:  # XLA rejects zero-size collectives; the gathered value is empty too.
+            shape = list(x.shape)
+            shape[a] *= lax.axis_size(axis_name)
+            return jnp.zeros(shape, x.dtype)
         gathered = lax.all_gather(x, axis_name, axis=a, tiled=True)
         if valid_rows is None or a != 0 or x.shape[0] != padded_rows:
             return gathered
@@ -144,20 +150,6 @@ def replica_all_gather(axis_name, value, axis, valid_rows=None, padded_rows=None
         keep = (row < jnp.sum(counts)).reshape((-1,) + (1,) * (x.ndim - 1))
         return jnp.where(keep, compact, jnp.zeros((), compact.dtype))
     return jax.tree_util.tree_map(gather_leaf, value)
-
-
-def invariant_stack(axis_name, num_replicas, x):
-    """Every replica's ``x`` stacked along a new leading axis, typed as equal on all replicas.
-
-    ``lax.all_gather``'s output is typed per-replica in jax 0.10, so a merge result built from it
-    could not leave ``run`` as Mirrored; a ``psum`` of one-hot placements is typed invariant.
-    """
-    x = jnp.asarray(x)
-    wide = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
-    buf = jnp.zeros((num_replicas,) + x.shape, wide.dtype)
-    buf = buf.at[lax.axis_index(axis_name)].set(wide)
-    out = lax.psum(buf, axis_name)
-    return out.astype(x.dtype)
 
 
 class ReplicaPrograms:
@@ -210,6 +202,10 @@ class ReplicaPrograms:
             if common is not None:
                 stacked = self._slice_rows(stacked, common)
             lengths = None
+        if stacked.size == 0:  # XLA rejects zero-size collectives; there is nothing to move.
+            valid = None if lengths is None else jnp.asarray(lengths)
+            return self.place_replicated(stacked_reduce(op, jnp.zeros(stacked.shape, stacked.dtype),
+                                                        axes, valid))
         program = self._reduce_program(op, axes, lengths is not None)
         args = (stacked,) if lengths is None else (stacked, self.lengths_array(lengths))
         return self._guard.dispatch(program, *args)
@@ -222,6 +218,10 @@ class ReplicaPrograms:
             if common is not None:
                 stacked = self._slice_rows(stacked, common)
             lengths = None
+        if stacked.size == 0:  # XLA rejects zero-size collectives; the result is empty too.
+            shape = list(stacked.shape[1:])
+            shape[axis] *= stacked.shape[0] if lengths is None else 0
+            return self.place_replicated(jnp.zeros(shape, stacked.dtype))
         gathered = self._guard.dispatch(self._gather_program(axis), stacked)
         if lengths is None:
             return gathered

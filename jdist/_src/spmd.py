@@ -8,11 +8,14 @@ every value as replicated (so it cannot tell Mirrored from PerReplica outputs), 
 local devices only when traced inside ``jit`` in a multi-process job. In jax 0.10 ``pmap`` is
 ``jit(shard_map(check_vma=False))`` anyway.
 
-Outputs are classified by shard_map's varying-axes typing: a value that does not vary over the
-replica axis (an all-reduce result, a constant) leaves as `Mirrored` with ``out_specs=P()``;
-anything else as `PerReplica` with ``P(axis)``. The classification needs one abstract trace
-before the program is built, so ``fn`` is traced twice when a new signature is first seen.
-Programs are cached per (fn, argument structure, shapes, dtypes, static leaves).
+The program is built with ``check_vma=False``, as ``pmap`` builds it, because that gives TF's
+per-replica gradient semantics (`jdist._src.invariance` explains the alternative's silent
+factor of ``num_replicas``). ``fn`` is traced once into a jaxpr; a dataflow analysis of it
+(`invariance.same_outputs`) finds the outputs that are provably equal on every replica (an
+all-reduce result, an update of mirrored parameters by it): those leave as `Mirrored` with
+``out_specs=P()``, the rest as `PerReplica` with ``P(axis)``; the traced body is then compiled
+with those specs (``fn`` is not traced again). Programs are cached per (fn, argument structure,
+shapes, dtypes, static leaves).
 """
 
 import dataclasses
@@ -23,11 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core
 from jax.sharding import PartitionSpec as P
 
-from jdist._src import collectives
 from jdist._src import context
 from jdist._src import errors
+from jdist._src import invariance
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
@@ -56,7 +60,7 @@ class ReplicatedRunner:
     """
 
     def __init__(self, strategy, programs, mesh, axis_name, guard):
-        self._strategy = weakref.proxy(strategy)
+        self._strategy = strategy
         self._programs = programs
         self._mesh = mesh
         self._axis = axis_name
@@ -149,7 +153,7 @@ class ReplicatedRunner:
         axis, n = self._axis, self._n
         record = {}
 
-        def body(*arrays, final_varying=None):
+        def body(*arrays):
             arrays = list(arrays)
             valid = arrays.pop()[0] if has_lengths else None
             it = iter(arrays)
@@ -169,41 +173,53 @@ class ReplicatedRunner:
                     out = fn(*args, **kwargs)
             finally:
                 binding.active = False
-            out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_distributed)
+            out_leaves, record["tree"] = jax.tree_util.tree_flatten(out, is_leaf=is_distributed)
             out_leaves = [_as_output_array(x) for x in out_leaves]
-            varying = tuple(_is_varying(x, axis) for x in out_leaves)
-            record["tree"], record["varying"] = out_tree, varying
             record["shapes"] = tuple(x.shape for x in out_leaves)
-            if final_varying is None:  # The classifying trace: every output leaves stacked.
-                return [x[None] for x in out_leaves]
-            return [x[None] if v else x for x, v in zip(out_leaves, final_varying)]
+            return [x[None] for x in out_leaves]
 
         in_specs = [P(axis) if k == _PER_REPLICA else P() for k in kinds if k != _STATIC]
         if has_lengths:
             in_specs.append(P(axis))
-        in_specs = tuple(in_specs)
-
-        def build(out_specs, **body_kwargs):
-            mapped = jax.shard_map(lambda *a: body(*a, **body_kwargs), mesh=self._mesh,
-                                   in_specs=in_specs, out_specs=out_specs, check_vma=n > 1)
-            return jax.jit(mapped)
-
         abstract = [_abstract(leaf, kind) for leaf, kind in zip(leaves, kinds)
                     if kind != _STATIC]
         if has_lengths:
             abstract.append(jax.ShapeDtypeStruct((n,), jnp.int32))
-        if n > 1:
-            jax.eval_shape(build(P(axis)), *abstract)
-            varying = record["varying"]
-        else:  # One device: without vma checking nothing varies; outputs leave as they are.
-            jax.eval_shape(build(P()), *abstract)
-            varying = tuple(False for _ in record["varying"])
-        out_specs = [P(axis) if v else P() for v in varying]
-        jitted = build(out_specs, final_varying=varying)
+
+        # Trace fn once (check_vma=False: TF's per-replica semantics, see invariance.py), find
+        # which outputs are equal on every replica, then compile the traced body with those
+        # outputs leaving unstacked (P()) and the rest stacked (P(axis)).
+        traced = jax.make_jaxpr(jax.shard_map(body, mesh=self._mesh, in_specs=tuple(in_specs),
+                                              out_specs=P(axis), check_vma=False))(*abstract)
+        (eqn,) = traced.jaxpr.eqns
+        inner = eqn.params["jaxpr"]
+        replicated_in = [all(a is None for a in spec) for spec in eqn.params["in_specs"]]
+        if n == 1:
+            same = [True] * len(inner.outvars)
+        else:
+            same = invariance.same_outputs(inner, replicated_in)
+        run_body = core.jaxpr_as_fun(core.ClosedJaxpr(inner, ()))
+
+        def final_body(*block_args):
+            outs = run_body(*block_args)
+            return tuple(o[0] if s else o for o, s in zip(outs, same))
+
+        mapped = jax.shard_map(final_body, mesh=self._mesh, in_specs=eqn.params["in_specs"],
+                               out_specs=tuple(P() if s else P(axis) for s in same),
+                               check_vma=False)
+        env_consts = dict(zip(traced.jaxpr.constvars, traced.consts))
+
+        def program(*dynamic):
+            env = dict(zip(traced.jaxpr.invars, dynamic))
+            env.update(env_consts)
+            return mapped(*[v.val if isinstance(v, core.Literal) else env[v]
+                            for v in eqn.invars])
+
+        varying = tuple(not s for s in same)
         inherits = tuple(
             has_lengths and (v or n == 1) and len(shape) >= 1 and shape[0] == padded
             for v, shape in zip(varying, record["shapes"]))
-        return _Program(jitted, record["tree"], varying, inherits)
+        return _Program(jax.jit(program), record["tree"], varying, inherits)
 
     def _wrap_outputs(self, program, outputs, lengths):
         wrapped = []
@@ -221,22 +237,19 @@ class ReplicatedRunner:
 
     # ------------------------------------------------------------------ replica context
     def merge_call(self, binding, merge_fn, args, kwargs):
-        axis, n = self._axis, self._n
+        axis = self._axis
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
         views = []
         for leaf in leaves:
-            if isinstance(leaf, DistributedValues) or not _is_traceable(leaf):
-                views.append(leaf)
-            elif _is_varying(jnp.asarray(leaf), axis):
-                stacked = collectives.invariant_stack(axis, n, leaf)
-                view = PerReplica._from_stacked(stacked)
-                if (binding.valid_rows is not None and stacked.ndim >= 2
-                        and stacked.shape[1] == binding.padded_rows):
-                    view._view_valid_rows = collectives.invariant_stack(
-                        axis, n, binding.valid_rows)
-                views.append(view)
-            else:
-                views.append(Mirrored._from_value(jnp.asarray(leaf), n))
+            if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or self._n == 1:
+                views.append(leaf)  # Python objects pass as they are; so does one replica's value.
+                continue
+            # Every replica gets every replica's value: merge_fn runs SPMD on the same inputs.
+            view = PerReplica._from_stacked(lax.all_gather(jnp.asarray(leaf), axis))
+            if (binding.valid_rows is not None and view.stacked.ndim >= 2
+                    and view.stacked.shape[1] == binding.padded_rows):
+                view._view_valid_rows = lax.all_gather(binding.valid_rows, axis)
+            views.append(view)
         m_args, m_kwargs = jax.tree_util.tree_unflatten(tree, views)
         with context.cross_replica_scope(self._strategy, in_merge=True):
             result = merge_fn(self._strategy, *m_args, **m_kwargs)
@@ -277,6 +290,3 @@ def _as_output_array(x):
             "arrays (or Python numbers).")
     return jnp.asarray(x)
 
-
-def _is_varying(x, axis):
-    return axis in jax.typeof(x).manual_axis_type.varying

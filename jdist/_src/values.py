@@ -174,7 +174,8 @@ class Mirrored(DistributedValues):
 
     def _local_results(self):
         value = self._value
-        shards = getattr(value, "addressable_shards", None)
+        shards = None if isinstance(value, jax.core.Tracer) else getattr(
+            value, "addressable_shards", None)
         if shards is not None and len(shards) == self._num_replicas:
             # Each device already holds the whole value: hand out those copies, no transfer.
             return tuple(shard.data for shard in shards)
@@ -230,6 +231,8 @@ Mirrored.__abs__ = lambda self: abs(self._value)
 
 def _stack(values):
     """Stacks per-replica arrays into one array with the replica axis first."""
+    if any(isinstance(v, jax.core.Tracer) for v in values):
+        return jax.numpy.stack(values)  # Built inside a traced function (e.g. a merge_fn).
     arrays = [v if isinstance(v, jax.Array) else np.asarray(v) for v in values]
     shapes = {tuple(a.shape) for a in arrays}
     if len(shapes) > 1:
@@ -248,7 +251,8 @@ def _stack(values):
 
 def _component(stacked, index, lengths):
     """Replica ``index``'s component of ``stacked``, read from its own device when sharded."""
-    shards = getattr(stacked, "addressable_shards", None)
+    shards = None if isinstance(stacked, jax.core.Tracer) else getattr(
+        stacked, "addressable_shards", None)
     if shards is not None and len(shards) == stacked.shape[0]:
         block = shards[index].data  # Already on the replica's device: no gather.
     else:

@@ -1,0 +1,113 @@
+"""Which outputs of a replica function are provably equal on every replica.
+
+``strategy.run`` returns `Mirrored` for those and `PerReplica` for the rest. The answer comes
+from a dataflow analysis of the traced program (the body of the ``shard_map``), not from
+shard_map's own varying-axes types, because jdist compiles with ``check_vma=False``: under
+``check_vma=True`` a replicated input is one shared value, so ``jax.grad`` with respect to it
+already sums the replicas' gradients and a ported ``all_reduce("mean", grads)`` would return
+the sum -- a silent factor of ``num_replicas``. With ``check_vma=False`` (what ``pmap`` uses)
+every replica differentiates its own copy, as in TF. See ``docs/design.md``.
+
+The rule: a value is *same* when it is computed only from replicated inputs, constants and the
+results of collectives that give every replica the same result (``psum``, ``pmax``,
+``all_gather``...); ``axis_index``, per-replica inputs, permutations and host callbacks make it
+*differ*. Control flow is followed into its sub-programs (loop carries to a fixpoint); a
+primitive with sub-programs that the analysis does not know is treated as *differ*, so the
+answer errs towards `PerReplica`, never towards a wrong `Mirrored`.
+"""
+
+from jax.extend import core
+
+# Collectives whose result is the same on every replica of the axis.
+_SAME_COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin", "pmean", "all_gather",
+                               "all_gather_invariant", "pbroadcast", "axis_size"})
+# Primitives whose result can differ between replicas whatever their inputs.
+_DIFFERING = frozenset({"axis_index", "ppermute", "all_to_all", "psum_scatter", "reduce_scatter",
+                        "pgather", "pure_callback", "io_callback", "debug_callback", "shard_map"})
+# Call-like primitives: their sub-program takes the operands one to one.
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def same_outputs(jaxpr, inputs_same):
+    """Returns, per output of ``jaxpr``, whether it is equal on every replica.
+
+    Args:
+      jaxpr: a ``jax.extend.core.Jaxpr`` (the per-replica body of the program).
+      inputs_same: per input of ``jaxpr``, whether it is equal on every replica.
+
+    Returns:
+      A list of bools, one per output.
+    """
+    env = {v: True for v in jaxpr.constvars}
+    env.update(zip(jaxpr.invars, inputs_same))
+
+    def read(v):
+        return True if isinstance(v, core.Literal) else env.get(v, True)
+
+    for eqn in jaxpr.eqns:
+        outs = _eqn_same(eqn, [read(v) for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _inner(closed_or_open):
+    return getattr(closed_or_open, "jaxpr", closed_or_open)
+
+
+def _eqn_same(eqn, ins):
+    name = eqn.primitive.name
+    n_out = len(eqn.outvars)
+    if name in _SAME_COLLECTIVES:
+        return [True] * n_out
+    if name in _DIFFERING:
+        return [False] * n_out
+    if name == "scan":
+        return _scan_same(eqn, ins)
+    if name == "while":
+        return _while_same(eqn, ins)
+    if name == "cond":
+        return _cond_same(eqn, ins)
+    for key in _CALL_PARAMS:
+        sub = eqn.params.get(key)
+        if isinstance(sub, (core.Jaxpr, core.ClosedJaxpr)):
+            inner = _inner(sub)
+            if len(inner.invars) == len(ins):
+                return same_outputs(inner, ins)
+    if any(isinstance(p, (core.Jaxpr, core.ClosedJaxpr)) or (
+            isinstance(p, tuple) and p and isinstance(p[0], (core.Jaxpr, core.ClosedJaxpr)))
+           for p in eqn.params.values()):
+        return [False] * n_out  # A sub-program we do not know how to follow: assume it differs.
+    return [all(ins)] * n_out
+
+
+def _scan_same(eqn, ins):
+    body = _inner(eqn.params["jaxpr"])
+    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+    while True:
+        outs = same_outputs(body, consts + carry + xs)
+        new_carry = [c and o for c, o in zip(carry, outs[:n_carry])]
+        if new_carry == carry:
+            return carry + outs[n_carry:]
+        carry = new_carry
+
+
+def _while_same(eqn, ins):
+    cond, body = _inner(eqn.params["cond_jaxpr"]), _inner(eqn.params["body_jaxpr"])
+    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    cond_consts, body_consts, carry = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
+    while True:
+        outs = same_outputs(body, body_consts + carry)
+        new_carry = [c and o for c, o in zip(carry, outs)]
+        if new_carry == carry:
+            break
+        carry = new_carry
+    if not all(same_outputs(cond, cond_consts + carry)):
+        return [False] * len(carry)  # Replicas may run different numbers of iterations.
+    return carry
+
+
+def _cond_same(eqn, ins):
+    index_same, operands = ins[0], ins[1:]
+    branch_outs = [same_outputs(_inner(b), operands) for b in eqn.params["branches"]]
+    return [index_same and all(outs) for outs in zip(*branch_outs)]

@@ -1,0 +1,45 @@
+"""Helpers that keep multi-device tests short (in the spirit of ``chex``).
+
+Example:
+  >>> import numpy as np, jdist, jdist.testing
+  >>> s = jdist.MirroredStrategy(jax.devices()[:2])
+  >>> v = jdist.testing.per_replica(s, [np.array([1.0, 2.0]), np.array([3.0])])
+  >>> jdist.testing.assert_local_results(s, v, [[1.0, 2.0], [3.0]])
+"""
+
+import jax
+import numpy as np
+
+
+def per_replica(strategy, components):
+    """A `PerReplica` with one given component per replica (uneven leading sizes allowed).
+
+    Args:
+      strategy: the strategy whose replicas get the components.
+      components: a list with one array (or nest) per replica.
+
+    Returns:
+      The distributed value, as `Strategy.experimental_distribute_values_from_function` builds it.
+    """
+    if len(components) != strategy.num_replicas_in_sync:
+        raise ValueError(f"expected {strategy.num_replicas_in_sync} components, got "
+                         f"{len(components)}.")
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: components[ctx.replica_id_in_sync_group])
+
+
+def assert_local_results(strategy, value, expected, rtol=1e-6, atol=1e-6):
+    """Asserts that each replica's component of ``value`` equals ``expected[i]`` (NumPy close).
+
+    Args:
+      strategy: the strategy that holds ``value``.
+      value: a distributed value (or a plain value on one replica).
+      expected: a list with one expected array (or nest) per replica.
+    """
+    results = strategy.experimental_local_results(value)
+    assert len(results) == len(expected), (len(results), len(expected))
+    for i, (got, want) in enumerate(zip(results, expected)):
+        jax.tree_util.tree_map(
+            lambda g, w: np.testing.assert_allclose(
+                np.asarray(g), np.asarray(w), rtol=rtol, atol=atol,
+                err_msg=f"replica {i}"), got, want)

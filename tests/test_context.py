@@ -1,0 +1,140 @@
+"""SEMANTICS.md, Contexts: which strategy is current and which context code runs in."""
+
+import jax.numpy as jnp
+import pytest
+
+import jdist
+from jdist import errors
+from tests.conftest import mirrored
+
+
+def test_no_strategy_gives_the_default_one_replica_strategy():
+    s = jdist.get_strategy()
+    assert s.num_replicas_in_sync == 1
+    assert not jdist.has_strategy()
+    assert not jdist.in_cross_replica_context()
+    ctx = jdist.get_replica_context()
+    assert (ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group) == (1, 0)
+    assert ctx.strategy is s
+
+
+def test_default_strategy_run_just_calls_fn():
+    calls = []
+    out = jdist.get_strategy().run(lambda x: calls.append(x) or x + 1, args=(1,))
+    assert out == 2 and calls == [1]
+
+
+def test_default_replica_context_all_reduce_is_identity():
+    ctx = jdist.get_replica_context()
+    assert float(ctx.all_reduce("sum", 3.0)) == 3.0
+    assert float(ctx.all_reduce(jdist.ReduceOp.MEAN, jnp.int32(3))) == 3.0
+
+
+def test_default_merge_call_runs_merge_fn_in_cross_replica_context():
+    def merge_fn(strategy, x, y=0):
+        assert jdist.in_cross_replica_context()
+        assert jdist.get_replica_context() is None
+        return x + y
+    assert jdist.get_replica_context().merge_call(merge_fn, args=(2,), kwargs={"y": 3}) == 5
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_scope_is_cross_replica_context(n):
+    s = mirrored(n)
+    with s.scope():
+        assert jdist.get_strategy() is s
+        assert jdist.get_replica_context() is None
+        assert jdist.in_cross_replica_context()
+        assert jdist.has_strategy()
+        with s.scope():  # Re-entering the same scope is fine.
+            assert jdist.get_strategy() is s
+    assert not jdist.has_strategy()
+
+
+def test_entering_another_strategys_scope_raises():
+    with mirrored(2).scope():
+        with pytest.raises(RuntimeError, match="Mixing different"):
+            with mirrored(4).scope():
+                pass
+        with pytest.raises(errors.MixedStrategyError):
+            with mirrored(4).scope():
+                pass
+
+
+def test_experimental_set_strategy_sets_and_resets_globally():
+    s = mirrored(2)
+    jdist.experimental_set_strategy(s)
+    assert jdist.get_strategy() is s and jdist.in_cross_replica_context()
+    jdist.experimental_set_strategy(None)
+    assert not jdist.has_strategy()
+
+
+def test_experimental_set_strategy_inside_a_scope_raises():
+    with mirrored(2).scope():
+        with pytest.raises(RuntimeError, match="inside a `strategy.scope"):
+            jdist.experimental_set_strategy(mirrored(2))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_inside_run_is_replica_context(n):
+    s = mirrored(n)
+    seen = {}
+
+    def fn():
+        ctx = jdist.get_replica_context()
+        seen.update(ctx=ctx, strategy=jdist.get_strategy(), cross=jdist.in_cross_replica_context(),
+                    n=ctx.num_replicas_in_sync)
+        return ctx.replica_id_in_sync_group
+    out = s.run(fn)
+    assert seen["strategy"] is s and seen["ctx"].strategy is s
+    assert not seen["cross"] and seen["n"] == n
+    assert [int(x) for x in s.experimental_local_results(out)] == list(range(n))
+
+
+@pytest.mark.parametrize("call", ["reduce", "gather", "reduce_to", "run"])
+def test_cross_replica_calls_inside_run_raise_with_pointer(call):
+    s = mirrored(2)
+    v = s.run(lambda: jdist.get_replica_context().replica_id_in_sync_group)
+    calls = {
+        "reduce": (lambda: s.reduce("sum", v, axis=None), "merge_call"),
+        "gather": (lambda: s.gather(v, axis=0), "all_gather"),
+        "reduce_to": (lambda: s.extended.reduce_to("sum", v, v), "merge_call"),
+        "run": (lambda: s.run(lambda: 1.0), "merge_call"),
+    }
+    body, pointer = calls[call]
+
+    def fn():
+        body()
+        return 0.0
+    with pytest.raises(RuntimeError, match=pointer):
+        s.run(fn)
+
+
+def test_replica_context_used_after_its_run_raises():
+    s = mirrored(2)
+    kept = []
+    s.run(lambda: kept.append(jdist.get_replica_context()) or 0.0)
+    with pytest.raises(RuntimeError, match="after its strategy.run returned"):
+        kept[0].all_reduce("sum", 1.0)
+    with pytest.raises(errors.WrongContextError):
+        kept[0].merge_call(lambda s: 0)
+
+
+def test_replica_context_as_context_manager():
+    s = mirrored(1)
+    with jdist.ReplicaContext(s, 0) as ctx:
+        assert jdist.get_replica_context() is ctx
+        assert jdist.get_strategy() is s
+        assert not jdist.in_cross_replica_context()
+    assert jdist.get_replica_context().strategy is jdist.get_strategy()
+
+
+def test_scope_inside_replica_function_raises():
+    s = mirrored(2)
+
+    def fn():
+        with s.scope():
+            pass
+        return 0.0
+    with pytest.raises(errors.WrongContextError, match="merge_call"):
+        s.run(fn)

@@ -1,0 +1,86 @@
+"""SEMANTICS.md, gather(value, axis): concatenation of the replicas' real values."""
+
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdist
+from jdist import errors
+from jdist.testing import per_replica
+from tests.conftest import REPLICA_COUNTS, mirrored
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_gather_concatenates_along_axis(n, axis):
+    s = mirrored(n)
+    comps = [np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * i for i in range(n)]
+    got = s.gather(per_replica(s, comps) if n > 1 else comps[0], axis=axis)
+    np.testing.assert_array_equal(got, np.concatenate(comps, axis=axis) if n > 1 else comps[0])
+
+
+def test_gather_uneven_sizes_returns_the_real_rows():
+    s = mirrored(3)
+    comps = [np.full((1, 2), 0.), np.full((2, 2), 1.), np.full((3, 2), 2.)]
+    got = s.gather(per_replica(s, comps), axis=0)
+    assert got.shape == (6, 2)
+    np.testing.assert_array_equal(got, np.concatenate(comps))
+
+
+def test_gather_with_empty_replica():
+    s = mirrored(4)
+    comps = [np.array([1., 2.]), np.array([]), np.array([3.]), np.array([])]
+    np.testing.assert_array_equal(s.gather(per_replica(s, comps), axis=0), [1., 2., 3.])
+
+
+def test_gather_uneven_along_another_axis_is_an_error():
+    s = mirrored(2)
+    v = per_replica(s, [np.ones((1, 2)), np.ones((2, 2))])
+    with pytest.raises(errors.ShapeMismatchError):
+        s.gather(v, axis=1)
+
+
+def test_gather_of_scalars_is_an_error():
+    s = mirrored(2)
+    v = s.run(lambda: jdist.get_replica_context().replica_id_in_sync_group)
+    with pytest.raises(ValueError, match="rank >= 1"):
+        s.gather(v, axis=0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_gather_of_plain_tensor_comes_back_unchanged(n):
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(mirrored(n).gather(x, axis=0), x)
+
+
+def test_gather_of_mirrored_repeats_the_value():
+    s = mirrored(3)
+    m = s.run(lambda: jdist.get_replica_context().all_reduce("sum", jnp.ones((1, 2))))
+    np.testing.assert_array_equal(s.gather(m, axis=0), np.full((3, 2), 3.0))
+
+
+def test_gather_axis_out_of_range():
+    s = mirrored(2)
+    with pytest.raises(ValueError, match="out of range"):
+        s.gather(per_replica(s, [np.ones((2,))] * 2), axis=1)
+
+
+def test_gather_nest():
+    s = mirrored(2)
+    out = s.run(lambda: {"a": jnp.ones(2) * jdist.get_replica_context().replica_id_in_sync_group})
+    np.testing.assert_array_equal(s.gather(out, axis=0)["a"], [0., 0., 1., 1.])
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(n=st.sampled_from(REPLICA_COUNTS), data=st.data(),
+                  inner=hnp.array_shapes(min_dims=0, max_dims=2, max_side=3))
+def test_property_gather_axis0_equals_numpy_concatenate(n, data, inner):
+    s = mirrored(n)
+    lengths = data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    comps = [np.arange(ln * int(np.prod(inner)), dtype=np.float32).reshape((ln,) + inner) + 100 * i
+             for i, ln in enumerate(lengths)]
+    v = per_replica(s, comps) if n > 1 else comps[0]
+    np.testing.assert_array_equal(s.gather(v, axis=0), np.concatenate(comps, axis=0))

@@ -1,0 +1,195 @@
+"""SEMANTICS.md, reduce(op, value, axis): every rule against a NumPy reference."""
+
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdist
+from jdist import errors
+from jdist.testing import per_replica
+from tests.conftest import REPLICA_COUNTS, mirrored
+
+SETTINGS = hypothesis.settings(max_examples=30, deadline=None,
+                               suppress_health_check=[hypothesis.HealthCheck.too_slow])
+
+
+def numpy_reduce(op, components, axis):
+    """TF's rule computed from the unpadded components: reduce within, then across replicas."""
+    if axis is None:
+        total = np.sum(np.stack(components), axis=0)
+        return total / len(components) if op == "mean" else total
+    axes = tuple(np.atleast_1d(axis) % components[0].ndim)
+    total = sum(np.sum(c.astype(np.float64), axis=axes) for c in components)
+    count = sum(np.prod([c.shape[a] for a in axes]) for c in components)
+    return total / count if op == "mean" else total
+
+
+@pytest.mark.parametrize("op", ["sum", "SUM", "Sum", "mean", "MEAN", "Mean",
+                                jdist.ReduceOp.SUM, jdist.ReduceOp.MEAN])
+def test_ops_accept_enum_and_names_in_any_case(op):
+    s = mirrored(2)
+    v = per_replica(s, [np.float32(1.0), np.float32(3.0)])
+    expected = 4.0 if str(getattr(op, "value", op)).lower() == "sum" else 2.0
+    assert float(s.reduce(op, v, axis=None)) == expected
+
+
+@pytest.mark.parametrize("op", ["MAX", "prod", 3, None])
+def test_unknown_op_is_value_error(op):
+    s = mirrored(2)
+    v = per_replica(s, [np.float32(1.0), np.float32(3.0)])
+    with pytest.raises(ValueError, match="is not a valid ReduceOp"):
+        s.reduce(op, v)
+    with pytest.raises(errors.InvalidArgumentError):
+        s.reduce(op, v)
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_axis_none_is_elementwise_across_replicas(n, op):
+    s = mirrored(n)
+    comps = [np.arange(6, dtype=np.float32).reshape(2, 3) * (i + 1) for i in range(n)]
+    got = s.reduce(op, per_replica(s, comps) if n > 1 else comps[0], axis=None)
+    np.testing.assert_allclose(got, numpy_reduce(op, comps, None) if n > 1 else comps[0],
+                               rtol=1e-6)
+
+
+def test_axis_none_on_run_output_nest():
+    s = mirrored(4)
+    out = s.run(lambda: {"a": jdist.get_replica_context().replica_id_in_sync_group,
+                         "b": [jnp.ones(2) * jdist.get_replica_context().replica_id_in_sync_group]})
+    got = s.reduce("sum", out, axis=None)
+    assert int(got["a"]) == 6
+    np.testing.assert_allclose(got["b"][0], [6.0, 6.0])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_axis_none_with_different_shapes_raises(n):
+    s = mirrored(n)
+    v = per_replica(s, [np.ones(2)] + [np.ones(1)] * (n - 1))
+    with pytest.raises(errors.ShapeMismatchError, match="axis=0"):
+        s.reduce("sum", v, axis=None)
+
+
+@pytest.mark.parametrize("components, expected", [
+    ([[5., 6.], [7.]], 6.0),              # Not 6.25: the denominator is 3 elements.
+    ([[0.], [1., 1.]], 2 / 3),
+    ([[5., 6.], [7.], []], 6.0),          # An empty replica contributes nothing.
+    ([[], [2.], [], [4.]], 3.0),
+])
+def test_mean_with_axis_divides_by_total_elements(components, expected):
+    s = mirrored(len(components))
+    v = per_replica(s, [np.asarray(c, np.float32) for c in components])
+    assert float(s.reduce("mean", v, axis=0)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("axis", [0, 1, -1, (0, 1), (0, -1)])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_axis_reduces_within_then_across(n, axis, op):
+    s = mirrored(n)
+    rng = np.random.default_rng(n)
+    comps = [rng.normal(size=(4, 3)).astype(np.float32) for _ in range(n)]
+    got = s.reduce(op, per_replica(s, comps) if n > 1 else comps[0], axis=axis)
+    np.testing.assert_allclose(got, numpy_reduce(op, comps, axis), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis", [2, -3, (0, 5)])
+def test_axis_out_of_range_is_value_error(axis):
+    s = mirrored(2)
+    v = per_replica(s, [np.ones((2, 2))] * 2)
+    with pytest.raises(ValueError, match="out of range"):
+        s.reduce("sum", v, axis=axis)
+
+
+def test_nest_with_axis_is_type_error():
+    s = mirrored(2)
+    v = per_replica(s, [np.ones(2)] * 2)
+    with pytest.raises(TypeError, match="nest"):
+        s.reduce("sum", {"a": v}, axis=0)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_plain_value_on_several_replicas(n):
+    s = mirrored(n)
+    with pytest.raises(ValueError, match="cannot be reduced with .*SUM"):
+        s.reduce("sum", jnp.ones(3), axis=None)
+    np.testing.assert_array_equal(s.reduce("mean", jnp.arange(3.0), axis=None), [0., 1., 2.])
+
+
+@pytest.mark.parametrize("strategy_fn", [lambda: mirrored(1), lambda: jdist.get_strategy(),
+                                         lambda: jdist.OneDeviceStrategy("cpu:0")])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_plain_value_on_one_replica_comes_back(strategy_fn, op):
+    np.testing.assert_array_equal(strategy_fn().reduce(op, jnp.arange(3.0)), [0., 1., 2.])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_mirrored_value_is_one_value_per_replica(n):
+    s = mirrored(n)
+    m = s.run(lambda: jdist.get_replica_context().all_reduce("sum", jnp.ones(2)))
+    assert isinstance(m, jdist.Mirrored)
+    np.testing.assert_allclose(s.reduce("sum", m, axis=None), [n * n] * 2)
+    np.testing.assert_allclose(s.reduce("mean", m, axis=None), [n] * 2)
+    np.testing.assert_allclose(s.reduce("mean", m, axis=0), n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_integer_mean_returns_default_float(n):
+    s = mirrored(n)
+    comps = [np.array([1, 2], np.int32)] * (n - 1) + [np.array([2, 4], np.int32)]
+    v = per_replica(s, comps) if n > 1 else comps[0]
+    got = s.reduce("mean", v, axis=0)
+    assert got.dtype == jnp.float32
+    assert float(got) == pytest.approx(np.mean(np.concatenate(comps)))
+    if n > 1:
+        assert s.reduce("sum", v, axis=0).dtype == jnp.int32
+
+
+def test_per_replica_of_another_strategy_is_rejected():
+    v = per_replica(mirrored(2), [np.ones(1)] * 2)
+    with pytest.raises(errors.InvalidArgumentError, match="replicas"):
+        mirrored(4).reduce("sum", v)
+
+
+def test_reduce_result_is_replicated_array():
+    s = mirrored(4)
+    got = s.reduce("sum", per_replica(s, [np.ones(2)] * 4))
+    assert isinstance(got, jax.Array) and got.sharding.is_fully_replicated
+
+
+@st.composite
+def uneven_case(draw):
+    n = draw(st.sampled_from(REPLICA_COUNTS))
+    inner = draw(hnp.array_shapes(min_dims=0, max_dims=2, min_side=1, max_side=3))
+    lengths = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n).filter(
+        lambda ls: sum(ls) > 0))
+    elements = st.floats(-100, 100, allow_nan=False, width=32)
+    comps = [draw(hnp.arrays(np.float32, (ln,) + inner, elements=elements)) for ln in lengths]
+    return n, comps
+
+
+@SETTINGS
+@hypothesis.given(case=uneven_case(), op=st.sampled_from(["sum", "mean"]))
+def test_property_axis0_reduce_matches_numpy_on_unpadded_data(case, op):
+    n, comps = case
+    s = mirrored(n)
+    v = per_replica(s, comps) if n > 1 else comps[0]
+    got = s.reduce(op, v, axis=0)
+    np.testing.assert_allclose(got, numpy_reduce(op, comps, 0), rtol=1e-4, atol=1e-3)
+
+
+@SETTINGS
+@hypothesis.given(n=st.sampled_from(REPLICA_COUNTS),
+                  shape=hnp.array_shapes(min_dims=0, max_dims=3, max_side=4),
+                  op=st.sampled_from(["sum", "mean"]), data=st.data())
+def test_property_axis_none_matches_numpy(n, shape, op, data):
+    s = mirrored(n)
+    comps = [data.draw(hnp.arrays(np.float32, shape, elements=st.floats(-1e3, 1e3, width=32)))
+             for _ in range(n)]
+    v = per_replica(s, comps) if n > 1 else comps[0]
+    expected = numpy_reduce(op, comps, None) if n > 1 else comps[0]
+    np.testing.assert_allclose(s.reduce(op, v, axis=None), expected, rtol=1e-5, atol=1e-3)

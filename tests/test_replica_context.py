@@ -1,0 +1,184 @@
+"""SEMANTICS.md, ReplicaContext: all_reduce, all_gather and merge_call inside strategy.run."""
+
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdist
+from jdist import errors
+from jdist.testing import assert_local_results, per_replica
+from tests.conftest import REPLICA_COUNTS, mirrored
+
+
+def replica_id():
+    return jdist.get_replica_context().replica_id_in_sync_group
+
+
+def test_all_reduce_example_from_the_tf_docs():
+    s = mirrored(2)
+    v = per_replica(s, [{"a": np.float32(1), "b": np.array([40., 1.], np.float32)},
+                        {"a": np.float32(3), "b": np.array([2., 98.], np.float32)}])
+    total = s.run(lambda x: jdist.get_replica_context().all_reduce("sum", x), args=(v,))
+    mean = s.run(lambda x: jdist.get_replica_context().all_reduce("mean", x), args=(v,))
+    assert float(total["a"]) == 4 and total["b"].value.tolist() == [42, 99]
+    assert float(mean["a"]) == 2 and mean["b"].value.tolist() == [21, 49.5]
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+def test_all_reduce_result_is_the_same_on_every_replica_and_mirrored(n):
+    s = mirrored(n)
+    out = s.run(lambda: jdist.get_replica_context().all_reduce("sum", jnp.float32(replica_id())))
+    if n > 1:
+        assert isinstance(out, jdist.Mirrored)
+    assert_local_results(s, out, [n * (n - 1) / 2] * n)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_all_reduce_integer_mean_is_float(n):
+    s = mirrored(n)
+    out = s.run(lambda: jdist.get_replica_context().all_reduce("mean", replica_id()))
+    assert out.dtype == jnp.float32
+    assert float(out) == pytest.approx((n - 1) / 2)
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(n=st.sampled_from(REPLICA_COUNTS), op=st.sampled_from(["sum", "mean"]),
+                  shape=hnp.array_shapes(min_dims=0, max_dims=3, max_side=4), data=st.data())
+def test_property_all_reduce_matches_numpy(n, op, shape, data):
+    s = mirrored(n)
+    comps = [data.draw(hnp.arrays(np.float32, shape, elements=st.floats(-1e3, 1e3, width=32)))
+             for _ in range(n)]
+    v = per_replica(s, comps) if n > 1 else comps[0]
+    out = s.run(lambda x: jdist.get_replica_context().all_reduce(op, x), args=(v,))
+    expected = np.sum(comps, axis=0) / (n if op == "mean" else 1)
+    assert_local_results(s, out, [expected] * n, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gradient_of_all_sum_is_all_sum_of_upstream_gradients(n):
+    s = mirrored(n)
+    w = per_replica(s, [np.array([i + 1., 2 * i], np.float32) for i in range(n)])
+
+    def fn(w):
+        ctx = jdist.get_replica_context()
+        return jax.grad(lambda x: jnp.sum(ctx.all_reduce("sum", x) * w))(jnp.ones(2))
+    expected = np.sum([[i + 1., 2 * i] for i in range(n)], axis=0)
+    assert_local_results(s, s.run(fn, args=(w,)), [expected] * n)
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_all_gather_concatenates_on_every_replica(n, axis):
+    s = mirrored(n)
+    comps = [np.arange(4, dtype=np.float32).reshape(2, 2) + 10 * i for i in range(n)]
+    v = per_replica(s, comps) if n > 1 else comps[0]
+    out = s.run(lambda x: jdist.get_replica_context().all_gather(x, axis), args=(v,))
+    assert_local_results(s, out, [np.concatenate(comps, axis=axis)] * n)
+
+
+def test_all_gather_of_uneven_batch_puts_real_rows_first():
+    s = mirrored(3)
+    comps = [np.array([5., 6.]), np.array([7.]), np.array([])]
+    v = per_replica(s, comps)
+
+    def fn(x):
+        ctx = jdist.get_replica_context()
+        return ctx.all_gather(x, 0), ctx.all_reduce("sum", ctx.valid_rows)
+    gathered, count = s.run(fn, args=(v,))
+    assert int(count) == 3
+    for g in s.experimental_local_results(gathered):
+        np.testing.assert_array_equal(g[:3], [5., 6., 7.])
+        np.testing.assert_array_equal(g[3:], 0.0)
+
+
+def test_valid_rows_and_row_mask_mark_real_rows():
+    s = mirrored(3)
+    v = per_replica(s, [np.ones(3), np.ones(1), np.ones(0)])
+    mask = s.run(lambda x: jdist.get_replica_context().row_mask(), args=(v,))
+    assert [np.asarray(m).tolist() for m in mask.stacked] == [
+        [True, True, True], [True, False, False], [False, False, False]]
+
+
+def test_exact_per_replica_loss_with_row_mask():
+    s = mirrored(2)
+    v = per_replica(s, [np.array([1., 2., 3.]), np.array([10.])])
+
+    def mean_loss(x):
+        ctx = jdist.get_replica_context()
+        total = ctx.all_reduce("sum", jnp.sum(jnp.where(ctx.row_mask(), x, 0.0)))
+        return total / ctx.all_reduce("sum", ctx.valid_rows)
+    assert float(s.run(mean_loss, args=(v,))) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+def test_merge_call_sees_per_replica_values_in_cross_replica_context(n):
+    s = mirrored(n)
+    seen = {}
+
+    def merge_fn(strategy, value, scale=1.0):
+        seen["cross"] = jdist.in_cross_replica_context()
+        seen["type"] = type(value)
+        return strategy.reduce("sum", value, axis=None) * scale
+
+    def fn():
+        x = jnp.float32(replica_id() + 1)
+        return jdist.get_replica_context().merge_call(merge_fn, args=(x,), kwargs={"scale": 2.0})
+    out = s.run(fn)
+    assert seen["cross"]
+    assert seen["type"] is jdist.PerReplica or n == 1
+    assert_local_results(s, out, [n * (n + 1)] * n)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_merge_call_per_replica_result_is_unpacked_per_replica(n):
+    s = mirrored(n)
+
+    def merge_fn(strategy, value):
+        assert isinstance(value, jdist.PerReplica)
+        locals_ = strategy.experimental_local_results(value)
+        return jdist.PerReplica([v * 10 for v in locals_]), strategy.reduce("mean", value, axis=0)
+
+    def fn():
+        return jdist.get_replica_context().merge_call(
+            merge_fn, args=(jnp.full((2,), replica_id(), jnp.float32),))
+    mine, mean = s.run(fn)
+    assert_local_results(s, mine, [[10. * i] * 2 for i in range(n)])
+    assert_local_results(s, mean, [(n - 1) / 2] * n)
+
+
+def test_merge_call_args_must_be_a_sequence():
+    s = mirrored(2)
+    with pytest.raises(ValueError, match="tuple or list"):
+        s.run(lambda: jdist.get_replica_context().merge_call(lambda st, x: x, args=1.0))
+
+
+def test_exception_in_merge_fn_reaches_caller_with_its_type():
+    class Boom(Exception):
+        pass
+
+    def merge_fn(strategy):
+        raise Boom("from merge_fn")
+    with pytest.raises(Boom, match="from merge_fn"):
+        mirrored(2).run(lambda: jdist.get_replica_context().merge_call(merge_fn))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_devices_and_strategy_properties(n):
+    s = mirrored(n)
+    seen = {}
+    s.run(lambda: seen.update(ctx=jdist.get_replica_context()) or 0.0)
+    ctx = seen["ctx"]
+    assert ctx.strategy is s
+    assert ctx.devices == tuple(f"/cpu:{i}" for i in range(n))
+    assert ctx.num_replicas_in_sync == n
+
+
+def test_manual_replica_context_on_several_replicas_cannot_all_reduce():
+    with jdist.ReplicaContext(mirrored(2), 1) as ctx:
+        assert ctx.devices == ("/cpu:1",)
+        with pytest.raises(errors.WrongContextError):
+            ctx.all_reduce("sum", 1.0)
