@@ -1,0 +1,199 @@
+"""SEMANTICS.md, run and values: what strategy.run passes in and hands back."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jdist
+from jdist import errors
+from jdist.testing import assert_local_results, per_replica
+from tests.conftest import REPLICA_COUNTS, mirrored
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+def rid():
+    return jdist.get_replica_context().replica_id_in_sync_group
+
+
+@pytest.mark.parametrize("args", [1.0, {"x": 1.0}, np.ones(2)])
+def test_args_must_be_tuple_or_list(args):
+    with pytest.raises(ValueError, match="tuple or list"):
+        mirrored(2).run(lambda x: x, args=args)
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+def test_distributed_args_are_unpacked_and_plain_args_passed_to_every_replica(n):
+    s = mirrored(n)
+    comps = [np.full((3,), float(i), np.float32) for i in range(n)]
+    v = per_replica(s, comps) if n > 1 else comps[0]
+    out = s.run(lambda x, y, scale=1.0: x * y * scale, args=(v, np.arange(3.0, dtype=np.float32)),
+                kwargs={"scale": 2.0})
+    assert_local_results(s, out, [c * np.arange(3.0) * 2 for c in comps])
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_function_without_arguments(n):
+    s = mirrored(n)
+    assert_local_results(s, s.run(rid), list(range(n)))
+
+
+def test_output_keeps_the_nest():
+    s = mirrored(2)
+    out = s.run(lambda: {"a": [rid(), (rid() * 2, None)], "b": Pair(1.0, rid())})
+    assert isinstance(out["b"], Pair) and out["a"][1][1] is None
+    assert_local_results(s, out["a"][0], [0, 1])
+    assert_local_results(s, out["b"].second, [0, 1])
+    assert isinstance(out["b"].first, jdist.Mirrored)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_outputs_equal_on_every_replica_are_mirrored(n):
+    s = mirrored(n)
+    x = per_replica(s, [np.float32(i) for i in range(n)])
+    params = jnp.float32(1.0)
+
+    def step(params, x):
+        ctx = jdist.get_replica_context()
+        grad = jax.grad(lambda p: p * x)(params)
+        mean = ctx.all_reduce("mean", grad)
+        return {"grad": grad, "mean": mean, "new": params - 0.1 * mean, "const": jnp.ones(2),
+                "gathered": ctx.all_gather(x[None], 0), "id": rid(), "mixed": mean + x}
+    out = s.run(step, args=(params, x))
+    kinds = {k: type(v).__name__ for k, v in out.items()}
+    assert kinds == {"grad": "PerReplica", "mean": "Mirrored", "new": "Mirrored",
+                     "const": "Mirrored", "gathered": "Mirrored", "id": "PerReplica",
+                     "mixed": "PerReplica"}
+    assert float(out["new"]) == pytest.approx(1 - 0.1 * (n - 1) / 2)
+
+
+def test_control_flow_keeps_mirrored_only_when_every_replica_agrees():
+    s = mirrored(4)
+
+    def step(w):
+        ctx = jdist.get_replica_context()
+        scanned, _ = lax.scan(lambda c, _: (c + ctx.all_reduce("sum", c), None), w, None, length=3)
+        drifting, _ = lax.scan(lambda c, _: (c + rid(), None), w, None, length=3)
+        same_branch = lax.cond(w > 0, lambda: w * 2, lambda: w)
+        own_branch = lax.cond(rid() > 1, lambda: w * 2, lambda: w)
+        looped = lax.while_loop(lambda c: c < 10.0, lambda c: c + 1.0, w)
+        own_loop = lax.while_loop(lambda c: c < rid(), lambda c: c + 1, 0)
+        return scanned, drifting, same_branch, own_branch, looped, own_loop
+    out = s.run(step, args=(jnp.float32(1.0),))
+    assert [type(o).__name__ for o in out] == [
+        "Mirrored", "PerReplica", "Mirrored", "PerReplica", "Mirrored", "PerReplica"]
+    assert float(out[0]) == 5.0 ** 3  # c + all_sum(c) = 5c, three times.
+    assert_local_results(s, out[3], [1.0, 1.0, 2.0, 2.0])
+    assert_local_results(s, out[5], [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_gradients_are_per_replica_as_in_tf(n):
+    """Each replica differentiates its own copy of mirrored parameters (TF semantics)."""
+    s = mirrored(n)
+    x = per_replica(s, [np.float32(i + 1) for i in range(n)])
+
+    def step(w, x):
+        g = jax.grad(lambda w: w * x)(w)
+        return g, jdist.get_replica_context().all_reduce("mean", g)
+    grads, mean = s.run(step, args=(jnp.float32(2.0), x))
+    assert_local_results(s, grads, [i + 1 for i in range(n)])
+    assert float(mean) == pytest.approx((n + 1) / 2)
+
+
+def test_mirrored_output_feeds_the_next_step_without_copy():
+    s = mirrored(4)
+    w = s.run(lambda: jnp.ones(3))
+    assert isinstance(w, jdist.Mirrored)
+    w2 = s.run(lambda w: w * 2, args=(w,))
+    assert isinstance(w2, jdist.Mirrored)
+    np.testing.assert_array_equal(np.asarray(w2), [2., 2., 2.])
+
+
+def test_program_compiles_once_per_signature():
+    s = mirrored(2)
+    traces = []
+
+    def fn(x):
+        traces.append(x.shape)
+        return x + 1
+    for _ in range(3):
+        s.run(fn, args=(per_replica(s, [np.ones(3)] * 2),))
+    s.run(fn, args=(per_replica(s, [np.ones(4)] * 2),))
+    assert traces == [(3,), (4,)]
+
+
+def test_static_python_arguments_are_compiled_in():
+    s = mirrored(2)
+    out = s.run(lambda x, mode: x * 2 if mode == "double" else x, args=(jnp.ones(2), "double"))
+    np.testing.assert_array_equal(np.asarray(out), [2., 2.])
+    with pytest.raises(errors.UnsupportedValueError, match="hashable"):
+        s.run(lambda x: 0.0, args=([1, 2],)[0:0] + ({1: 2}.keys(),))
+
+
+def test_exceptions_in_fn_reach_the_caller_with_their_type():
+    class Boom(Exception):
+        pass
+
+    def fn():
+        raise Boom("inside the replica function")
+    with pytest.raises(Boom, match="inside the replica"):
+        mirrored(2).run(fn)
+
+
+def test_non_array_output_is_a_clear_error():
+    with pytest.raises(errors.UnsupportedValueError, match="nest of arrays"):
+        mirrored(2).run(lambda: "text")
+
+
+def test_experimental_run_v2_is_run():
+    s = mirrored(2)
+    assert_local_results(s, s.experimental_run_v2(rid), [0, 1])
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_run_inside_jit_and_scan(n):
+    s = mirrored(n)
+    x = per_replica(s, [np.float32(i) for i in range(n)]) if n > 1 else np.float32(0)
+
+    def step(w, x):
+        return w + jdist.get_replica_context().all_reduce("sum", x)
+
+    @jax.jit
+    def train(w, x):
+        return lax.scan(lambda w, _: (s.run(step, args=(w, x)), None), w, None, length=3)[0]
+    w = train(s.run(lambda: jnp.float32(0.0)), x)
+    assert float(w) == pytest.approx(3 * n * (n - 1) / 2)
+
+
+def test_values_pass_through_tree_util():
+    s = mirrored(2)
+    out = s.run(lambda: {"a": jnp.ones(2) * rid(), "b": jnp.ones(2)})
+    doubled = jax.tree_util.tree_map(lambda x: x * 2, out)
+    assert isinstance(doubled["a"], jdist.PerReplica) and isinstance(doubled["b"], jdist.Mirrored)
+    assert_local_results(s, doubled["a"], [[0., 0.], [2., 2.]])
+
+
+def test_uneven_batch_outputs_inherit_lengths():
+    s = mirrored(2)
+    v = per_replica(s, [np.array([5., 6.]), np.array([7.])])
+    doubled, total = s.run(lambda x: (x * 2, jnp.sum(x)), args=(v,))
+    assert doubled.lengths == (2, 1) and total.lengths is None
+    np.testing.assert_array_equal(s.gather(doubled, 0), [10., 12., 14.])
+    assert float(s.reduce("mean", doubled, axis=0)) == pytest.approx(12.0)
+
+
+def test_partial_batch_does_not_recompile():
+    s = mirrored(2)
+    traces = []
+
+    def fn(x):
+        traces.append(1)
+        return x
+    s.run(fn, args=(per_replica(s, [np.array([5., 6.]), np.array([7.])]),))
+    s.run(fn, args=(per_replica(s, [np.array([1.]), np.array([2., 3.])]),))
+    assert len(traces) == 1

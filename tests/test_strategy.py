@@ -1,0 +1,101 @@
+"""Strategies: construction, devices, the default strategy and the TF1 names of the seeds."""
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdist
+from jdist import errors
+from jdist.testing import per_replica
+from tests.conftest import mirrored
+
+
+def test_mirrored_defaults_to_all_local_devices():
+    s = jdist.MirroredStrategy()
+    assert s.num_replicas_in_sync == len(jax.local_devices()) == 8
+    assert s.extended.worker_devices == tuple(jax.local_devices())
+    assert s.cluster_resolver is None
+
+
+@pytest.mark.parametrize("names, ids", [
+    (["CPU:0", "CPU:1"], [0, 1]),
+    (["/cpu:2", "/device:CPU:3"], [2, 3]),
+    (["/job:localhost/replica:0/task:0/device:CPU:5"], [5]),
+    ("cpu:4", [4]),
+])
+def test_devices_by_tf_style_name(names, ids):
+    s = jdist.MirroredStrategy(names)
+    assert [d.id for d in s.extended.worker_devices] == ids
+
+
+def test_devices_as_jax_devices_keep_their_order():
+    devices = [jax.devices()[3], jax.devices()[1]]
+    s = jdist.MirroredStrategy(devices)
+    assert s.extended.worker_devices == tuple(devices)
+    assert s.extended.mesh.axis_names == ("replica",) and s.extended.replica_axis == "replica"
+
+
+@pytest.mark.parametrize("devices, error, match", [
+    (["cpu:0", "/cpu:0"], errors.InvalidArgumentError, "must not repeat"),
+    (["gpu:0"], errors.UnknownDeviceError, "gpu device"),
+    (["cpu:99"], errors.UnknownDeviceError, "xla_force_host_platform_device_count"),
+    (["abacus:0"], errors.UnknownDeviceError, "unknown device type"),
+    (["nonsense"], errors.UnknownDeviceError, "cannot parse"),
+    ([], errors.InvalidArgumentError, "at least one"),
+])
+def test_bad_devices_are_rejected_with_a_fix(devices, error, match):
+    with pytest.raises(error, match=match):
+        jdist.MirroredStrategy(devices)
+
+
+def test_one_device_strategy():
+    s = jdist.OneDeviceStrategy("/cpu:2")
+    assert s.num_replicas_in_sync == 1 and s.extended.worker_devices == (jax.devices()[2],)
+    out = s.run(lambda x: x * 2, args=(jnp.ones(2),))
+    assert isinstance(out, jax.Array) and next(iter(out.devices())) == jax.devices()[2]
+    assert float(s.reduce("sum", out, axis=0)) == 4.0
+    assert s.experimental_local_results(out) == (out,)
+
+
+def test_default_strategy_is_one_replica_on_the_first_device():
+    s = jdist.get_strategy()
+    assert s.num_replicas_in_sync == 1
+    assert s.extended.worker_devices == (jax.local_devices()[0],)
+    assert s.gather(jnp.ones(2), axis=0).shape == (2,)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_extended_reduce_to_and_broadcast_to(n):
+    s = mirrored(n)
+    v = per_replica(s, [np.float32(i) for i in range(n)])
+    mirrored_result = s.extended.reduce_to("sum", v, destinations=v)
+    assert isinstance(mirrored_result, jdist.Mirrored)
+    assert float(mirrored_result) == n * (n - 1) / 2
+    on_device = s.extended.reduce_to("mean", v, destinations="/cpu:1")
+    assert next(iter(on_device.devices())) == jax.devices()[1]
+    assert float(on_device) == pytest.approx((n - 1) / 2)
+    both = s.extended.batch_reduce_to("sum", [(v, v), (v, "cpu:0")])
+    assert [float(x) for x in both] == [n * (n - 1) / 2] * 2
+    b = s.extended.broadcast_to(jnp.ones(2), destinations=v)
+    assert isinstance(b, jdist.Mirrored) and len(s.experimental_local_results(b)) == n
+
+
+def test_legacy_names_have_their_jax_meaning():
+    s = mirrored(2)
+    v = per_replica(s, [np.ones(2), np.zeros(2)])
+    assert len(s.unwrap(v)) == 2
+    assert s.group(v) is v
+    with s.colocate_vars_with(v):
+        assert jdist.get_strategy() is s
+    config = {"allow_soft_placement": True}
+    assert s.update_config_proto(config) == config and s.update_config_proto(config) is not config
+    s.configure(session_config=config, cluster_spec={"worker": ["localhost:1"]})
+    with pytest.raises(errors.InvalidArgumentError, match="MultiWorkerMirroredStrategy"):
+        s.configure(cluster_spec={"worker": ["a:1", "b:1"]})
+    assert s.experimental_initialize() == [] and s.experimental_finalize() == []
+    assert copy.deepcopy(s) is s
+    with pytest.raises(errors.InvalidArgumentError):
+        s.colocate_vars_with(per_replica(mirrored(4), [np.ones(1)] * 4)).__enter__()

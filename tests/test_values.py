@@ -1,0 +1,133 @@
+"""DistributedValues: PerReplica and Mirrored as thin wrappers over sharded arrays."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdist
+from jdist import errors
+from jdist.testing import assert_local_results, per_replica
+from tests.conftest import REPLICA_COUNTS, mirrored
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_per_replica_is_one_array_sharded_over_the_replicas(n):
+    s = mirrored(n)
+    v = per_replica(s, [np.full((2,), i, np.float32) for i in range(n)])
+    assert v.stacked.shape == (n, 2)
+    assert v.stacked.sharding == jax.sharding.NamedSharding(
+        s.extended.mesh, jax.sharding.PartitionSpec("replica"))
+    results = s.experimental_local_results(v)
+    assert [next(iter(r.devices())) for r in results] == list(s.extended.worker_devices)
+    assert_local_results(s, v, [[i, i] for i in range(n)])
+    assert_local_results(s, v, [np.asarray(x) for x in v.values])
+
+
+def test_local_results_are_read_on_each_replicas_device():
+    s = mirrored(4)
+    v = per_replica(s, [np.full((2,), i, np.float32) for i in range(4)])
+    for shard, result in zip(v.stacked.addressable_shards, s.experimental_local_results(v)):
+        assert result.devices() == {shard.device}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_mirrored_is_one_replicated_array(n):
+    s = mirrored(n)
+    m = s.run(lambda: jnp.arange(3.0))
+    assert isinstance(m, jdist.Mirrored) and m.value.sharding.is_fully_replicated
+    results = s.experimental_local_results(m)
+    assert len(results) == n and [next(iter(r.devices())) for r in results] == list(
+        s.extended.worker_devices)
+    assert_local_results(s, m, [[0., 1., 2.]] * n)
+
+
+def test_local_results_of_plain_value_is_one_tuple():
+    assert mirrored(4).experimental_local_results(5.0) == (5.0,)
+
+
+def test_local_results_of_a_nest():
+    s = mirrored(2)
+    out = s.run(lambda: {"id": jdist.get_replica_context().replica_id_in_sync_group, "k": 3.0})
+    first, second = s.experimental_local_results(out)
+    assert int(first["id"]) == 0 and int(second["id"]) == 1 and float(second["k"]) == 3.0
+
+
+def test_local_results_of_uneven_value_drop_padding():
+    s = mirrored(3)
+    v = per_replica(s, [np.array([1., 2.]), np.array([3.]), np.zeros((0,))])
+    assert [r.tolist() for r in s.experimental_local_results(v)] == [[1., 2.], [3.], []]
+    assert v.lengths == (2, 1, 0)
+
+
+@pytest.mark.parametrize("op", [lambda v: v + 1, lambda v: 1 + v, lambda v: v * v, lambda v: -v,
+                                lambda v: np.ones(2) + v, lambda v: jnp.ones(2) * v,
+                                lambda v: float(v), lambda v: np.asarray(v)])
+def test_arithmetic_on_per_replica_in_cross_replica_context_is_type_error(op):
+    s = mirrored(2)
+    v = per_replica(s, [np.ones(2), np.zeros(2)])
+    with pytest.raises(TypeError):
+        op(v)
+    with pytest.raises(errors.CrossReplicaArithmeticError):
+        op(v)
+
+
+def test_mirrored_supports_arithmetic_on_its_common_value():
+    s = mirrored(2)
+    m = s.run(lambda: jnp.float32(3.0))
+    assert float(m + 1) == 4.0 and float(2 * m) == 6.0 and float(-m) == -3.0
+    assert float(jnp.sin(m)) == pytest.approx(np.sin(3.0))
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+def test_distribute_values_from_function_calls_value_fn_once_per_replica_in_order(n):
+    s = mirrored(n)
+    seen = []
+
+    def value_fn(ctx):
+        assert isinstance(ctx.replica_id_in_sync_group, int)
+        assert ctx.num_replicas_in_sync == n
+        seen.append(ctx.replica_id_in_sync_group)
+        return {"x": np.float32(ctx.replica_id_in_sync_group)}
+    v = s.experimental_distribute_values_from_function(value_fn)
+    assert seen == list(range(n))
+    assert_local_results(s, v["x"], list(range(n)))
+
+
+def test_distribute_values_from_function_rejects_mismatched_values():
+    s = mirrored(2)
+    with pytest.raises(errors.ShapeMismatchError):
+        s.experimental_distribute_values_from_function(
+            lambda ctx: np.ones((2, 1 + ctx.replica_id_in_sync_group)))
+    with pytest.raises(errors.InvalidArgumentError, match="dtype"):
+        s.experimental_distribute_values_from_function(
+            lambda ctx: np.ones(2, [np.float32, np.int32][ctx.replica_id_in_sync_group]))
+    with pytest.raises(errors.InvalidArgumentError, match="structures"):
+        s.experimental_distribute_values_from_function(
+            lambda ctx: [1.0] * (1 + ctx.replica_id_in_sync_group))
+
+
+def test_per_replica_constructor_assembles_device_arrays_without_copy():
+    devices = jax.devices()[:2]
+    parts = [jax.device_put(np.full((2,), i, np.float32), d) for i, d in enumerate(devices)]
+    v = jdist.PerReplica(parts)
+    assert v.stacked.sharding.device_set == set(devices)
+    out = mirrored(2).run(lambda x: x + 1, args=(v,))
+    assert_local_results(mirrored(2), out, [[1., 1.], [2., 2.]])
+
+
+def test_per_replica_constructor_validates():
+    with pytest.raises(TypeError):
+        jdist.PerReplica(np.ones(2))
+    with pytest.raises(errors.ShapeMismatchError):
+        jdist.PerReplica([np.ones(2), np.ones(3)])
+    with pytest.raises(errors.InvalidArgumentError):
+        jdist.Mirrored([np.ones(2), np.zeros(2)])
+
+
+def test_values_pass_through_jit():
+    s = mirrored(2)
+    v = per_replica(s, [np.ones(2), np.zeros(2)])
+    out = jax.jit(lambda v: jax.tree_util.tree_map(lambda x: x + 1, v))(v)
+    assert isinstance(out, jdist.PerReplica)
+    assert_local_results(s, out, [[2., 2.], [1., 1.]])
