@@ -29,7 +29,6 @@ from jdist._src.reduce_op import ReduceOp
 class _Frame:
     strategy: Any
     replica_context: Optional["ReplicaContext"]  # None: cross-replica frame.
-    in_merge: bool = False  # A cross-replica frame entered by merge_call inside a trace.
 
 
 class _State(threading.local):
@@ -149,7 +148,11 @@ def experimental_set_strategy(strategy):
 
 @contextlib.contextmanager
 def cross_replica_scope(strategy, *, in_merge=False):
-    """Enters ``strategy``'s cross-replica context (what ``strategy.scope()`` does)."""
+    """Enters ``strategy``'s cross-replica context (what ``strategy.scope()`` does).
+
+    ``in_merge`` marks the entry made by ``merge_call`` from inside a replica function, which
+    the scope checks must let through.
+    """
     top = _top()
     if not in_merge and top is not None and top.strategy is not strategy and (
             top.strategy is not _default()):
@@ -161,7 +164,7 @@ def cross_replica_scope(strategy, *, in_merge=False):
         raise errors.WrongContextError(
             "strategy.scope() cannot be entered inside a replica function; use "
             "get_replica_context().merge_call to reach the cross-replica context.")
-    _state.frames.append(_Frame(strategy, None, in_merge))
+    _state.frames.append(_Frame(strategy, None))
     try:
         yield strategy
     finally:
@@ -178,16 +181,16 @@ def replica_scope(replica_context):
         _state.frames.pop()
 
 
-def in_merge_call():
-    """Whether the innermost frame is a ``merge_fn`` running inside a traced replica function."""
-    top = _top()
-    return top is not None and top.in_merge
+def in_replica_function():
+    """Whether code runs inside a replica function of a non-default strategy (``run``)."""
+    frames = _state.frames
+    return bool(frames) and frames[-1].replica_context is not None and (
+        frames[-1].strategy is not _default_strategy)
 
 
 def require_cross_replica(strategy, what):
     """Raises `WrongContextError` when ``what`` is called from a replica function of ``strategy``."""
-    top = _top()
-    if top is not None and top.replica_context is not None and top.strategy is not _default():
+    if in_replica_function():
         alternative = "get_replica_context().all_gather" if "gather" in what else (
             "get_replica_context().all_reduce or merge_call")
         raise errors.WrongContextError(
@@ -295,12 +298,14 @@ class ReplicaContext:
                 f"ReplicaContext.{what} was called after its strategy.run returned; a replica "
                 "context may only be used inside the replica function that obtained it.")
 
-    def all_reduce(self, reduce_op, value):
+    def all_reduce(self, reduce_op, value, options=None):
         """All-reduces a nest of arrays across replicas; every replica gets the result.
 
         Args:
           reduce_op: a `ReduceOp` or its name (``"sum"``, ``"mean"``).
           value: a nest of arrays with the same structure and shapes on every replica.
+          options: a `CommunicationOptions` or None; ``bytes_per_pack`` > 0 packs the nest's
+            leaves into buckets of about that size, one all-reduce per bucket.
 
         Returns:
           The nest with each leaf replaced by its sum or mean over replicas.
@@ -313,7 +318,10 @@ class ReplicaContext:
         op = ReduceOp.from_any(reduce_op)
         if self._binding is None:
             return self._strategy.extended._reduce_outside_trace(op, value)
-        return self._strategy.extended._replica_all_reduce(self._binding, op, value)
+        if options is None:
+            return self._strategy.extended._replica_all_reduce(self._binding, op, value)
+        return self._strategy.extended._replica_all_reduce(self._binding, op, value,
+                                                           options=options)
 
     def all_gather(self, value, axis):
         """Concatenates each replica's ``value`` along ``axis``; every replica gets the result.

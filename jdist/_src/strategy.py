@@ -13,6 +13,7 @@ import numpy as np
 
 from jdist._src import collectives
 from jdist._src import context
+from jdist._src import cross_device_ops as cross_device_ops_lib
 from jdist._src import devices as devices_lib
 from jdist._src import errors
 from jdist._src.reduce_op import ReduceOp
@@ -106,24 +107,25 @@ class StrategyExtended:
           value: a `DistributedValues` or an array (an array counts as a one-replica value).
           destinations: a `DistributedValues` (the result is `Mirrored` on its devices), or a
             device (name or ``jax.Device``; the result is an array on that device).
-          options: accepted for TF compatibility (communication hints); unused here.
+          options: a `CommunicationOptions` for the strategy's cross-device ops, or None.
 
         Returns:
           A `Mirrored` value or an array, as ``destinations`` says.
         """
         context.require_cross_replica(self._container_strategy_ref, "extended.reduce_to")
         op = ReduceOp.from_any(reduce_op)
-        return self._to_destinations(self._reduce_value(op, value, None), destinations)
+        return cross_device_ops_lib.extended_reduce_to(self, op, value, destinations, options)
 
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
-        """`reduce_to` for a sequence of ``(value, destinations)`` pairs; returns a list."""
+        """`reduce_to` for a sequence of ``(value, destinations)`` pairs; returns a list.
+
+        The per-replica values are reduced as one batch by the strategy's cross-device ops
+        (packed into a few collectives as they and ``options`` say).
+        """
         context.require_cross_replica(self._container_strategy_ref, "extended.batch_reduce_to")
         op = ReduceOp.from_any(reduce_op)
-        pairs = list(value_destination_pairs)
-        if not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
-            raise errors.InvalidArgumentError(
-                "value_destination_pairs must be a sequence of (value, destinations) tuples.")
-        return [self._to_destinations(self._reduce_value(op, v, None), d) for v, d in pairs]
+        pairs = cross_device_ops_lib.check_pairs(value_destination_pairs)
+        return cross_device_ops_lib.extended_batch_reduce_to(self, op, pairs, options)
 
     def broadcast_to(self, tensor, destinations):
         """Copies ``tensor`` to ``destinations`` (a `DistributedValues` or a device)."""
@@ -131,6 +133,9 @@ class StrategyExtended:
         return self._to_destinations(tensor, destinations)
 
     def _to_destinations(self, result, destinations):
+        ops = getattr(self, "_cross_device_ops", None)
+        if ops is not None and not isinstance(result, jax.core.Tracer):
+            return cross_device_ops_lib.extended_broadcast(self, ops, result, destinations)
         if isinstance(destinations, DistributedValues):
             return Mirrored._from_value(self._replicate(result), self._num_replicas)
         device = devices_lib.resolve(destinations)
@@ -236,8 +241,7 @@ class Strategy:
         elif not isinstance(kwargs, dict):
             raise errors.InvalidArgumentError(f"run() expects kwargs to be a dict, got "
                                               f"{type(kwargs).__name__}.")
-        replica = context.get_replica_context()
-        if replica is not None and replica.strategy is not context._default():
+        if context.in_replica_function():
             raise errors.WrongContextError(
                 "strategy.run was called inside a replica function; nested run is not allowed. "
                 "Call the inner function directly, or use get_replica_context().merge_call.")
@@ -365,6 +369,80 @@ class Strategy:
         columns = zip(*(jax.tree_util.tree_leaves(v) for v in per_replica))
         leaves = [self._extended._distribute_components(list(c)) for c in columns]
         return jax.tree_util.tree_unflatten(trees[0], leaves)
+
+    # ----- Distributed input: thin delegations to jdist._src.input (see that module). -----
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Distributes a dataset of GLOBAL batches over the replicas.
+
+        Each global batch of ``B`` rows is cut into consecutive chunks of ``ceil(B / N)`` rows,
+        one per replica (trailing replicas get fewer or none); partial chunks are padded to one
+        size and carry their true lengths (``docs/design.md``), so steps compile once.
+
+        Args:
+          dataset: a ``tf.data.Dataset``, a dataset from `experimental_make_numpy_dataset`, a
+            re-iterable of batches (a list, a loader yielding NumPy pytrees), a function of no
+            arguments returning a fresh iterable, or a one-shot iterator (read once).
+          options: an `InputOptions`.
+
+        Returns:
+          A `DistributedDataset`.
+
+        Example:
+          >>> import numpy as np, jdist
+          >>> s = jdist.get_strategy()
+          >>> [b.tolist() for b in s.experimental_distribute_dataset([np.arange(2), np.arange(1)])]
+          [[0, 1], [0]]
+        """
+        from jdist._src import input as input_lib  # pylint: disable=import-outside-toplevel
+        return input_lib.distribute_dataset(self, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Calls ``dataset_fn(InputContext)`` per input pipeline; deals its PER-REPLICA batches.
+
+        Args:
+          dataset_fn: a function of an `InputContext` returning a dataset (as accepted by
+            `experimental_distribute_dataset`) of per-replica batches.
+          options: an `InputOptions` (``experimental_replication_mode`` picks one pipeline per
+            worker, the default, or one per replica).
+
+        Returns:
+          A `DistributedDataset`; replicas left without data at the end get empty batches.
+        """
+        from jdist._src import input as input_lib  # pylint: disable=import-outside-toplevel
+        return input_lib.distribute_datasets_from_function(self, dataset_fn, options)
+
+    def experimental_distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Former name of `distribute_datasets_from_function`."""
+        return self.distribute_datasets_from_function(dataset_fn, options)
+
+    def experimental_make_numpy_dataset(self, numpy_input, session=None):
+        """An unbatched dataset of the rows of ``numpy_input`` (a nest of arrays); ``session`` is ignored.
+
+        Example:
+          >>> import numpy as np, jdist
+          >>> ds = jdist.get_strategy().experimental_make_numpy_dataset(np.arange(3)).batch(2)
+          >>> [b.tolist() for b in ds]
+          [[0, 1], [2]]
+        """
+        from jdist._src import input as input_lib  # pylint: disable=import-outside-toplevel
+        return input_lib.make_numpy_dataset(numpy_input)
+
+    def make_dataset_iterator(self, dataset):
+        """TF1 API: ``iter(experimental_distribute_dataset(dataset))``."""
+        return iter(self.experimental_distribute_dataset(dataset))
+
+    def make_input_fn_iterator(self, input_fn, replication_mode=None):
+        """TF1 API: an iterator over ``distribute_datasets_from_function(input_fn)`` (PER_WORKER only)."""
+        from jdist._src import input as input_lib  # pylint: disable=import-outside-toplevel
+        if replication_mode is None:
+            replication_mode = input_lib.InputReplicationMode.PER_WORKER
+        return input_lib.make_input_fn_iterator(self, input_fn, replication_mode)
+
+    def experimental_run(self, fn, input_iterator=None):
+        """TF1 API: ``run(fn, args=(input_iterator.get_next(),))`` (no arguments without an iterator)."""
+        from jdist._src import input as input_lib  # pylint: disable=import-outside-toplevel
+        return input_lib.experimental_run(self, fn, input_iterator)
+    # ----- End of distributed input delegations. -----
 
     # Names from the TF 1.x API (see docs/api.md for what each means without sessions).
     def unwrap(self, value):
