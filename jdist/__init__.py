@@ -14,6 +14,7 @@ Example:
 """
 
 from jdist import errors
+from jdist import experimental
 from jdist._src.context import ReplicaContext
 from jdist._src.context import ValueContext
 from jdist._src.context import experimental_set_strategy
@@ -21,6 +22,19 @@ from jdist._src.context import get_replica_context
 from jdist._src.context import get_strategy
 from jdist._src.context import has_strategy
 from jdist._src.context import in_cross_replica_context
+from jdist._src.dispatch import function
+from jdist._src.cross_device_ops import CommunicationImplementation
+from jdist._src.cross_device_ops import CommunicationOptions
+from jdist._src.cross_device_ops import CrossDeviceOps
+from jdist._src.cross_device_ops import HierarchicalCopyAllReduce
+from jdist._src.cross_device_ops import NcclAllReduce
+from jdist._src.cross_device_ops import ReductionToOneDevice
+from jdist._src.input import DistributedDataset
+from jdist._src.input import DistributedIterator
+from jdist._src.input import InputContext
+from jdist._src.input import InputOptions
+from jdist._src.input import InputReplicationMode
+from jdist._src.input import Optional
 from jdist._src.mirrored import MirroredStrategy
 from jdist._src.mirrored import OneDeviceStrategy
 from jdist._src.reduce_op import ReduceOp
@@ -33,10 +47,22 @@ from jdist._src.values import PerReplica
 __version__ = "0.1.0"
 
 __all__ = (
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "CrossDeviceOps",
+    "HierarchicalCopyAllReduce",
+    "NcclAllReduce",
+    "ReductionToOneDevice",
+    "DistributedDataset",
+    "DistributedIterator",
     "DistributedValues",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
     "Mirrored",
     "MirroredStrategy",
     "OneDeviceStrategy",
+    "Optional",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
@@ -44,7 +70,9 @@ __all__ = (
     "StrategyExtended",
     "ValueContext",
     "errors",
+    "experimental",
     "experimental_set_strategy",
+    "function",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

@@ -1,7 +1,7 @@
 """Helpers that keep multi-device tests short (in the spirit of ``chex``).
 
 Example:
-  >>> import numpy as np, jdist, jdist.testing
+  >>> import jax, numpy as np, jdist, jdist.testing
   >>> s = jdist.MirroredStrategy(jax.devices()[:2])
   >>> v = jdist.testing.per_replica(s, [np.array([1.0, 2.0]), np.array([3.0])])
   >>> jdist.testing.assert_local_results(s, v, [[1.0, 2.0], [3.0]])

@@ -182,3 +182,15 @@ def test_manual_replica_context_on_several_replicas_cannot_all_reduce():
         assert ctx.devices == ("/cpu:1",)
         with pytest.raises(errors.WrongContextError):
             ctx.all_reduce("sum", 1.0)
+
+
+def test_row_mask_and_valid_rows_on_a_full_batch_cover_every_row():
+    s = mirrored(2)
+    v = per_replica(s, [np.ones(3), np.ones(3)])
+
+    def fn(x):
+        ctx = jdist.get_replica_context()
+        return ctx.row_mask(), ctx.all_reduce("sum", ctx.valid_rows)
+    mask, count = s.run(fn, args=(v,))
+    assert_local_results(s, mask, [[True] * 3] * 2)
+    assert int(count) == 6

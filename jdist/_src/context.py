@@ -266,11 +266,17 @@ class ReplicaContext:
         """How many leading rows of this replica's batch are real (the rest is padding).
 
         A partial or uneven batch is passed to every replica padded to one static size, so the
-        step compiles once; this traced int32 says how many rows are real. It is None when the
-        replica function received no batched per-replica value.
+        step compiles once; this traced int32 says how many rows are real (all of them for a
+        full batch). It is None when the replica function received no batched per-replica value
+        (or several of different sizes).
         """
         self._check_active("valid_rows")
-        return None if self._binding is None else self._binding.valid_rows
+        binding = self._binding
+        if binding is None or binding.padded_rows is None:
+            return None
+        if binding.valid_rows is None:  # A full batch: every row is real.
+            return jnp.asarray(binding.padded_rows, jnp.int32)
+        return binding.valid_rows
 
     def row_mask(self, rows=None):
         """Returns a bool vector marking this replica's real rows.

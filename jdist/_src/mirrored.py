@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jdist._src import collectives
+from jdist._src import cross_device_ops as cross_device_ops_lib
 from jdist._src import devices as devices_lib
 from jdist._src import dispatch
 from jdist._src import errors
@@ -38,7 +39,9 @@ class MirroredExtended(StrategyExtended):
         self._programs = collectives.ReplicaPrograms(self._mesh, REPLICA_AXIS, self._guard)
         self._runner = spmd.ReplicatedRunner(container_strategy, self._programs, self._mesh,
                                              REPLICA_AXIS, self._guard)
-        self._cross_device_ops = cross_device_ops
+        # None picks the backend's all-reduce; the strategy's programs serve ops on its devices.
+        self._cross_device_ops = cross_device_ops_lib.resolve(cross_device_ops, self._devices)
+        cross_device_ops_lib.register_programs(self._programs)
 
     @property
     def mesh(self):
@@ -54,13 +57,14 @@ class MirroredExtended(StrategyExtended):
         return self._runner.run(fn, args, kwargs)
 
     def _reduce_per_replica(self, op, value, axes):
-        return self._programs.reduce(op, value.stacked, axes, value.lengths)
+        return self._cross_device_ops._reduce_to_mesh(self._programs, op, value, axes)
 
     def _gather_per_replica(self, value, axis):
         return self._programs.gather(value.stacked, axis, value.lengths)
 
-    def _replica_all_reduce(self, binding, op, value):
-        return collectives.replica_all_reduce(binding.axis_name, op, value)
+    def _replica_all_reduce(self, binding, op, value, options=None):
+        return self._cross_device_ops._replica_all_reduce(binding.axis_name, self._num_replicas,
+                                                          op, value, options)
 
     def _replica_all_gather(self, binding, value, axis):
         return collectives.replica_all_gather(binding.axis_name, value, axis,

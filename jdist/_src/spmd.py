@@ -132,6 +132,10 @@ class ReplicatedRunner:
                         "hashable Python objects (those are compiled in as constants).") from None
                 kinds.append(_STATIC)
                 signature.append(("static", type(leaf), leaf))
+        if lengths is None:
+            # Full batches: the rows are all real; `padded` is their common per-replica size.
+            rows = {x.shape[1] for x, k in zip(dynamic, kinds) if k == _PER_REPLICA and x.ndim >= 2}
+            padded = rows.pop() if len(rows) == 1 else None
         return kinds, dynamic, signature, lengths, padded
 
     def _program(self, fn, in_tree, kinds, signature, leaves, has_lengths, padded):
@@ -194,10 +198,10 @@ class ReplicatedRunner:
         (eqn,) = traced.jaxpr.eqns
         inner = eqn.params["jaxpr"]
         replicated_in = [all(a is None for a in spec) for spec in eqn.params["in_specs"]]
-        if n == 1:
-            same = [True] * len(inner.outvars)
-        else:
-            same = invariance.same_outputs(inner, replicated_in)
+        # Which outputs derive from per-replica inputs; it also decides, for one replica, which
+        # outputs are padded batches (a replicated output never inherits the batch's lengths).
+        dataflow_same = invariance.same_outputs(inner, replicated_in)
+        same = [True] * len(inner.outvars) if n == 1 else dataflow_same
         run_body = core.jaxpr_as_fun(core.ClosedJaxpr(inner, ()))
 
         def final_body(*block_args):
@@ -217,8 +221,8 @@ class ReplicatedRunner:
 
         varying = tuple(not s for s in same)
         inherits = tuple(
-            has_lengths and (v or n == 1) and len(shape) >= 1 and shape[0] == padded
-            for v, shape in zip(varying, record["shapes"]))
+            has_lengths and not s and len(shape) >= 1 and shape[0] == padded
+            for s, shape in zip(dataflow_same, record["shapes"]))
         return _Program(jax.jit(program), record["tree"], varying, inherits)
 
     def _wrap_outputs(self, program, outputs, lengths):

@@ -133,8 +133,13 @@ class StrategyExtended:
         return self._to_destinations(tensor, destinations)
 
     def _to_destinations(self, result, destinations):
+        if isinstance(result, jax.core.Tracer):  # Inside a merge_fn: the program places it.
+            cross_device_ops_lib.validate_destinations(destinations)
+            if isinstance(destinations, DistributedValues):
+                return Mirrored._from_value(result, self._num_replicas)
+            return result
         ops = getattr(self, "_cross_device_ops", None)
-        if ops is not None and not isinstance(result, jax.core.Tracer):
+        if ops is not None:
             return cross_device_ops_lib.extended_broadcast(self, ops, result, destinations)
         if isinstance(destinations, DistributedValues):
             return Mirrored._from_value(self._replicate(result), self._num_replicas)

@@ -107,8 +107,10 @@ class PerReplica(DistributedValues):
 
     def __repr__(self):
         lengths = "" if self._lengths is None else f", lengths={self._lengths}"
-        return (f"PerReplica(num_replicas={self.num_replicas}, "
-                f"shape={tuple(self._stacked.shape[1:])}, dtype={self._stacked.dtype}{lengths})")
+        shape = np.shape(self._stacked)
+        dtype = getattr(self._stacked, "dtype", type(self._stacked).__name__)
+        return (f"PerReplica(num_replicas={shape[0] if shape else '?'}, shape={shape[1:]}, "
+                f"dtype={dtype}{lengths})")
 
     def _raise_arithmetic(self, *_):
         raise errors.CrossReplicaArithmeticError(
@@ -182,8 +184,8 @@ class Mirrored(DistributedValues):
         return (value,) * self._num_replicas
 
     def __repr__(self):
-        return (f"Mirrored(num_replicas={self._num_replicas}, shape={tuple(self._value.shape)}, "
-                f"dtype={self._value.dtype})")
+        return (f"Mirrored(num_replicas={self._num_replicas}, shape={np.shape(self._value)}, "
+                f"dtype={getattr(self._value, 'dtype', type(self._value).__name__)})")
 
     def __jax_array__(self):
         return self._value

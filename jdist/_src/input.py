@@ -1,0 +1,551 @@
+"""Distributed input: datasets split across replicas as tf.distribute splits them, fed ahead.
+
+``strategy.experimental_distribute_dataset(ds)`` takes a dataset of GLOBAL batches and returns a
+`DistributedDataset`; each element is the batch cut into consecutive chunks of ``ceil(B / N)``
+rows, one per replica (trailing replicas get fewer rows or none), as `PerReplica` values.
+``strategy.distribute_datasets_from_function(fn)`` calls ``fn(InputContext)`` once per input
+pipeline and deals its per-replica batches to the replicas in order. Iterators end as TF's do:
+``StopIteration`` for ``next``, `OutOfRangeError` for ``get_next``, an empty `Optional` for
+``get_next_as_optional``.
+
+Partial and uneven batches are padded to one per-replica size and carry their true ``lengths``
+(see `jdist._src.input_batches` and ``docs/design.md``), so the step compiles once and
+``strategy.reduce(..., axis=0)``, ``strategy.gather`` and ``all_gather`` give TF's numbers;
+inside the step ``get_replica_context().valid_rows`` / ``row_mask()`` tell real rows from padding.
+
+Batches are prepared (split, padded, transferred) on a background thread ahead of the step
+(`jdist._src.prefetch`); ``InputOptions.experimental_per_replica_buffer_size`` bounds how many
+wait ready (0 prepares each batch when asked, without a thread).
+"""
+
+import enum
+import weakref
+
+import jax
+
+from jdist._src import context
+from jdist._src import errors
+from jdist._src import input_batches
+from jdist._src import prefetch
+from jdist._src.numpy_dataset import INFINITE
+from jdist._src.numpy_dataset import NumpyDataset
+from jdist._src.numpy_dataset import UNKNOWN
+
+
+class InputReplicationMode(enum.Enum):
+    """How ``distribute_datasets_from_function`` replicates the input pipeline.
+
+    ``PER_WORKER``: ``dataset_fn`` runs once per worker; its batches are dealt to the worker's
+    replicas in turn. ``PER_REPLICA``: ``dataset_fn`` runs once per replica, and each replica
+    reads its own dataset.
+    """
+    PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
+
+
+class InputContext:
+    """What an input function is told about its input pipeline (``tf.distribute.InputContext``).
+
+    Args:
+      num_input_pipelines: how many input pipelines (workers) there are.
+      input_pipeline_id: this pipeline's index in ``[0, num_input_pipelines)``.
+      num_replicas_in_sync: how many replicas consume the batches.
+
+    Example:
+      >>> ctx = InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=4)
+      >>> ctx.get_per_replica_batch_size(64)
+      16
+    """
+
+    def __init__(self, num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1):
+        self._num_input_pipelines = int(num_input_pipelines)
+        self._input_pipeline_id = int(input_pipeline_id)
+        self._num_replicas_in_sync = int(num_replicas_in_sync)
+
+    @property
+    def num_input_pipelines(self):
+        """The number of input pipelines (one per worker, or per replica in PER_REPLICA mode)."""
+        return self._num_input_pipelines
+
+    @property
+    def input_pipeline_id(self):
+        """This input pipeline's index; use it to shard the data (``ds.shard(num, id)``)."""
+        return self._input_pipeline_id
+
+    @property
+    def num_replicas_in_sync(self):
+        """The number of replicas the batches are for."""
+        return self._num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size):
+        """``global_batch_size // num_replicas_in_sync``.
+
+        Raises:
+          InvalidArgumentError (a ValueError): the global batch size does not divide evenly.
+        """
+        if global_batch_size % self._num_replicas_in_sync != 0:
+            raise errors.InvalidArgumentError(
+                f"The `global_batch_size` {global_batch_size!r} is not divisible by "
+                f"`num_replicas_in_sync` {self._num_replicas_in_sync!r}.")
+        return global_batch_size // self._num_replicas_in_sync
+
+    def __repr__(self):
+        return (f"InputContext(num_input_pipelines={self._num_input_pipelines}, "
+                f"input_pipeline_id={self._input_pipeline_id}, "
+                f"num_replicas_in_sync={self._num_replicas_in_sync})")
+
+
+class InputOptions:
+    """Options for distributed datasets (``tf.distribute.InputOptions``).
+
+    Args:
+      experimental_fetch_to_device: True (default) transfers each replica's batch to its device
+        ahead of the step; False keeps the padded batches in host memory until ``run``.
+      experimental_replication_mode: an `InputReplicationMode`
+        (``distribute_datasets_from_function`` only).
+      experimental_place_dataset_on_device: accepted for TF compatibility; requires
+        ``PER_REPLICA`` mode and ``experimental_fetch_to_device=False``, as in TF.
+      experimental_per_replica_buffer_size: how many prepared elements may wait ahead of the
+        step (the bounded prefetch buffer; 0 prepares each element on request, no thread).
+    """
+
+    def __init__(self, experimental_fetch_to_device=None,
+                 experimental_replication_mode=InputReplicationMode.PER_WORKER,
+                 experimental_place_dataset_on_device=False,
+                 experimental_per_replica_buffer_size=1):
+        if experimental_fetch_to_device is None:
+            experimental_fetch_to_device = True
+        mode = experimental_replication_mode
+        if isinstance(mode, str):
+            try:
+                mode = InputReplicationMode[mode.upper()]
+            except KeyError:
+                raise errors.InvalidArgumentError(
+                    f"{mode!r} is not an InputReplicationMode (PER_WORKER, PER_REPLICA).") from None
+        if not isinstance(mode, InputReplicationMode):
+            raise errors.InvalidArgumentError(
+                f"experimental_replication_mode must be an InputReplicationMode, got {mode!r}.")
+        size = experimental_per_replica_buffer_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise errors.InvalidArgumentError(
+                f"experimental_per_replica_buffer_size must be an int >= 0, got {size!r}.")
+        self.experimental_fetch_to_device = bool(experimental_fetch_to_device)
+        self.experimental_replication_mode = mode
+        self.experimental_place_dataset_on_device = bool(experimental_place_dataset_on_device)
+        self.experimental_per_replica_buffer_size = size
+
+    def __eq__(self, other):
+        return isinstance(other, InputOptions) and vars(self) == vars(other)
+
+    def __hash__(self):
+        return hash(tuple(sorted(vars(self).items())))
+
+    def __repr__(self):
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"InputOptions({fields})"
+
+
+_EMPTY = object()
+
+
+class Optional:
+    """A value that may be absent (``tf.experimental.Optional``).
+
+    ``DistributedIterator.get_next_as_optional`` returns one: with the next element, or empty
+    once the data has ended.
+
+    Example:
+      >>> Optional.from_value(3).get_value(), Optional.empty(None).has_value()
+      (3, False)
+    """
+
+    def __init__(self, value=_EMPTY, element_spec=None):
+        self._value = value
+        self._element_spec = element_spec
+
+    @staticmethod
+    def from_value(value):
+        """An optional holding ``value``."""
+        return Optional(value, input_batches.spec_of_element(value)
+                        if _has_arrays(value) else None)
+
+    @staticmethod
+    def empty(element_spec):
+        """An empty optional whose value would have had ``element_spec``."""
+        return Optional(_EMPTY, element_spec)
+
+    def has_value(self):
+        """Whether a value is present (a Python bool)."""
+        return self._value is not _EMPTY
+
+    def get_value(self):
+        """The value. Raises `InvalidArgumentError` when the optional is empty."""
+        if self._value is _EMPTY:
+            raise errors.InvalidArgumentError(
+                "The Optional has no value: the iterator reached the end of its data. Check "
+                "has_value() before calling get_value().")
+        return self._value
+
+    @property
+    def element_spec(self):
+        """The spec of the value (a nest of ``jax.ShapeDtypeStruct``), if known."""
+        return self._element_spec
+
+    def __repr__(self):
+        return f"Optional(has_value={self.has_value()})"
+
+
+def _has_arrays(value):
+    return bool(jax.tree_util.tree_leaves(value))
+
+
+def _check_not_in_replica(what):
+    ctx = context.get_replica_context()
+    if ctx is not None and ctx.strategy is not context._default():
+        raise errors.InvalidArgumentError(
+            f"{what} was called inside a replica function (strategy.run). Take the batch in the "
+            "outer loop and pass it in: strategy.run(step, args=(next(iterator),)).")
+
+
+class _GlobalPlan:
+    """Elements from global batches (``experimental_distribute_dataset``)."""
+
+    def __init__(self, strategy, source, options):
+        self.source = source
+        self.placer = input_batches.Placer(strategy, options.experimental_fetch_to_device)
+        self.full_rows = source.static_rows()
+
+    def open(self):
+        splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows)
+        return self.source.open(), splitter
+
+    def spec(self):
+        first = self.source.first()
+        if first is None:
+            return None
+        return input_batches.GlobalBatchSplitter(self.placer, self.full_rows).spec(first)
+
+    def cardinality(self):
+        return self.source.cardinality()
+
+
+class _DealtPlan:
+    """Elements from per-replica batches (``distribute_datasets_from_function``)."""
+
+    def __init__(self, strategy, sources, per_replica):
+        self.sources = sources
+        self.per_replica = per_replica  # PER_REPLICA mode: one source per replica.
+        self.n = strategy.num_replicas_in_sync
+        self.placer = None  # Set by the caller (needs the options).
+        rows = {s.static_rows() for s in sources}
+        self.full_rows = rows.pop() if len(rows) == 1 else None
+
+    def open(self):
+        dealer = input_batches.PerReplicaDealer(self.placer, self.full_rows)
+        if self.per_replica:
+            return _zip_longest([s.open() for s in self.sources]), dealer
+        return _deal(self.sources[0].open(), self.n), dealer
+
+    def spec(self):
+        first = self.sources[0].first()
+        if first is None:
+            return None
+        return input_batches.PerReplicaDealer(self.placer, self.full_rows).spec(first)
+
+    def cardinality(self):
+        counts = [s.cardinality() for s in self.sources]
+        if INFINITE in counts:
+            return INFINITE
+        if UNKNOWN in counts or any(c < 0 for c in counts):
+            return UNKNOWN
+        if self.per_replica:
+            return max(counts)
+        return -(-counts[0] // self.n)
+
+
+def _deal(batches, n):
+    """Groups of ``n`` consecutive per-replica batches (the last group may be short)."""
+    try:
+        while True:
+            group = []
+            for batch in batches:
+                group.append(batch)
+                if len(group) == n:
+                    break
+            if not group:
+                return
+            yield group
+            if len(group) < n:
+                return
+    finally:
+        batches.close()
+
+
+def _zip_longest(iterators):
+    """One batch from each replica's iterator per step (None once it has ended)."""
+    alive = list(iterators)
+    try:
+        while True:
+            group = []
+            for i, it in enumerate(alive):
+                batch = None
+                if it is not None:
+                    batch = next(it, None)
+                    if batch is None:
+                        alive[i] = None
+                group.append(batch)
+            if all(b is None for b in group):
+                return
+            yield group
+    finally:
+        for it in iterators:
+            it.close()
+
+
+class DistributedDataset:
+    """A dataset whose elements are per-replica batches (``tf.distribute.DistributedDataset``).
+
+    Iterating it (``for batch in dist_dataset``, ``iter(dist_dataset)``) starts a
+    `DistributedIterator` that prepares the batches ahead of the step; each iteration replays
+    the data from the start (except over a one-shot iterator, which can be read once).
+    Elements keep the nest of the input batches, with a `PerReplica` value at each leaf (on one
+    replica: a plain array for full batches, a padded `PerReplica` for partial ones).
+    """
+
+    INFINITE_CARDINALITY = INFINITE
+    UNKNOWN_CARDINALITY = UNKNOWN
+
+    def __init__(self, strategy, plan, options):
+        self._strategy = strategy
+        self._plan = plan
+        self._options = options
+        self._spec = None
+        self._spec_known = False
+
+    def __iter__(self):
+        _check_not_in_replica("iter(distributed_dataset)")
+        return DistributedIterator(self)
+
+    @property
+    def element_spec(self):
+        """A nest of ``jax.ShapeDtypeStruct``: what ONE replica's function receives per element.
+
+        The leading dimension is the padded per-replica batch size (partial batches are padded
+        to it). None for a dataset without elements. May read the first batch to find it out.
+        """
+        if not self._spec_known:
+            spec = self._plan.spec()
+            if spec is not None:
+                self._spec, self._spec_known = spec, True
+        return self._spec
+
+    def _record_spec(self, element):
+        if not self._spec_known:
+            self._spec = input_batches.spec_of_element(element)
+            self._spec_known = True
+
+    def cardinality(self):
+        """The number of elements: an int, ``INFINITE_CARDINALITY`` (-1) or
+        ``UNKNOWN_CARDINALITY`` (-2)."""
+        return self._plan.cardinality()
+
+    @property
+    def options(self):
+        """The `InputOptions` the dataset was created with."""
+        return self._options
+
+    def reduce(self, initial_state, reduce_func):
+        """Folds the elements: ``state = reduce_func(state, element)`` over one pass."""
+        state = initial_state
+        for element in self:
+            state = reduce_func(state, element)
+        return state
+
+    def __repr__(self):
+        return f"DistributedDataset(strategy={self._strategy!r})"
+
+
+class _SyncFeed:
+    """The feeder without a thread (buffer size 0): prepares each element when asked."""
+
+    def __init__(self, source, transform, on_close):
+        self._source, self._transform, self._on_close = source, transform, on_close
+
+    def get(self):
+        if self._source is None:
+            return prefetch.END
+        try:
+            item = next(self._source)
+        except StopIteration:
+            return prefetch.END
+        return self._transform(item)
+
+    def close(self):
+        source, self._source = self._source, None
+        if source is not None:
+            self._on_close(source)
+
+
+def _close_source(source):
+    source.close()
+
+
+class DistributedIterator:
+    """An iterator over a `DistributedDataset` (``tf.distribute.DistributedIterator``).
+
+    ``next(it)`` raises ``StopIteration`` at the end; `get_next` raises `OutOfRangeError`;
+    `get_next_as_optional` returns an empty `Optional` from then on. A background thread
+    (``jdist-prefetch-*``) prepares elements ahead; it stops when the data ends, on `close`,
+    and when the iterator is garbage collected (e.g. after ``break``).
+    """
+
+    def __init__(self, dataset):
+        self._dataset = dataset
+        self._finished = False
+        self._feed = None
+        self._finalizer = None
+        self._start()
+
+    def _start(self):
+        source, transform = self._dataset._plan.open()
+        size = self._dataset._options.experimental_per_replica_buffer_size
+        if size == 0:
+            feed = _SyncFeed(source, transform, _close_source)
+        else:
+            feed = prefetch.Prefetcher(source, transform, size, on_close=_close_source)
+        self._feed = feed
+        self._finalizer = weakref.finalize(self, feed.close)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        _check_not_in_replica("next(iterator)")
+        if self._finished:
+            raise StopIteration
+        try:
+            element = self._feed.get()
+        except BaseException:
+            self._finish()
+            raise
+        if element is prefetch.END:
+            self._finish()
+            raise StopIteration
+        self._dataset._record_spec(element)
+        return element
+
+    def _finish(self):
+        self._finished = True
+        self._finalizer()  # Stops and joins the worker (at most once).
+
+    def get_next(self):
+        """The next element. Raises `OutOfRangeError` once the data has ended."""
+        try:
+            return self.__next__()
+        except StopIteration:
+            raise errors.OutOfRangeError("End of sequence: the distributed iterator has no more "
+                                         "elements.") from None
+
+    def get_next_as_optional(self):
+        """An `Optional` with the next element, or an empty one once the data has ended."""
+        try:
+            return Optional.from_value(self.__next__())
+        except StopIteration:
+            return Optional.empty(self._dataset._spec)
+
+    @property
+    def element_spec(self):
+        """The spec of one replica's value per element (see `DistributedDataset.element_spec`)."""
+        return self._dataset.element_spec
+
+    def close(self):
+        """Stops the background feeding and releases the source; the iterator is then at its end."""
+        self._finish()
+
+    def initialize(self):
+        """TF1 API: restarts the iterator at the beginning of the data; returns ``[]`` (no ops)."""
+        self._finish()
+        self._finished = False
+        self._start()
+        return []
+
+    def __repr__(self):
+        return f"DistributedIterator(finished={self._finished})"
+
+
+# ------------------------------------------------------------------ Strategy entry points
+def distribute_dataset(strategy, dataset, options=None):
+    """Implements `Strategy.experimental_distribute_dataset`."""
+    options = _options(options)
+    if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+        raise NotImplementedError(
+            "InputReplicationMode.PER_REPLICA is only supported in "
+            "`distribute_datasets_from_function`.")
+    if options.experimental_place_dataset_on_device:
+        raise NotImplementedError(
+            "`experimental_place_dataset_on_device` is only supported in "
+            "`distribute_datasets_from_function` with PER_REPLICA mode.")
+    if isinstance(dataset, DistributedDataset):
+        raise errors.InvalidArgumentError("the dataset is already distributed.")
+    source = input_batches.Source(dataset, "experimental_distribute_dataset")
+    n = strategy.num_replicas_in_sync
+    if n > 1 and hasattr(strategy.extended, "mesh") and source.is_unbatched():
+        raise input_batches.unbatched_error(n)
+    return DistributedDataset(strategy, _GlobalPlan(strategy, source, options), options)
+
+
+def distribute_datasets_from_function(strategy, dataset_fn, options=None):
+    """Implements `Strategy.distribute_datasets_from_function`."""
+    options = _options(options)
+    if not callable(dataset_fn):
+        raise errors.UnsupportedValueError(
+            f"dataset_fn must be a function of an InputContext, got {type(dataset_fn).__name__}.")
+    mode = options.experimental_replication_mode
+    if options.experimental_place_dataset_on_device and (
+            mode is not InputReplicationMode.PER_REPLICA):
+        raise errors.InvalidArgumentError(
+            "When `experimental_place_dataset_on_device` is set for dataset placement, you must "
+            "also specify `PER_REPLICA` for the replication mode.")
+    if (options.experimental_place_dataset_on_device and options.experimental_fetch_to_device
+            and mode is InputReplicationMode.PER_REPLICA):
+        raise errors.InvalidArgumentError(
+            "`experimental_place_dataset_on_device` can not be set to True when "
+            "experimental_fetch_to_device is True and replication mode is set to `PER_REPLICA`.")
+    n = strategy.num_replicas_in_sync
+    what = "distribute_datasets_from_function"
+    if mode is InputReplicationMode.PER_REPLICA:
+        contexts = [InputContext(n, i, n) for i in range(n)]
+    else:
+        contexts = [InputContext(1, 0, n)]  # One worker: one input pipeline.
+    sources = [input_batches.Source(dataset_fn(ctx), what) for ctx in contexts]
+    plan = _DealtPlan(strategy, sources, mode is InputReplicationMode.PER_REPLICA)
+    plan.placer = input_batches.Placer(strategy, options.experimental_fetch_to_device)
+    return DistributedDataset(strategy, plan, options)
+
+
+def make_numpy_dataset(numpy_input):
+    """Implements `Strategy.experimental_make_numpy_dataset`: the rows of ``numpy_input``."""
+    return NumpyDataset(numpy_input)
+
+
+def make_input_fn_iterator(strategy, input_fn, replication_mode):
+    """Implements `Strategy.make_input_fn_iterator` (TF1): an iterator over ``input_fn``'s data."""
+    if replication_mode is not InputReplicationMode.PER_WORKER:
+        raise errors.InvalidArgumentError(
+            f"Input replication mode not supported: {replication_mode!r}.")
+    return iter(distribute_datasets_from_function(strategy, input_fn))
+
+
+def experimental_run(strategy, fn, input_iterator=None):
+    """Implements `Strategy.experimental_run` (TF1): ``run(fn, args=(next element,))``."""
+    args = () if input_iterator is None else (input_iterator.get_next(),)
+    return strategy.run(fn, args=args)
+
+
+def _options(options):
+    if options is None:
+        return InputOptions()
+    if not isinstance(options, InputOptions):
+        raise errors.UnsupportedValueError(
+            f"options must be a jdist.InputOptions, got {type(options).__name__}.")
+    return options

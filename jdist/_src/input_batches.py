@@ -1,0 +1,374 @@
+"""From host batches to per-replica values: sources, TF's splitting rule, padding, placement.
+
+Representation (``docs/design.md``, "Partial and uneven batches"): every element a distributed
+dataset yields holds, for each leaf, ONE array of shape ``(N, R, *inner)`` sharded over the
+replicas, where ``R`` is the per-replica size of a FULL batch; replica ``i``'s real rows are the
+first ``lengths[i]`` of its block, the rest is zeros. ``lengths`` is None when every replica's
+block is full, so all batches share one shape and a step compiles once for full batches and once
+for partial ones (the lengths enter the program as a traced int, never as a shape).
+
+* `Source` adapts what users bring (tf.data, `NumpyDataset`, lists, loaders, generators,
+  zero-argument functions returning a fresh iterable) to an iterator of NumPy nests.
+* `GlobalBatchSplitter` applies TF's rule to a global batch of ``B`` rows: consecutive chunks of
+  ``ceil(B / N)`` rows, trailing replicas getting fewer or none.
+* `PerReplicaDealer` deals per-replica batches (``distribute_datasets_from_function``) to the
+  replicas in order; replicas left without data get empty batches.
+* `Placer` transfers: one ``jax.device_put`` call per element, each leaf a host array
+  ``(N, R, *inner)`` with the replica sharding, so each device receives its own block straight
+  from host memory (a full batch is a free reshape of the global batch; no device-side copy).
+"""
+
+import collections.abc
+
+import jax
+import numpy as np
+
+from jdist._src import errors
+from jdist._src.numpy_dataset import NumpyDataset
+from jdist._src.numpy_dataset import UNKNOWN
+from jdist._src.values import DistributedValues
+from jdist._src.values import PerReplica
+
+
+def _is_tf_dataset(obj):
+    module = type(obj).__module__ or ""
+    return ("tensorflow" in module and hasattr(obj, "element_spec")
+            and hasattr(obj, "as_numpy_iterator"))
+
+
+class Source:
+    """An iterable of host batches, opened once per pass over the data.
+
+    Args:
+      obj: a ``tf.data.Dataset``, a `NumpyDataset`, a re-iterable (list, loader), a one-shot
+        iterator (a generator; it can be read once), or a function of no arguments returning
+        a fresh iterable on each call.
+      what: the API name, for error messages.
+    """
+
+    def __init__(self, obj, what):
+        if isinstance(obj, (np.ndarray, jax.Array, DistributedValues)):
+            raise errors.InvalidArgumentError(
+                f"{what} takes a dataset of global batches, not an array: use "
+                "strategy.experimental_make_numpy_dataset(array).batch(global_batch_size), or "
+                "pass a list of batches.")
+        if isinstance(obj, (str, bytes, collections.abc.Mapping)):
+            raise errors.InvalidArgumentError(
+                f"{what} takes an iterable of batches, got a {type(obj).__name__}; for a dict of "
+                "arrays use strategy.experimental_make_numpy_dataset(d).batch(global_batch_size).")
+        self._obj = obj
+        self._what = what
+        self.is_tf = _is_tf_dataset(obj)
+        self.one_shot = isinstance(obj, collections.abc.Iterator)
+        self._callable = not self.is_tf and callable(obj) and not isinstance(
+            obj, collections.abc.Iterable)
+        if not (self.is_tf or self._callable or isinstance(obj, collections.abc.Iterable)):
+            raise errors.UnsupportedValueError(
+                f"{what} takes a tf.data.Dataset, an iterable of batches or a function returning "
+                f"one; got {type(obj).__name__}.")
+        self._opened = False
+        self._stash = []  # A one-shot source's batch read early by `first`.
+
+    def open(self):
+        """A new iterator of NumPy nests over the whole data (once only for one-shot sources)."""
+        if self.one_shot:
+            if self._opened:
+                raise errors.InvalidArgumentError(
+                    "this distributed dataset reads a one-shot iterator "
+                    f"({type(self._obj).__name__}) that was already read; to iterate again, pass "
+                    "a re-iterable (a list, a loader object, or a function of no arguments "
+                    "returning a fresh generator).")
+            self._opened = True
+            stash, self._stash = self._stash, []
+            return _host_batches(self._obj, stash)
+        if self.is_tf:
+            return _host_batches(self._obj.as_numpy_iterator(), ())
+        if self._callable:
+            return _host_batches(iter(self._obj()), ())
+        return _host_batches(iter(self._obj), ())
+
+    def first(self):
+        """The first batch as a NumPy nest (None if there is none), without losing it.
+
+        Sources that declare a full element's shapes answer with ``jax.ShapeDtypeStruct`` s
+        instead, without reading (reading would advance a shuffle's sequence of orders).
+        """
+        if isinstance(self._obj, NumpyDataset):
+            return self._obj.element_spec
+        if self.is_tf:
+            static = self._tf_static_spec()
+            if static is not None:
+                return static
+        if self.one_shot:
+            if self._opened:
+                return None
+            if not self._stash:
+                try:
+                    self._stash.append(next(self._obj))
+                except StopIteration:
+                    return None
+            return to_host(self._stash[0])
+        it = self.open()
+        try:
+            return next(it, None)
+        finally:
+            it.close()
+
+    def cardinality(self):
+        """How many batches one pass yields: an int, -1 (infinite) or -2 (unknown)."""
+        if self.is_tf:
+            return int(self._obj.cardinality())
+        if isinstance(self._obj, NumpyDataset):
+            return self._obj.cardinality()
+        if not self.one_shot and isinstance(self._obj, collections.abc.Sized):
+            try:
+                return len(self._obj)
+            except TypeError:
+                return UNKNOWN
+        return UNKNOWN
+
+    def static_rows(self):
+        """The leading size of a full batch when the source declares it, else None."""
+        if isinstance(self._obj, NumpyDataset):
+            return self._obj.batch_rows
+        if self.is_tf:
+            dims = {s[0] for s in self._tf_shapes() if s is not None and len(s) >= 1}
+            return dims.pop() if len(dims) == 1 and None not in dims else None
+        return None
+
+    def is_unbatched(self):
+        """True when the source declares rank-0 elements (an unbatched dataset)."""
+        if isinstance(self._obj, NumpyDataset):
+            return any(s.ndim == 0 for s in jax.tree_util.tree_leaves(self._obj.element_spec))
+        if self.is_tf:
+            return any(s is not None and len(s) == 0 for s in self._tf_shapes())
+        return False
+
+    def _tf_static_spec(self):
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        specs = self._obj.element_spec
+        flat = tf.nest.flatten(specs)
+        if not all(isinstance(x, tf.TensorSpec) and x.shape.is_fully_defined() for x in flat):
+            return None
+        structs = [jax.ShapeDtypeStruct(tuple(x.shape.as_list()), x.dtype.as_numpy_dtype)
+                   for x in flat]
+        return tf.nest.pack_sequence_as(specs, structs)
+
+    def _tf_shapes(self):
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        shapes = []
+        for spec in tf.nest.flatten(self._obj.element_spec):
+            shape = getattr(spec, "shape", None)
+            shapes.append(None if shape is None or shape.rank is None else tuple(shape.as_list()))
+        return shapes
+
+
+def _host_batches(it, stash):
+    """Yields each element of ``it`` (after ``stash``) as a NumPy nest; closes ``it`` at the end."""
+    try:
+        for element in stash:
+            yield to_host(element)
+        for element in it:
+            yield to_host(element)
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def to_host(element):
+    """``element`` with every leaf as a NumPy array of a dtype a device can hold."""
+    return jax.tree_util.tree_map(_host_array, element)
+
+
+def _host_array(x):
+    a = np.asarray(x)
+    if a.dtype.kind not in "biufc":
+        raise errors.InvalidArgumentError(
+            f"a batch holds a value of dtype {a.dtype} ({type(x).__name__}), which cannot be "
+            "placed on a device; convert strings and objects to numbers in the input pipeline.")
+    return a
+
+
+class Placer:
+    """Puts the leaves of one element on the strategy's devices, in one transfer call.
+
+    Each leaf arrives either as one replica's whole value (`whole`, on one replica or the
+    default strategy) or as a host array ``(N, R, *inner)`` with its ``lengths`` (`stacked`).
+    All leaves of an element go to ``jax.device_put`` together, each stacked leaf with the
+    strategy's replica sharding: every device receives its own block straight from host memory.
+
+    Args:
+      strategy: the strategy whose replicas receive the data.
+      fetch_to_device: False keeps the padded blocks in host memory (`strategy.run` transfers
+        them when called).
+    """
+
+    def __init__(self, strategy, fetch_to_device=True):
+        extended = strategy.extended
+        self.n = strategy.num_replicas_in_sync
+        self.fetch = fetch_to_device
+        self.plain = not hasattr(extended, "mesh")  # The default strategy: no mesh of its own.
+        if self.plain:
+            self._whole_target, self._sharding = None, None
+        else:
+            self._whole_target = extended.worker_devices[0]
+            self._sharding = jax.sharding.NamedSharding(
+                extended.mesh, jax.sharding.PartitionSpec(extended.replica_axis))
+
+    @staticmethod
+    def whole(array):
+        """A leaf given to the only replica as it is."""
+        return (array, None, False)
+
+    @staticmethod
+    def stacked(chunks, rows):
+        """A leaf from one chunk per replica, each zero-padded to ``rows`` (None: no padding)."""
+        if rows is None or all(c.shape[0] == rows for c in chunks):
+            return (np.stack(chunks), None, True)
+        first = chunks[0]
+        out = np.zeros((len(chunks), rows) + first.shape[1:], first.dtype)
+        for i, c in enumerate(chunks):
+            out[i, :c.shape[0]] = c
+        return (out, tuple(c.shape[0] for c in chunks), True)
+
+    def place(self, leaves):
+        """The element's values: arrays for `whole` leaves, `PerReplica` for `stacked` ones."""
+        arrays = [a for a, _, _ in leaves]
+        if self.fetch and self.plain:
+            arrays = [jax.device_put(a) for a in arrays]
+        elif self.fetch:
+            arrays = jax.device_put(arrays, [self._sharding if is_stacked else self._whole_target
+                                             for _, _, is_stacked in leaves])
+        return [PerReplica._from_stacked(a, lengths) if is_stacked else a
+                for a, (_, lengths, is_stacked) in zip(arrays, leaves)]
+
+
+class GlobalBatchSplitter:
+    """Splits global batches by TF's rule and pads each replica's chunk (see module doc).
+
+    Args:
+      placer: the `Placer` of the strategy.
+      full_rows: the leading size of a full global batch when known in advance; otherwise the
+        largest batch seen so far sets the per-replica size.
+    """
+
+    def __init__(self, placer, full_rows=None):
+        self.placer = placer
+        self.n = placer.n
+        self.rows = None if full_rows is None else -(-full_rows // self.n)
+
+    def __call__(self, batch):
+        leaves, tree = jax.tree_util.tree_flatten(batch)
+        if not leaves:
+            raise errors.InvalidArgumentError("a dataset element has no arrays in it.")
+        n, placer = self.n, self.placer
+        if any(a.ndim == 0 for a in leaves):
+            if n > 1 and not placer.plain:
+                raise unbatched_error(n)
+            placed = placer.place([placer.whole(a) for a in leaves])
+            return jax.tree_util.tree_unflatten(tree, placed)
+        size = batch_size(leaves)
+        per_replica = -(-size // n)
+        self.rows = rows = per_replica if self.rows is None else max(self.rows, per_replica)
+        if placer.plain or (n == 1 and size == rows):
+            parts = [placer.whole(a) for a in leaves]
+        elif size == n * rows:  # A full batch: a free reshape, no padding, lengths None.
+            parts = [(a.reshape((n, rows) + a.shape[1:]), None, True) for a in leaves]
+        else:
+            bounds = [(min(i * per_replica, size), min((i + 1) * per_replica, size))
+                      for i in range(n)]
+            parts = [placer.stacked([a[lo:hi] for lo, hi in bounds], rows) for a in leaves]
+        return jax.tree_util.tree_unflatten(tree, placer.place(parts))
+
+    def spec(self, batch):
+        """The per-replica element spec that ``batch`` would give (nothing is transferred)."""
+        leaves, tree = jax.tree_util.tree_flatten(batch)
+        if any(a.ndim == 0 for a in leaves) or not leaves:
+            return jax.tree_util.tree_unflatten(tree, [_struct(a.shape, a.dtype) for a in leaves])
+        rows = -(-batch_size(leaves) // self.n)
+        rows = rows if self.rows is None else max(rows, self.rows)
+        return jax.tree_util.tree_unflatten(
+            tree, [_struct((rows,) + a.shape[1:], a.dtype) for a in leaves])
+
+
+def batch_size(leaves):
+    sizes = {a.shape[0] for a in leaves}
+    if len(sizes) != 1:
+        raise errors.InvalidArgumentError(
+            f"the arrays of one batch must share their leading (batch) size, got {sorted(sizes)}.")
+    return sizes.pop()
+
+
+def unbatched_error(n):
+    return errors.InvalidArgumentError(
+        f"the dataset's elements are unbatched (rank-0 values) but the strategy has {n} replicas: "
+        "each global batch is split along its first axis, so batch the dataset first, e.g. "
+        "dataset.batch(global_batch_size).")
+
+
+class PerReplicaDealer:
+    """Deals per-replica batches to the replicas in order (``distribute_datasets_from_function``).
+
+    Called with a group of up to ``N`` per-replica batches (None for a replica without data);
+    replicas without data get empty batches, and every block is padded to the largest
+    per-replica batch seen so far (or ``full_rows`` when known).
+    """
+
+    def __init__(self, placer, full_rows=None):
+        self.placer = placer
+        self.n = placer.n
+        self.rows = full_rows
+
+    def __call__(self, group):
+        group = list(group) + [None] * (self.n - len(group))
+        present = [b for b in group if b is not None]
+        tree = jax.tree_util.tree_structure(present[0])
+        for b in present[1:]:
+            if jax.tree_util.tree_structure(b) != tree:
+                raise errors.InvalidArgumentError(
+                    "the per-replica datasets yielded batches of different structures: "
+                    f"{tree} and {jax.tree_util.tree_structure(b)}.")
+        template = jax.tree_util.tree_leaves(present[0])
+        columns = [jax.tree_util.tree_leaves(b) if b is not None else None for b in group]
+        scalar = any(a.ndim == 0 for a in template)
+        if scalar and len(present) != len(group):
+            raise errors.InvalidArgumentError(
+                "a replica was left without data, which needs batched (rank >= 1) values to be "
+                "given an empty batch; the per-replica datasets yield rank-0 values.")
+        if not scalar:
+            sizes = {batch_size(c) for c in columns if c is not None}
+            self.rows = max(sizes | ({self.rows} if self.rows is not None else set()))
+        placer, parts = self.placer, []
+        for j, t in enumerate(template):
+            chunks = [c[j] if c is not None else np.zeros((0,) + t.shape[1:], t.dtype)
+                      for c in columns]
+            if placer.plain or (self.n == 1 and (scalar or chunks[0].shape[0] == self.rows)):
+                parts.append(placer.whole(chunks[0]))
+            else:
+                parts.append(placer.stacked(chunks, None if scalar else self.rows))
+        return jax.tree_util.tree_unflatten(tree, placer.place(parts))
+
+    def spec(self, batch):
+        leaves, tree = jax.tree_util.tree_flatten(batch)
+        rows = None
+        if leaves and all(a.ndim >= 1 for a in leaves):
+            rows = max(batch_size(leaves), self.rows or 0)
+        return jax.tree_util.tree_unflatten(
+            tree, [_struct(a.shape if rows is None else (rows,) + a.shape[1:], a.dtype)
+                   for a in leaves])
+
+
+def _struct(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype))
+
+
+def spec_of_element(element):
+    """The per-replica spec of an element a distributed iterator produced."""
+    def leaf_spec(x):
+        if isinstance(x, PerReplica):
+            return _struct(x.stacked.shape[1:], x.stacked.dtype)
+        dtype = getattr(x, "dtype", None)
+        return _struct(np.shape(x), np.asarray(x).dtype if dtype is None else dtype)
+    return jax.tree_util.tree_map(leaf_spec, element,
+                                  is_leaf=lambda x: isinstance(x, DistributedValues))

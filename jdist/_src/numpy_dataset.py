@@ -1,0 +1,259 @@
+"""`NumpyDataset`: slices of in-memory NumPy arrays with the few tf.data verbs training needs.
+
+``strategy.experimental_make_numpy_dataset(x)`` returns one, as TF returns
+``tf.data.Dataset.from_tensor_slices(x)``: an unbatched dataset of the rows of ``x`` (any nest of
+arrays with a common leading size). ``batch``, ``shuffle``, ``repeat``, ``take``, ``skip`` and
+``shard`` behave as their tf.data namesakes. Internally the pipeline moves row indices, and a
+batch is materialised by one fancy-indexing gather per array, so no per-row Python work is done
+for batched data.
+"""
+
+import itertools
+
+import jax
+import numpy as np
+
+from jdist._src import errors
+
+INFINITE = -1  # tf.data.INFINITE_CARDINALITY
+UNKNOWN = -2  # tf.data.UNKNOWN_CARDINALITY
+
+
+class NumpyDataset:
+    """A tf.data-like dataset over the rows of NumPy arrays (what TF's from_tensor_slices gives).
+
+    Args:
+      data: an array, or a nest (dict, tuple, list) of arrays sharing their leading size.
+
+    Example:
+      >>> import numpy as np
+      >>> ds = NumpyDataset(np.arange(5)).batch(2)
+      >>> [b.tolist() for b in ds], ds.cardinality()
+      ([[0, 1], [2, 3], [4]], 3)
+    """
+
+    def __init__(self, data, _ops=()):
+        leaves = jax.tree_util.tree_leaves(data)
+        if not leaves:
+            raise errors.InvalidArgumentError("a numpy dataset needs at least one array.")
+        data = jax.tree_util.tree_map(np.asarray, data)
+        leaves = jax.tree_util.tree_leaves(data)
+        if any(a.ndim == 0 for a in leaves):
+            raise errors.InvalidArgumentError(
+                "a numpy dataset slices its arrays along the first axis; got a rank-0 array.")
+        sizes = {a.shape[0] for a in leaves}
+        if len(sizes) != 1:
+            raise errors.InvalidArgumentError(
+                "the arrays of a numpy dataset must share their first dimension, got "
+                f"{sorted(sizes)}.")
+        self._data = data
+        self._size = sizes.pop()
+        self._ops = tuple(_ops)
+
+    @classmethod
+    def from_tensor_slices(cls, data):
+        """The rows of ``data`` (same as the constructor)."""
+        return cls(data)
+
+    def _then(self, op):
+        out = object.__new__(NumpyDataset)
+        out._data, out._size, out._ops = self._data, self._size, self._ops + (op,)
+        return out
+
+    def batch(self, batch_size, drop_remainder=False):
+        """Groups consecutive elements into batches of ``batch_size`` (the last may be smaller)."""
+        return self._then(_Batch(_positive(batch_size, "batch_size"), bool(drop_remainder)))
+
+    def shuffle(self, buffer_size, seed=None, reshuffle_each_iteration=True):
+        """Shuffles with a ``buffer_size`` buffer, as tf.data does; a new order every iteration."""
+        return self._then(_Shuffle(_positive(buffer_size, "buffer_size"), seed,
+                                   bool(reshuffle_each_iteration)))
+
+    def repeat(self, count=None):
+        """Repeats the data ``count`` times (None or -1: forever)."""
+        return self._then(_Repeat(None if count is None or count == -1 else int(count)))
+
+    def take(self, count):
+        """The first ``count`` elements (-1: all)."""
+        return self._then(_Take(int(count)))
+
+    def skip(self, count):
+        """All but the first ``count`` elements."""
+        return self._then(_Skip(int(count)))
+
+    def shard(self, num_shards, index):
+        """Every ``num_shards``-th element starting at ``index`` (tf.data's shard)."""
+        num_shards = _positive(num_shards, "num_shards")
+        if not 0 <= int(index) < num_shards:
+            raise errors.InvalidArgumentError(f"index {index} must be in [0, {num_shards}).")
+        return self._then(_Shard(num_shards, int(index)))
+
+    def prefetch(self, buffer_size=None):
+        """Returns the dataset itself: distributed datasets already prefetch on a thread."""
+        return self
+
+    def __iter__(self):
+        data = self._data
+        for item in self._indices()():
+            yield jax.tree_util.tree_map(lambda a, item=item: a[item], data)
+
+    def _indices(self):
+        factory = lambda: iter(range(self._size))
+        for op in self._ops:
+            factory = op.wrap(factory)
+        return factory
+
+    def cardinality(self):
+        """The number of elements: an int, or -1 (INFINITE) for an endless repeat."""
+        count = self._size
+        for op in self._ops:
+            count = op.cardinality(count)
+        return count
+
+    def __len__(self):
+        count = self.cardinality()
+        if count < 0:
+            raise TypeError("the dataset is infinite; it has no len().")
+        return count
+
+    @property
+    def batch_rows(self):
+        """The leading size of a full element (the outermost batch size), None if unbatched."""
+        sizes = [op.size for op in self._ops if isinstance(op, _Batch)]
+        return sizes[-1] if sizes else None
+
+    @property
+    def element_spec(self):
+        """A nest of ``jax.ShapeDtypeStruct`` describing a full element (batch dims included)."""
+        outer = tuple(op.size for op in reversed(self._ops) if isinstance(op, _Batch))
+        return jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(outer + a.shape[1:], a.dtype), self._data)
+
+    def __repr__(self):
+        return f"NumpyDataset(rows={self._size}, element_spec={self.element_spec})"
+
+
+def _positive(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise errors.InvalidArgumentError(f"{name} must be a positive int, got {value!r}.")
+    return int(value)
+
+
+class _Batch:
+
+    def __init__(self, size, drop_remainder):
+        self.size, self.drop = size, drop_remainder
+
+    def wrap(self, upstream):
+        def batches():
+            it = upstream()
+            while True:
+                chunk = list(itertools.islice(it, self.size))
+                if not chunk or (self.drop and len(chunk) < self.size):
+                    return
+                try:
+                    yield np.stack(chunk)
+                except ValueError as e:
+                    raise errors.InvalidArgumentError(
+                        f"cannot batch elements of different shapes: {e}") from None
+        return batches
+
+    def cardinality(self, count):
+        if count < 0:
+            return count
+        return count // self.size if self.drop else -(-count // self.size)
+
+
+class _Shuffle:
+
+    def __init__(self, buffer_size, seed, reshuffle):
+        self.buffer_size, self.reshuffle = buffer_size, reshuffle
+        self.seed = np.random.SeedSequence().entropy if seed is None else int(seed)
+        self.epochs = itertools.count()
+
+    def wrap(self, upstream):
+        def shuffled():
+            epoch = next(self.epochs) if self.reshuffle else 0
+            rng = np.random.default_rng([self.seed, epoch])
+            it = upstream()
+            buffer = list(itertools.islice(it, self.buffer_size))
+            for item in it:  # Streaming, as tf.data: emit a random slot, refill it.
+                slot = int(rng.integers(len(buffer)))
+                yield buffer[slot]
+                buffer[slot] = item
+            for slot in rng.permutation(len(buffer)):
+                yield buffer[slot]
+        return shuffled
+
+    def cardinality(self, count):
+        return count
+
+
+class _Repeat:
+
+    def __init__(self, count):
+        self.count = count
+
+    def wrap(self, upstream):
+        def repeated():
+            for _ in (itertools.count() if self.count is None else range(self.count)):
+                empty = True
+                for item in upstream():
+                    empty = False
+                    yield item
+                if empty:
+                    return
+        return repeated
+
+    def cardinality(self, count):
+        if count == 0 or self.count == 0:
+            return 0
+        if self.count is None or count < 0:
+            return INFINITE if self.count is None or count == INFINITE else count
+        return count * self.count
+
+
+class _Take:
+
+    def __init__(self, count):
+        self.count = count
+
+    def wrap(self, upstream):
+        if self.count < 0:
+            return upstream
+        return lambda: itertools.islice(upstream(), self.count)
+
+    def cardinality(self, count):
+        if self.count < 0:
+            return count
+        return self.count if count == INFINITE else min(count, self.count)
+
+
+class _Skip:
+
+    def __init__(self, count):
+        self.count = count
+
+    def wrap(self, upstream):
+        if self.count < 0:
+            return lambda: iter(())
+        return lambda: itertools.islice(upstream(), self.count, None)
+
+    def cardinality(self, count):
+        if self.count < 0:
+            return 0 if count >= 0 else count
+        return count if count < 0 else max(0, count - self.count)
+
+
+class _Shard:
+
+    def __init__(self, num_shards, index):
+        self.num, self.index = num_shards, index
+
+    def wrap(self, upstream):
+        return lambda: itertools.islice(upstream(), self.index, None, self.num)
+
+    def cardinality(self, count):
+        if count < 0:
+            return count
+        return max(0, -(-(count - self.index) // self.num))

@@ -1,0 +1,331 @@
+"""How distributed datasets and iterators end, replay and describe themselves; options and the
+TF1 names (SEMANTICS.md, Datasets)."""
+
+import functools
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdist
+from jdist import errors
+from jdist._src.numpy_dataset import NumpyDataset
+
+COUNTS = (1, 2, 3, 4, 5, 8)
+
+
+@functools.lru_cache(maxsize=None)
+def strategy_of(n):
+    return jdist.MirroredStrategy(jax.devices()[:n])
+
+
+@pytest.fixture(params=COUNTS, ids=lambda n: f"{n}rep")
+def s(request):
+    return strategy_of(request.param)
+
+
+def gathered(s, element):
+    return np.asarray(s.gather(element, 0))
+
+
+def dataset(s, size=10, batch=4, **options):
+    opts = jdist.InputOptions(**options) if options else None
+    ds = s.experimental_make_numpy_dataset(np.arange(size, dtype=np.float32)).batch(batch)
+    return s.experimental_distribute_dataset(ds, opts)
+
+
+# ------------------------------------------------------------------------ ending
+def test_for_loop_yields_every_batch_and_next_raises_stop_iteration(s):
+    dist = dataset(s)
+    assert [gathered(s, b).tolist() for b in dist] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    it = iter(dist)
+    for _ in range(3):
+        next(it)
+    for _ in range(2):  # And again: still the end.
+        with pytest.raises(StopIteration):
+            next(it)
+
+
+def test_get_next_raises_out_of_range_error(s):
+    it = iter(dataset(s))
+    assert gathered(s, it.get_next()).tolist() == [0, 1, 2, 3]
+    it.get_next()
+    it.get_next()
+    with pytest.raises(errors.OutOfRangeError):
+        it.get_next()
+    with pytest.raises(errors.OutOfRangeError):
+        it.get_next()
+
+
+def test_get_next_as_optional_is_empty_forever_after_the_end(s):
+    it = iter(dataset(s))
+    values = []
+    while True:
+        opt = it.get_next_as_optional()
+        if not opt.has_value():
+            break
+        values.append(gathered(s, opt.get_value()).tolist())
+    assert values == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    for _ in range(3):
+        opt = it.get_next_as_optional()
+        assert opt.has_value() is False
+        with pytest.raises(errors.InvalidArgumentError):
+            opt.get_value()
+    assert isinstance(opt, jdist.Optional)
+    assert opt.element_spec == it.element_spec
+
+
+def test_iterating_again_replays_the_data(s):
+    dist = dataset(s, size=7, batch=3)
+    first = [gathered(s, b).tolist() for b in dist]
+    second = [gathered(s, b).tolist() for b in dist]
+    assert first == second == [[0, 1, 2], [3, 4, 5], [6]]
+    a, b = iter(dist), iter(dist)  # Two live iterators are independent.
+    assert gathered(s, next(a)).tolist() == gathered(s, next(b)).tolist() == [0, 1, 2]
+
+
+def test_a_one_shot_generator_is_read_once():
+    s = strategy_of(2)
+    dist = s.experimental_distribute_dataset(np.arange(2 * k, 2 * k + 2) for k in range(3))
+    assert len(list(dist)) == 3
+    with pytest.raises(errors.InvalidArgumentError, match="one-shot"):
+        iter(dist)
+
+
+def test_a_zero_argument_function_is_re_iterable():
+    s = strategy_of(2)
+    dist = s.experimental_distribute_dataset(
+        lambda: (np.arange(2 * k, 2 * k + 2) for k in range(3)))
+    assert [gathered(s, b).tolist() for b in dist] == [[0, 1], [2, 3], [4, 5]]
+    assert len(list(dist)) == 3
+
+
+def test_next_inside_the_replica_function_is_a_value_error(s):
+    it = iter(dataset(s))
+
+    def step(x):
+        next(it)
+        return x
+
+    with pytest.raises(ValueError, match="replica function"):
+        s.run(step, args=(jnp.float32(1.0),))
+
+    def step_get_next(x):
+        it.get_next()
+        return x
+
+    with pytest.raises(ValueError, match="replica function"):
+        s.run(step_get_next, args=(jnp.float32(1.0),))
+    assert gathered(s, next(it)).tolist() == [0, 1, 2, 3]  # The iterator is untouched.
+
+
+# --------------------------------------------------------- element_spec, cardinality
+def test_element_spec_is_one_replicas_padded_batch(s):
+    n = s.num_replicas_in_sync
+    x = {"a": np.zeros((10, 3), np.float32), "b": np.zeros((10,), np.int32)}
+    dist = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(x).batch(6))
+    rows = -(-6 // n)
+    want = {"a": jax.ShapeDtypeStruct((rows, 3), jnp.float32),
+            "b": jax.ShapeDtypeStruct((rows,), jnp.int32)}
+    assert dist.element_spec == want
+    it = iter(dist)
+    assert it.element_spec == want
+    for element in it:
+        for key in x:
+            value = element[key]
+            shape = value.stacked.shape[1:] if isinstance(value, jdist.PerReplica) else value.shape
+            assert shape == want[key].shape
+
+
+def test_element_spec_of_generators_is_read_from_the_first_batch():
+    s = strategy_of(4)
+    dist = s.experimental_distribute_dataset(lambda: iter([np.zeros((7, 2), np.float64)]))
+    assert dist.element_spec == jax.ShapeDtypeStruct((2, 2), jnp.float32)  # float64 -> default.
+    one_shot = s.experimental_distribute_dataset(iter([np.zeros((8,), np.int32)]))
+    assert one_shot.element_spec == jax.ShapeDtypeStruct((2,), jnp.int32)
+    assert [gathered(s, b).shape for b in one_shot] == [(8,)]  # Peeking lost nothing.
+
+
+def test_cardinality():
+    s = strategy_of(2)
+    ds = s.experimental_make_numpy_dataset(np.arange(10))
+    assert s.experimental_distribute_dataset(ds.batch(4)).cardinality() == 3
+    assert s.experimental_distribute_dataset(ds.batch(4, drop_remainder=True)).cardinality() == 2
+    assert s.experimental_distribute_dataset(ds.batch(4).repeat()).cardinality() == (
+        jdist.DistributedDataset.INFINITE_CARDINALITY)
+    assert s.experimental_distribute_dataset([np.zeros(2)] * 5).cardinality() == 5
+    gen = s.experimental_distribute_dataset(lambda: iter([np.zeros(2)]))
+    assert gen.cardinality() == jdist.DistributedDataset.UNKNOWN_CARDINALITY
+    dealt = s.distribute_datasets_from_function(lambda ctx: ds.batch(2))
+    assert dealt.cardinality() == 3  # Five per-replica batches dealt to two replicas.
+
+
+def test_reduce_folds_one_pass():
+    s = strategy_of(2)
+    dist = s.experimental_distribute_dataset(
+        s.experimental_make_numpy_dataset(np.arange(5.0)).batch(2))
+    total = dist.reduce(0.0, lambda acc, b: acc + float(s.reduce("sum", b, axis=0)))
+    assert total == 10.0
+
+
+# ------------------------------------------------------------------------ options
+def test_input_options_defaults_and_validation():
+    o = jdist.InputOptions()
+    assert o.experimental_fetch_to_device is True
+    assert o.experimental_replication_mode is jdist.InputReplicationMode.PER_WORKER
+    assert o.experimental_place_dataset_on_device is False
+    assert o.experimental_per_replica_buffer_size == 1
+    assert jdist.InputOptions(experimental_replication_mode="per_replica") == jdist.InputOptions(
+        experimental_replication_mode=jdist.InputReplicationMode.PER_REPLICA)
+    with pytest.raises(ValueError):
+        jdist.InputOptions(experimental_per_replica_buffer_size=-1)
+    with pytest.raises(ValueError):
+        jdist.InputOptions(experimental_replication_mode="sideways")
+    s = strategy_of(2)
+    per_replica = jdist.InputOptions(experimental_replication_mode="PER_REPLICA")
+    with pytest.raises(NotImplementedError, match="distribute_datasets_from_function"):
+        s.experimental_distribute_dataset([np.zeros(2)], per_replica)
+    with pytest.raises(ValueError, match="PER_REPLICA"):
+        s.distribute_datasets_from_function(
+            lambda ctx: [np.zeros(1)],
+            jdist.InputOptions(experimental_place_dataset_on_device=True))
+    with pytest.raises(ValueError, match="experimental_fetch_to_device"):
+        s.distribute_datasets_from_function(
+            lambda ctx: [np.zeros(1)],
+            jdist.InputOptions(experimental_place_dataset_on_device=True,
+                               experimental_replication_mode="PER_REPLICA"))
+    with pytest.raises(TypeError):
+        s.experimental_distribute_dataset([np.zeros(2)], options={"buffer": 2})
+
+
+@pytest.mark.parametrize("n", (1, 3))
+def test_fetch_to_device_false_keeps_batches_on_the_host(n):
+    s = strategy_of(n)
+    dist = dataset(s, size=5, batch=3, experimental_fetch_to_device=False)
+    elements = list(dist)
+    assert isinstance(elements[1], jdist.PerReplica) and isinstance(elements[1].stacked, np.ndarray)
+    doubled = [s.run(lambda x: x * 2, args=(e,)) for e in elements]
+    assert [gathered(s, d).tolist() for d in doubled] == [[0, 2, 4], [6, 8]]
+
+
+def test_buffer_size_zero_feeds_without_a_thread():
+    s = strategy_of(2)
+    it = iter(dataset(s, experimental_per_replica_buffer_size=0))
+    assert not hasattr(it._feed, "thread")
+    assert [gathered(s, b).tolist() for b in it] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_invalid_inputs():
+    s = strategy_of(2)
+    with pytest.raises(ValueError, match="experimental_make_numpy_dataset"):
+        s.experimental_distribute_dataset(np.arange(4))
+    with pytest.raises(ValueError, match="dict"):
+        s.experimental_distribute_dataset({"x": np.arange(4)})
+    with pytest.raises(TypeError):
+        s.experimental_distribute_dataset(3)
+    with pytest.raises(TypeError):
+        s.distribute_datasets_from_function([np.zeros(2)])
+
+
+# ------------------------------------------------------------------ default strategy
+def test_default_strategy_yields_the_global_batches():
+    s = jdist.get_strategy()
+    dist = s.experimental_distribute_dataset([np.arange(3.0), np.arange(2.0)])
+    assert [np.asarray(b).tolist() for b in dist] == [[0.0, 1.0, 2.0], [0.0, 1.0]]
+    assert float(s.reduce("sum", next(iter(dist)), axis=0)) == 3.0
+    dealt = s.distribute_datasets_from_function(
+        lambda ctx: [np.full(2, ctx.num_replicas_in_sync)] * 2)
+    assert [np.asarray(b).tolist() for b in dealt] == [[1, 1], [1, 1]]
+
+
+# ---------------------------------------------------------------------- TF1 names
+def test_make_dataset_iterator_and_experimental_run(s):
+    it = s.make_dataset_iterator(s.experimental_make_numpy_dataset(np.arange(6.0)).batch(4))
+    assert it.initialize() == []
+
+    def step(x):
+        return jdist.get_replica_context().all_reduce("sum", jnp.sum(x))
+
+    assert float(jnp.asarray(s.experimental_run(step, it))) == 6.0
+    assert float(jnp.asarray(s.experimental_run(step, it))) == 9.0
+    with pytest.raises(errors.OutOfRangeError):
+        s.experimental_run(step, it)
+    it.initialize()  # Restarts from the beginning.
+    assert float(jnp.asarray(s.experimental_run(step, it))) == 6.0
+    it.close()
+    assert float(jnp.asarray(s.experimental_run(lambda: jnp.float32(2.0)))) == 2.0
+
+
+def test_make_input_fn_iterator_and_the_alias():
+    s = strategy_of(2)
+
+    def input_fn(ctx):
+        assert isinstance(ctx, jdist.InputContext) and ctx.num_replicas_in_sync == 2
+        per_replica = ctx.get_per_replica_batch_size(4)
+        return s.experimental_make_numpy_dataset(np.arange(6)).batch(per_replica)
+
+    it = s.make_input_fn_iterator(input_fn)
+    assert [v.tolist() for v in s.experimental_local_results(it.get_next())] == [[0, 1], [2, 3]]
+    assert [v.tolist() for v in s.experimental_local_results(it.get_next())] == [[4, 5], []]
+    with pytest.raises(errors.OutOfRangeError):
+        it.get_next()
+    with pytest.raises(ValueError, match="not supported"):
+        s.make_input_fn_iterator(input_fn, jdist.InputReplicationMode.PER_REPLICA)
+    alias = s.experimental_distribute_datasets_from_function(input_fn)
+    assert isinstance(alias, jdist.DistributedDataset) and len(list(alias)) == 2
+
+
+# --------------------------------------------------------------------- NumpyDataset
+def test_numpy_dataset_verbs():
+    ds = NumpyDataset({"x": np.arange(10), "y": np.arange(10) * 2})
+    assert ds.cardinality() == 10
+    batches = list(ds.batch(4))
+    assert [b["x"].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert all((b["y"] == 2 * b["x"]).all() for b in batches)
+    assert [b.tolist() for b in NumpyDataset(np.arange(5)).batch(2, drop_remainder=True)] == [
+        [0, 1], [2, 3]]
+    assert [int(x) for x in NumpyDataset(np.arange(5)).skip(1).take(3)] == [1, 2, 3]
+    assert [int(x) for x in NumpyDataset(np.arange(7)).shard(3, 1)] == [1, 4]
+    assert NumpyDataset(np.arange(7)).shard(3, 1).cardinality() == 2
+    assert [int(x) for x in NumpyDataset(np.arange(3)).repeat(2)] == [0, 1, 2, 0, 1, 2]
+    assert NumpyDataset(np.arange(3)).repeat().take(7).cardinality() == 7
+    nested = NumpyDataset(np.arange(8)).batch(2).batch(2)
+    assert nested.element_spec.shape == (2, 2) and next(iter(nested)).tolist() == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError):
+        NumpyDataset({"x": np.arange(3), "y": np.arange(4)})
+    with pytest.raises(ValueError):
+        NumpyDataset(np.arange(3)).batch(0)
+
+
+def test_numpy_dataset_shuffles_differently_each_iteration():
+    ds = NumpyDataset(np.arange(50)).shuffle(50, seed=3)
+    a, b = [int(x) for x in ds], [int(x) for x in ds]
+    assert sorted(a) == sorted(b) == list(range(50)) and a != b
+    again = NumpyDataset(np.arange(50)).shuffle(50, seed=3)
+    assert [int(x) for x in again] == a  # A seed makes the sequence of orders reproducible.
+    fixed = NumpyDataset(np.arange(50)).shuffle(50, seed=3, reshuffle_each_iteration=False)
+    assert [int(x) for x in fixed] == [int(x) for x in fixed]
+    small = [int(x) for x in NumpyDataset(np.arange(50)).shuffle(4, seed=0)]
+    assert sorted(small) == list(range(50))
+    assert all(x <= i + 4 for i, x in enumerate(small))  # A small buffer shuffles locally.
+    epochs = [int(x) for x in NumpyDataset(np.arange(5)).shuffle(5, seed=1).repeat(2)]
+    assert sorted(epochs[:5]) == sorted(epochs[5:]) == list(range(5))
+
+
+def test_element_spec_does_not_consume_a_shuffle_order():
+    s = strategy_of(2)
+    make = lambda: s.experimental_make_numpy_dataset(np.arange(12)).shuffle(12, seed=5).batch(4)
+    dist = s.experimental_distribute_dataset(make())
+    assert dist.element_spec == jax.ShapeDtypeStruct((2,), jnp.int32)
+    first_epoch = np.concatenate([gathered(s, b) for b in dist])
+    assert first_epoch.tolist() == np.concatenate(list(make())).tolist()
+
+
+def test_importing_jdist_does_not_import_tensorflow():
+    code = ("import sys, numpy as np, jdist; s = jdist.get_strategy(); "
+            "list(s.experimental_distribute_dataset([np.zeros(2)])); "
+            "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

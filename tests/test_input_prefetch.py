@@ -1,0 +1,206 @@
+"""The background feeder: reads ahead (bounded), forwards errors, and never leaves a thread."""
+
+import functools
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import jdist
+from jdist._src import prefetch
+
+
+@functools.lru_cache(maxsize=None)
+def strategy_of(n):
+    return jdist.MirroredStrategy(jax.devices()[:n])
+
+
+def prefetch_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("jdist-prefetch-")]
+
+
+def wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class CountingLoader:
+    """A re-iterable loader (forever, unless ``limit``) that counts the batches it produced."""
+
+    def __init__(self, limit=None, fail_at=None, delay=0.0):
+        self.produced = 0
+        self.limit, self.fail_at, self.delay = limit, fail_at, delay
+
+    def __iter__(self):
+        k = 0
+        while self.limit is None or k < self.limit:
+            if k == self.fail_at:
+                raise KeyError("loader failed")
+            if self.delay:
+                time.sleep(self.delay)
+            self.produced += 1
+            yield {"x": np.full((4, 2), k, np.float32)}
+            k += 1
+
+
+@pytest.fixture(autouse=True)
+def _no_threads_left():
+    gc.collect()
+    assert wait_for(lambda: not prefetch_threads(), 5.0), (
+        f"left by earlier tests: {prefetch_threads()}")
+    yield
+    gc.collect()
+    assert wait_for(lambda: not prefetch_threads(), 5.0), prefetch_threads()
+
+
+@pytest.mark.parametrize("buffer_size", (1, 3))
+def test_reads_ahead_of_the_consumer_but_bounded(buffer_size):
+    s = strategy_of(2)
+    loader = CountingLoader()
+    options = jdist.InputOptions(experimental_per_replica_buffer_size=buffer_size)
+    it = iter(s.experimental_distribute_dataset(loader, options))
+    # Nothing was asked for yet, but the feeder prepares batches ahead...
+    assert wait_for(lambda: loader.produced >= buffer_size)
+    time.sleep(0.2)
+    # ...no more than the buffer plus the one waiting to be put.
+    assert loader.produced <= buffer_size + 1
+    element = next(it)
+    assert isinstance(element["x"].stacked, jax.Array)  # Already on the devices.
+    assert np.asarray(s.gather(element["x"], 0)).tolist() == [[0, 0]] * 4
+    it.close()
+
+
+def test_break_leaves_no_thread():
+    s = strategy_of(4)
+    loader = CountingLoader()  # Endless: the feeder is blocked on a full queue when we break.
+    for i, _ in enumerate(s.experimental_distribute_dataset(loader)):
+        assert len(prefetch_threads()) == 1
+        if i == 2:
+            break
+    assert not prefetch_threads()  # Joined as soon as the loop dropped the iterator.
+
+
+def test_exception_in_the_step_leaves_no_thread():
+    s = strategy_of(2)
+    with pytest.raises(ZeroDivisionError):
+        for _ in s.experimental_distribute_dataset(CountingLoader()):
+            _ = 1 / 0
+    gc.collect()
+    assert not prefetch_threads()
+
+
+def test_garbage_collection_and_close_stop_the_thread():
+    s = strategy_of(3)
+    dist = s.experimental_distribute_dataset(CountingLoader(delay=0.01))
+    it = iter(dist)
+    next(it)
+    thread = it._feed.thread
+    assert thread.is_alive()
+    del it
+    gc.collect()
+    assert not thread.is_alive()
+    it = iter(dist)
+    next(it)
+    it.close()
+    assert not prefetch_threads()
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_a_cycle_holding_the_iterator_is_collected():
+    s = strategy_of(2)
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.self, holder.it = holder, iter(s.experimental_distribute_dataset(CountingLoader()))
+    next(holder.it)
+    del holder
+    gc.collect()
+    assert not prefetch_threads()
+
+
+def test_end_of_data_joins_the_thread():
+    s = strategy_of(2)
+    it = iter(s.experimental_distribute_dataset(CountingLoader(limit=3)))
+    assert len(list(it)) == 3
+    assert not prefetch_threads()
+
+
+def test_loader_exceptions_reach_the_consumer():
+    s = strategy_of(2)
+    loader = CountingLoader(fail_at=2)
+    it = iter(s.experimental_distribute_dataset(loader))
+    next(it)
+    next(it)
+    with pytest.raises(KeyError, match="loader failed"):
+        next(it)
+    assert not prefetch_threads()
+    with pytest.raises(StopIteration):  # The data has ended with the error.
+        next(it)
+
+
+def test_splitting_errors_reach_the_consumer():
+    s = strategy_of(2)
+    it = iter(s.experimental_distribute_dataset([np.zeros(4), np.float32(1.0)]))
+    next(it)
+    with pytest.raises(ValueError, match="unbatched"):
+        next(it)
+
+
+def test_generators_are_closed_when_the_loop_stops_early():
+    s = strategy_of(2)
+    closed = []
+
+    def gen():
+        try:
+            while True:
+                yield np.zeros(2, np.float32)
+        finally:
+            closed.append(True)
+
+    for _ in s.experimental_distribute_dataset(gen):
+        break
+    assert closed == [True]
+
+
+def test_interpreter_exit_with_a_live_iterator_does_not_hang(tmp_path):
+    script = tmp_path / "exit_with_iterator.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        import itertools, numpy as np, jdist
+        s = jdist.MirroredStrategy()
+        loader = lambda: (np.zeros((4,), np.float32) for _ in itertools.count())
+        ITERATOR = iter(s.experimental_distribute_dataset(loader))  # Endless, never closed.
+        next(ITERATOR)
+        print("done")
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "done"
+
+
+def test_prefetcher_unit_behaviour():
+    items = iter(range(5))
+    p = prefetch.Prefetcher(items, lambda x: x * 10, buffer_size=2)
+    got = []
+    while (item := p.get()) is not prefetch.END:
+        got.append(item)
+    assert got == [0, 10, 20, 30, 40]
+    p.close()
+    p.close()  # Idempotent.
+    assert not p.thread.is_alive()

@@ -1,0 +1,296 @@
+"""Distributed datasets split batches exactly as tf.distribute does (SEMANTICS.md, Datasets).
+
+Every per-replica value is compared with NumPy slicing of the unpadded data, for 1, 2, 3, 4, 5
+and 8 replicas, with NumPy datasets, lists and generators.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdist
+from jdist import errors
+
+COUNTS = (1, 2, 3, 4, 5, 8)
+
+
+@functools.lru_cache(maxsize=None)
+def strategy_of(n):
+    return jdist.MirroredStrategy(jax.devices()[:n])
+
+
+@pytest.fixture(params=COUNTS, ids=lambda n: f"{n}rep")
+def s(request):
+    return strategy_of(request.param)
+
+
+def tf_split(batch, n):
+    """TF's rule, written out: consecutive chunks of ceil(B / n) rows."""
+    size = batch.shape[0]
+    rows = -(-size // n)
+    return [batch[min(i * rows, size):min((i + 1) * rows, size)] for i in range(n)]
+
+
+def local(s, value):
+    return [np.asarray(v) for v in s.experimental_local_results(value)]
+
+
+def assert_split(s, element, batch):
+    got = local(s, element)
+    want = tf_split(np.asarray(batch), s.num_replicas_in_sync)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(g, w)
+
+
+# ------------------------------------------------------------------ the rule, literally
+def test_semantics_examples_range8_batch4_on_3():
+    s = strategy_of(3)
+    ds = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(np.arange(8)).batch(4))
+    got = [[v.tolist() for v in local(s, b)] for b in ds]
+    assert got == [[[0, 1], [2, 3], []], [[4, 5], [6, 7], []]]
+
+
+def test_semantics_examples_range9_batch2_on_2():
+    s = strategy_of(2)
+    ds = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(np.arange(9)).batch(2))
+    got = [[v.tolist() for v in local(s, b)] for b in ds]
+    assert got == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]], [[8], []]]
+
+
+@pytest.mark.parametrize("size,batch", [(17, 6), (8, 4), (9, 2), (5, 8), (24, 8), (3, 1)])
+def test_numpy_dataset_every_batch_split_by_tf_rule(s, size, batch):
+    x = np.arange(size * 3, dtype=np.float32).reshape(size, 3)
+    dist = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(x).batch(batch))
+    elements = list(dist)
+    assert len(elements) == -(-size // batch)  # Every batch, including the partial one.
+    for i, element in enumerate(elements):
+        assert_split(s, element, x[i * batch:(i + 1) * batch])
+
+
+def test_list_of_dict_and_tuple_batches_split_leaf_by_leaf(s):
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.normal(size=(b, 2, 3)).astype(np.float32),
+                "y": (np.arange(b, dtype=np.int32), rng.integers(0, 9, size=(b,)).astype(np.int32))}
+               for b in (10, 10, 7, 1)]
+    dist = s.experimental_distribute_dataset(batches)
+    for element, batch in zip(dist, batches, strict=True):
+        assert set(element) == {"x", "y"} and isinstance(element["y"], tuple)
+        assert_split(s, element["x"], batch["x"])
+        assert_split(s, element["y"][0], batch["y"][0])
+        assert_split(s, element["y"][1], batch["y"][1])
+
+
+def test_generator_function_and_generator_object(s):
+    def gen():
+        for b in (6, 6, 4):
+            yield np.arange(b, dtype=np.int32) * 10
+
+    for source in (gen, gen()):
+        elements = list(s.experimental_distribute_dataset(source))
+        assert len(elements) == 3
+        for element, b in zip(elements, (6, 6, 4)):
+            assert_split(s, element, np.arange(b, dtype=np.int32) * 10)
+
+
+def test_jax_array_batches_are_accepted(s):
+    batches = [jnp.arange(6.0), jnp.arange(3.0)]
+    for element, batch in zip(s.experimental_distribute_dataset(batches), batches):
+        assert_split(s, element, np.asarray(batch))
+
+
+def test_unbatched_dataset_on_several_replicas_is_a_clear_error():
+    s = strategy_of(2)
+    with pytest.raises(errors.InvalidArgumentError, match="unbatched"):
+        s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(np.arange(4)))
+    it = iter(s.experimental_distribute_dataset([np.float32(1.0)]))
+    with pytest.raises(errors.InvalidArgumentError, match="batch the dataset"):
+        next(it)
+
+
+def test_unbatched_dataset_on_one_replica_passes_elements_through():
+    s = strategy_of(1)
+    ds = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(np.arange(3.0)))
+    assert [float(x) for x in ds] == [0.0, 1.0, 2.0]
+
+
+def test_leaves_with_different_batch_sizes_are_an_error():
+    s = strategy_of(2)
+    it = iter(s.experimental_distribute_dataset([(np.zeros(4), np.zeros(3))]))
+    with pytest.raises(errors.InvalidArgumentError, match="leading"):
+        next(it)
+
+
+def test_strings_are_an_error():
+    s = strategy_of(2)
+    with pytest.raises(errors.InvalidArgumentError, match="dtype"):
+        next(iter(s.experimental_distribute_dataset([np.array(["a", "b"])])))
+
+
+# ------------------------------------------------------------- the padded representation
+def test_partial_batches_are_padded_to_the_full_per_replica_size(s):
+    n = s.num_replicas_in_sync
+    full = 4 * n
+    batches = [np.arange(full, dtype=np.float32), np.arange(full - 1, dtype=np.float32),
+               np.arange(1, dtype=np.float32)]
+    mesh_sharding = jax.sharding.NamedSharding(s.extended.mesh,
+                                               jax.sharding.PartitionSpec("replica"))
+    for i, element in enumerate(s.experimental_distribute_dataset(batches)):
+        if i == 0 and n == 1:
+            assert isinstance(element, jax.Array)  # One replica, full batch: a plain array.
+            assert element.devices() == {s.extended.worker_devices[0]}
+            continue
+        assert isinstance(element, jdist.PerReplica)
+        assert element.stacked.shape == (n, 4)  # One shape for every batch.
+        assert element.stacked.sharding == mesh_sharding  # Already on the devices.
+        want = tuple(len(c) for c in tf_split(batches[i], n))
+        assert element.lengths == (None if i == 0 else want)
+        blocks = np.asarray(element.stacked)
+        for r, length in enumerate(want):  # Padding is zeros.
+            assert not blocks[r, length:].any()
+
+
+def test_reduce_and_gather_of_partial_batches_equal_numpy(s):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(23, 2)).astype(np.float32)
+    dist = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(x).batch(10))
+    for i, element in enumerate(dist):
+        batch = x[i * 10:(i + 1) * 10]
+        np.testing.assert_allclose(s.reduce("sum", element, axis=0), batch.sum(0), rtol=1e-5)
+        np.testing.assert_allclose(s.reduce("mean", element, axis=0), batch.mean(0), rtol=1e-5)
+        np.testing.assert_allclose(s.reduce("mean", element, axis=(0, 1)), batch.mean(), rtol=1e-5)
+        np.testing.assert_array_equal(s.gather(element, 0), batch)
+
+
+def test_uneven_mean_is_tf_mean():
+    s = strategy_of(2)
+    element = next(iter(s.experimental_distribute_dataset([np.array([5.0, 6.0, 7.0], np.float32)])))
+    assert [v.tolist() for v in local(s, element)] == [[5.0, 6.0], [7.0]]
+    assert float(s.reduce("mean", element, axis=0)) == 6.0
+    assert s.gather(element, 0).tolist() == [5.0, 6.0, 7.0]
+
+
+def _masked_step(x):
+    ctx = jdist.get_replica_context()
+    mask = ctx.row_mask(x.shape[0])  # All True for a full batch (lengths=None).
+    real = jnp.where(mask, x, 0.0)
+    total = ctx.all_reduce("sum", jnp.sum(real))
+    count = ctx.all_reduce("sum", jnp.sum(mask.astype(jnp.float32)))
+    gathered = ctx.all_gather(x, 0)
+    return total / count, x * 2.0, gathered
+
+
+def test_step_sees_real_rows_and_compiles_once_per_shape(s):
+    n = s.num_replicas_in_sync
+    sizes = [4 * n, 4 * n - 3, 4 * n, 2, 4 * n - 1, 1]  # Full and partial, uneven, empty replicas.
+    batches = [np.arange(b, dtype=np.float32) + 100 * i for i, b in enumerate(sizes)]
+    traces = []
+
+    def step(x):
+        traces.append(x.shape)
+        return _masked_step(x)
+
+    for i, element in enumerate(s.experimental_distribute_dataset(batches)):
+        if i == 3:
+            seen = len(traces)  # A full and a partial batch have been compiled by now.
+        mean, doubled, gathered = s.run(step, args=(element,))
+        np.testing.assert_allclose(float(jnp.asarray(mean)), batches[i].mean(), rtol=1e-6)
+        np.testing.assert_array_equal(s.gather(doubled, 0), batches[i] * 2)
+        for g in local(s, gathered):  # all_gather: real rows first, in replica order.
+            np.testing.assert_array_equal(g[:sizes[i]], batches[i])
+    assert len(traces) == seen  # Later partial batches (other lengths) did not recompile.
+
+
+def test_padded_batches_of_different_lengths_share_one_program():
+    s = strategy_of(4)
+    count = []
+
+    def step(x):
+        count.append(1)
+        return jdist.get_replica_context().all_reduce("sum", jnp.sum(x))
+
+    batches = [np.ones(b, np.float32) for b in (7, 5, 6, 2, 3)]  # All partial, per-replica size 2.
+    for i, (element, batch) in enumerate(zip(s.experimental_distribute_dataset(batches), batches)):
+        assert float(jnp.asarray(s.run(step, args=(element,)))) == batch.sum()
+        if i == 0:
+            first = len(count)
+    assert len(count) == first  # One program for every partial batch of this padded shape.
+
+
+# --------------------------------------------------------- distribute_datasets_from_function
+def test_datasets_from_function_deals_per_replica_batches_in_order(s):
+    n = s.num_replicas_in_sync
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append(ctx)
+        per_replica = ctx.get_per_replica_batch_size(2 * n)
+        return s.experimental_make_numpy_dataset(np.arange(7 * n + 1)).batch(per_replica)
+
+    dist = s.distribute_datasets_from_function(dataset_fn)
+    assert [(c.num_input_pipelines, c.input_pipeline_id, c.num_replicas_in_sync)
+            for c in contexts] == [(1, 0, n)]
+    batches = [np.arange(7 * n + 1)[i:i + 2] for i in range(0, 7 * n + 1, 2)]
+    elements = list(dist)
+    assert len(elements) == -(-len(batches) // n)
+    for k, element in enumerate(elements):
+        got = local(s, element)
+        for r in range(n):
+            want = batches[k * n + r] if k * n + r < len(batches) else np.zeros(0, np.int32)
+            np.testing.assert_array_equal(got[r], want)
+            assert got[r].shape == want.shape
+
+
+def test_datasets_from_function_per_replica_mode(s):
+    n = s.num_replicas_in_sync
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append(ctx)
+        rid = ctx.input_pipeline_id
+        # Replica r reads r + 1 batches.
+        return [np.full((2,), 10 * rid + k, np.int32) for k in range(rid + 1)]
+
+    options = jdist.InputOptions(
+        experimental_replication_mode=jdist.InputReplicationMode.PER_REPLICA)
+    elements = list(s.distribute_datasets_from_function(dataset_fn, options))
+    assert [(c.num_input_pipelines, c.input_pipeline_id) for c in contexts] == [
+        (n, i) for i in range(n)]
+    assert len(elements) == n
+    for k, element in enumerate(elements):
+        for r, value in enumerate(local(s, element)):
+            want = [10 * r + k] * 2 if k <= r else []
+            assert value.tolist() == want
+
+
+def test_input_context():
+    ctx = jdist.InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=4)
+    assert (ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync) == (2, 1, 4)
+    assert ctx.get_per_replica_batch_size(8) == 2
+    with pytest.raises(ValueError, match="not divisible"):
+        ctx.get_per_replica_batch_size(10)
+    default = jdist.InputContext()
+    assert (default.num_input_pipelines, default.input_pipeline_id,
+            default.num_replicas_in_sync) == (1, 0, 1)
+
+
+def test_replicated_outputs_never_inherit_the_batch_lengths(s):
+    """Parameters whose leading size happens to equal the padded batch size stay parameters."""
+    n = s.num_replicas_in_sync
+    w = jnp.ones((4, 3), jnp.float32)  # Leading size 4 == the per-replica batch size below.
+
+    def step(w, x):
+        total = jdist.get_replica_context().all_reduce("sum", jnp.sum(x))
+        return w - total, x + 1.0
+
+    partial = np.ones((4 * n - 1, 2), np.float32)
+    _, element = s.experimental_distribute_dataset([np.ones((4 * n, 2), np.float32), partial])
+    new_w, rows = s.run(step, args=(w, element))
+    assert not isinstance(new_w, jdist.PerReplica)  # Plain on one replica, Mirrored on several.
+    np.testing.assert_array_equal(np.asarray(new_w), np.asarray(w) - partial.sum())
+    assert rows.lengths == element.lengths  # The batch-derived output does inherit them.
+    np.testing.assert_array_equal(s.gather(rows, 0), partial + 1.0)

@@ -1,0 +1,133 @@
+"""tf.data input (optional dependency): jdist splits tf.data datasets exactly as tf.distribute does.
+
+Skipped when TensorFlow is not importable. When it is, jdist's per-replica values are compared with
+what a real ``tf.distribute.MirroredStrategy`` over logical CPU devices gives for the same dataset.
+"""
+
+import functools
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import jdist
+
+COUNTS = (1, 2, 3, 4, 5, 8)
+
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+tf = pytest.importorskip("tensorflow")
+
+
+@functools.lru_cache(maxsize=None)
+def tf_devices():
+    """Eight logical CPU devices for TF's own MirroredStrategy (None if TF started already)."""
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * 8)
+    except RuntimeError:
+        pass
+    names = [d.name for d in tf.config.list_logical_devices("CPU")]
+    return names if len(names) >= 8 else None
+
+
+@functools.lru_cache(maxsize=None)
+def strategies(n):
+    names = tf_devices()
+    tf_strategy = None if names is None else tf.distribute.MirroredStrategy(names[:n])
+    return jdist.MirroredStrategy(jax.devices()[:n]), tf_strategy
+
+
+def tf_split(batch, n):
+    size = batch.shape[0]
+    rows = -(-size // n)
+    return [batch[min(i * rows, size):min((i + 1) * rows, size)] for i in range(n)]
+
+
+def tf_reference(tf_strategy, dataset, n, from_function=False):
+    """Per element, per leaf, the list of replica values TF gives (NumPy slicing without TF)."""
+    if tf_strategy is None:
+        if from_function:
+            pytest.skip("TensorFlow's devices were configured before this test.")
+        return [[tf_split(np.asarray(leaf), n) for leaf in tf.nest.flatten(b)]
+                for b in dataset.as_numpy_iterator()]
+    out = []
+    for element in (tf_strategy.distribute_datasets_from_function(dataset) if from_function
+                    else tf_strategy.experimental_distribute_dataset(dataset)):
+        leaves = tf.nest.flatten(element, expand_composites=False)
+        out.append([[np.asarray(v) for v in tf_strategy.experimental_local_results(leaf)]
+                    for leaf in leaves])
+    return out
+
+
+def jdist_values(strategy, dist):
+    return [[[np.asarray(v) for v in strategy.experimental_local_results(leaf)]
+             for leaf in jax.tree_util.tree_leaves(element, is_leaf=is_distributed)]
+            for element in dist]
+
+
+def is_distributed(x):
+    return isinstance(x, jdist.DistributedValues)
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for g_el, w_el in zip(got, want):
+        assert len(g_el) == len(w_el)
+        for g_leaf, w_leaf in zip(g_el, w_el):
+            assert [v.shape for v in g_leaf] == [v.shape for v in w_leaf]
+            for g, w in zip(g_leaf, w_leaf):
+                np.testing.assert_allclose(g, w)
+
+
+DATASETS = {
+    "range8_batch4": lambda: tf.data.Dataset.range(8).batch(4),
+    "range9_batch2": lambda: tf.data.Dataset.range(9).batch(2),
+    "dict_batch5": lambda: tf.data.Dataset.from_tensor_slices(
+        {"x": np.arange(22.0, dtype=np.float32).reshape(11, 2),
+         "y": np.arange(11, dtype=np.int32)}).batch(5),
+    "tuple_drop": lambda: tf.data.Dataset.from_tensor_slices(
+        (np.arange(13, dtype=np.float32), np.arange(13, dtype=np.int32))).batch(6, True),
+}
+
+
+@pytest.mark.parametrize("n", COUNTS)
+@pytest.mark.parametrize("name", sorted(DATASETS))
+def test_experimental_distribute_dataset_matches_tf(n, name):
+    strategy, tf_strategy = strategies(n)
+    dist = strategy.experimental_distribute_dataset(DATASETS[name]())
+    assert_same(jdist_values(strategy, dist), tf_reference(tf_strategy, DATASETS[name](), n))
+    assert dist.cardinality() == int(DATASETS[name]().cardinality())
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_distribute_datasets_from_function_matches_tf(n):
+    strategy, tf_strategy = strategies(n)
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append((ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync))
+        return tf.data.Dataset.range(3 * n + 1).batch(2)
+
+    got = jdist_values(strategy, strategy.distribute_datasets_from_function(dataset_fn))
+    assert contexts == [(1, 0, n)]
+    assert_same(got, tf_reference(tf_strategy, dataset_fn, n, from_function=True))
+
+
+def test_reduce_and_gather_of_tf_batches():
+    strategy, _ = strategies(3)
+    x = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)
+    dist = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(4))
+    for i, element in enumerate(dist):
+        batch = x[4 * i:4 * i + 4]
+        np.testing.assert_allclose(strategy.reduce("mean", element, axis=0), batch.mean(0),
+                                   rtol=1e-5)
+        np.testing.assert_array_equal(strategy.gather(element, 0), batch)
+
+
+def test_unbatched_tf_dataset_is_a_clear_error():
+    strategy, _ = strategies(2)
+    with pytest.raises(ValueError, match="unbatched"):
+        strategy.experimental_distribute_dataset(tf.data.Dataset.range(4))
