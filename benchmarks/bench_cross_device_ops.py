@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jdist  # noqa: E402
-from jdist._src import cross_device_ops as cdo  # noqa: E402
+from jdist._src import destinations  # noqa: E402
 from jdist._src import packing  # noqa: E402
 
 REPLICAS = 8
@@ -97,7 +97,8 @@ def time_packing(replicas):
     separate = times.pop(f"{GRADIENTS} separate reduce calls")
     print(f"cross_device_ops: {GRADIENTS} gradients, {total_kb:.0f} KB in all, {replicas} "
           f"replicas ({type(ops).__name__}), median of {ROUNDS} rounds")
-    print(f"  {GRADIENTS} separate reduce calls:{'':17s}{statistics.median(separate) * 1e3:8.2f} ms")
+    label = f"{GRADIENTS} separate reduce calls"
+    print(f"  {label:42s}{statistics.median(separate) * 1e3:8.2f} ms")
     for name, packed in times.items():
         # Each round times every variant back to back: its ratio is what load changes least.
         ratio = statistics.median(b / a for a, b in zip(packed, separate))
@@ -113,7 +114,7 @@ def count_collectives():
     ops = strategy.extended._cross_device_ops
     grads = make_gradients(strategy)
     options = jdist.CommunicationOptions(bytes_per_pack=BYTES_PER_PACK)
-    programs = cdo.programs_for(devices)
+    programs = destinations.programs_for(devices)
     stacked = [g.stacked for g in grads]
     print(f"all-reduce ops per program on {REPLICAS} replicas, {GRADIENTS} gradients "
           "(lowered StableHLO / compiled HLO):")

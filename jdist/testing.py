@@ -1,14 +1,36 @@
 """Helpers that keep multi-device tests short (in the spirit of ``chex``).
 
 Example:
-  >>> import jax, numpy as np, jdist, jdist.testing
-  >>> s = jdist.MirroredStrategy(jax.devices()[:2])
+  >>> import numpy as np, jdist.testing
+  >>> s = jdist.testing.mirrored(2)
   >>> v = jdist.testing.per_replica(s, [np.array([1.0, 2.0]), np.array([3.0])])
   >>> jdist.testing.assert_local_results(s, v, [[1.0, 2.0], [3.0]])
 """
 
+import functools
+
 import jax
 import numpy as np
+
+import jdist
+
+#: The replica counts jdist's own tests cover (on 8 simulated CPU devices).
+REPLICA_COUNTS = (1, 2, 3, 4, 8)
+
+
+@functools.lru_cache(maxsize=None)
+def mirrored(num_replicas):
+    """A `MirroredStrategy` over the first ``num_replicas`` local devices, shared per count.
+
+    Sharing one strategy per count lets tests reuse its compiled programs.
+
+    Args:
+      num_replicas: how many devices (from ``jax.local_devices()``) to replicate over.
+
+    Returns:
+      The strategy.
+    """
+    return jdist.MirroredStrategy(jax.local_devices()[:num_replicas])
 
 
 def per_replica(strategy, components):

@@ -3,21 +3,11 @@
 The root ``conftest.py`` creates the devices (XLA_FLAGS) before JAX starts.
 """
 
-import functools
-
-import jax
 import pytest
 
 import jdist
 from jdist._src import context
-
-REPLICA_COUNTS = (1, 2, 3, 4, 8)
-
-
-@functools.lru_cache(maxsize=None)
-def mirrored(n):
-    """A MirroredStrategy over the first ``n`` simulated devices (shared, so programs are reused)."""
-    return jdist.MirroredStrategy(jax.devices()[:n])
+from jdist.testing import REPLICA_COUNTS, mirrored
 
 
 @pytest.fixture(params=REPLICA_COUNTS, ids=lambda n: f"{n}rep")

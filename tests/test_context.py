@@ -5,7 +5,7 @@ import pytest
 
 import jdist
 from jdist import errors
-from tests.conftest import mirrored
+from jdist.testing import mirrored
 
 
 def test_no_strategy_gives_the_default_one_replica_strategy():

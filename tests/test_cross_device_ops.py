@@ -9,10 +9,9 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist._src import cross_device_ops as cdo
+from jdist._src import destinations
 from jdist._src import packing
-from jdist.testing import per_replica
-from tests.conftest import mirrored
+from jdist.testing import mirrored, per_replica
 
 COUNTS = (2, 3, 4, 8)
 SUM, MEAN = jdist.ReduceOp.SUM, jdist.ReduceOp.MEAN
@@ -181,6 +180,10 @@ def test_broadcast_copies_to_destinations(n, impl):
     assert_mirrored(ops_of(s).broadcast(x, v), n, x)
     on_device = ops_of(s).broadcast(jnp.asarray(x), f"CPU:{n - 1}")
     assert on_device.devices() == {jax.devices()[n - 1]}
+    # An array destination: its devices (replicated there), as a plain array.
+    replicated = ops_of(s).broadcast(x, ops_of(s).broadcast(x, v).value)
+    assert replicated.devices() == set(jax.devices()[:n]) and replicated.is_fully_replicated
+    np.testing.assert_array_equal(replicated, x)
     with s.scope():
         assert_mirrored(s.extended.broadcast_to(x, v), n, x)
         np.testing.assert_array_equal(s.extended.broadcast_to(x, jax.devices()[0]), x)
@@ -259,7 +262,7 @@ def test_packed_program_has_one_all_reduce_per_pack(n):
     sizes = rng.integers(256, 2561, size=30)  # 1-10 KB of float32 each.
     values = [per_replica(s, [rng.normal(size=k).astype(np.float32)] * n) for k in sizes]
     stacked = [v.stacked for v in values]
-    programs = cdo.programs_for(jax.devices()[:n])
+    programs = destinations.programs_for(jax.devices()[:n])
     total = int(sizes.sum()) * 4
     cases = [(jdist.NcclAllReduce(num_packs=0), None, 30),
              (jdist.NcclAllReduce(num_packs=1), None, 1),

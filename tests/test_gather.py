@@ -9,8 +9,7 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist.testing import per_replica
-from tests.conftest import REPLICA_COUNTS, mirrored
+from jdist.testing import REPLICA_COUNTS, mirrored, per_replica
 
 
 @pytest.mark.parametrize("n", REPLICA_COUNTS)

@@ -10,8 +10,7 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist.testing import per_replica
-from tests.conftest import REPLICA_COUNTS, mirrored
+from jdist.testing import REPLICA_COUNTS, mirrored, per_replica
 
 SETTINGS = hypothesis.settings(max_examples=30, deadline=None,
                                suppress_health_check=[hypothesis.HealthCheck.too_slow])

@@ -10,8 +10,7 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist.testing import assert_local_results, per_replica
-from tests.conftest import REPLICA_COUNTS, mirrored
+from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, per_replica
 
 
 def replica_id():

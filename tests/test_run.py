@@ -10,8 +10,7 @@ from jax import lax
 
 import jdist
 from jdist import errors
-from jdist.testing import assert_local_results, per_replica
-from tests.conftest import REPLICA_COUNTS, mirrored
+from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, per_replica
 
 Pair = collections.namedtuple("Pair", "first second")
 

@@ -9,8 +9,7 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist.testing import per_replica
-from tests.conftest import mirrored
+from jdist.testing import mirrored, per_replica
 
 
 def test_mirrored_defaults_to_all_local_devices():

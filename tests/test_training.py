@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 
 import jdist
-from tests.conftest import mirrored
+from jdist.testing import mirrored
 
 IN, HIDDEN, OUT = 16, 32, 4
 GLOBAL_BATCH = 32  # Divisible by 1, 2, 4 and 8 replicas.
@@ -68,16 +68,8 @@ def distribute(strategy, *arrays, axis=0):
 
 
 def fetch(tree):
-    """Waits for every replica's copy of ``tree`` and returns it as NumPy arrays.
-
-    `Mirrored` leaves become their common value (a PerReplica leaf raises: these tests expect
-    every output to be equal on all replicas). A program compiled by the user's own ``jax.jit``
-    around ``strategy.run`` is launched by JAX, not by jdist, so jdist's CPU dispatch guard does
-    not see it: launched right after (or before) a guarded program, the two can deadlock in the
-    CPU all-reduce rendezvous. The jit test therefore waits for each program here before
-    launching the next one.
-    """
-    tree = jax.block_until_ready(tree)
+    """``tree`` as NumPy arrays; `Mirrored` leaves become their common value (a PerReplica leaf
+    raises: these tests expect every output to be equal on all replicas)."""
     return jax.tree.map(np.asarray, tree, is_leaf=lambda x: isinstance(x, jdist.Mirrored))
 
 
@@ -155,17 +147,18 @@ def test_scanned_steps_match_separate_runs(replicas):
 
 
 def test_run_inside_user_jit_matches_eager():
-    # Users wrap their step in their own jax.jit, or trace a whole loop into one program:
-    # strategy.run then runs inside an outer trace and must compute what it computes eagerly.
+    # Users wrap their step in their own jit (jdist.function: jax.jit behind the CPU dispatch
+    # guard), or trace a whole loop into one program: strategy.run then runs inside an outer trace
+    # and must compute what it computes eagerly.
     strategy = mirrored(8)
     xs, ys = global_batches(5, seed=3)
     batches = [distribute(strategy, x, y) for x, y in zip(xs, ys)]
 
-    @jax.jit
+    @jdist.function
     def train(params, opt_state, x, y):
         return strategy.run(train_step, args=(params, opt_state, x, y))
 
-    @jax.jit
+    @jdist.function
     def train_all(params, opt_state, batches):
         """Every step traced into one program: one launch for the whole loop."""
         for x, y in batches:
@@ -188,3 +181,21 @@ def test_run_inside_user_jit_matches_eager():
             train_step, args=(eager_params, eager_opt_state, x, y))
     eager = fetch((eager_params, eager_opt_state))
     assert_trees_close(train_all(params, opt_state, batches), eager)
+
+
+def test_jitted_and_eager_steps_dispatched_back_to_back_do_not_hang():
+    # A user's jit around strategy.run is a collective program jdist does not launch itself:
+    # jdist.function sends it through the same CPU guard, so mixing it with eager steps, with no
+    # waiting in the loop, finishes (a plain jax.jit here aborts in the all-reduce rendezvous).
+    strategy = mirrored(8)
+
+    def step(w, x):
+        return w - 0.01 * jdist.get_replica_context().all_reduce("mean", jnp.tanh(x @ w))
+    train = jdist.function(lambda w, x: strategy.run(step, args=(w, x)))
+    x = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full((16, 16), ctx.replica_id_in_sync_group / 8, np.float32))
+    w = eager = jnp.eye(16)
+    for i in range(1500):
+        w = train(w, x)
+        eager = strategy.run(step, args=(eager, x))
+    assert_trees_close(w, eager)

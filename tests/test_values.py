@@ -7,8 +7,7 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist.testing import assert_local_results, per_replica
-from tests.conftest import REPLICA_COUNTS, mirrored
+from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, per_replica
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])

@@ -53,7 +53,7 @@ def mean_dtype(dtype):
     return jnp.dtype(jnp.result_type(float))
 
 
-def _local_sum_count(x, valid_rows, axes, op):
+def local_sum_count(x, valid_rows, axes, op):
     """One replica's share: the sum over ``axes`` of its real rows, and how many elements that is.
 
     ``valid_rows`` (traced int or None) masks padding rows along axis 0.
@@ -92,9 +92,9 @@ def equal_lengths_or_raise(lengths, padded, what):
 def stacked_reduce(op, stacked, axes, valid_rows=None):
     """Reduces a value whose leading axis holds the replicas (no communication needed)."""
     if valid_rows is None:
-        total = jax.vmap(lambda x: _local_sum_count(x, None, axes, op)[0])(stacked)
+        total = jax.vmap(lambda x: local_sum_count(x, None, axes, op)[0])(stacked)
     else:
-        total = jax.vmap(lambda x, n: _local_sum_count(x, n, axes, op)[0])(stacked, valid_rows)
+        total = jax.vmap(lambda x, n: local_sum_count(x, n, axes, op)[0])(stacked, valid_rows)
     total = jnp.sum(total, axis=0)
     if axes is None:
         return _finish(op, total, stacked.shape[0])
@@ -164,7 +164,7 @@ class ReplicaPrograms:
     def __init__(self, mesh, axis_name, guard):
         self._mesh = mesh
         self._axis = axis_name
-        self._guard = guard
+        self.guard = guard
         self.num_replicas = mesh.devices.size
         self.per_replica_sharding = NamedSharding(mesh, P(axis_name))
         self.replicated_sharding = NamedSharding(mesh, P())
@@ -200,7 +200,7 @@ class ReplicaPrograms:
         if lengths is not None and (axes is None or 0 not in axes):
             common = equal_lengths_or_raise(lengths, stacked.shape[1], "reduce")
             if common is not None:
-                stacked = self._slice_rows(stacked, common)
+                stacked = self.slice_rows(stacked, common)
             lengths = None
         if stacked.size == 0:  # XLA rejects zero-size collectives; there is nothing to move.
             valid = None if lengths is None else jnp.asarray(lengths)
@@ -208,7 +208,7 @@ class ReplicaPrograms:
                                                         axes, valid))
         program = self._reduce_program(op, axes, lengths is not None)
         args = (stacked,) if lengths is None else (stacked, self.lengths_array(lengths))
-        return self._guard.dispatch(program, *args)
+        return self.guard.dispatch(program, *args)
 
     def gather(self, stacked, axis, lengths=None):
         """Concatenates the replicas' real values along per-replica ``axis``."""
@@ -216,21 +216,22 @@ class ReplicaPrograms:
         if lengths is not None and axis != 0:
             common = equal_lengths_or_raise(lengths, stacked.shape[1], "gather")
             if common is not None:
-                stacked = self._slice_rows(stacked, common)
+                stacked = self.slice_rows(stacked, common)
             lengths = None
         if stacked.size == 0:  # XLA rejects zero-size collectives; the result is empty too.
             shape = list(stacked.shape[1:])
             shape[axis] *= stacked.shape[0] if lengths is None else 0
             return self.place_replicated(jnp.zeros(shape, stacked.dtype))
-        gathered = self._guard.dispatch(self._gather_program(axis), stacked)
+        gathered = self.guard.dispatch(self._gather_program(axis), stacked)
         if lengths is None:
             return gathered
         padded = stacked.shape[1]
         rows = np.concatenate([r * padded + np.arange(n) for r, n in enumerate(lengths)])
-        return self._guard.dispatch(_take_rows, gathered, rows.astype(np.int32))
+        return self.guard.dispatch(_take_rows, gathered, rows.astype(np.int32))
 
-    def _slice_rows(self, stacked, rows):
-        return self._guard.dispatch(_slice_rows_program(rows), stacked)
+    def slice_rows(self, stacked, rows):
+        """``stacked`` with only the first ``rows`` rows of every replica's block."""
+        return self.guard.dispatch(_slice_rows_program(rows), stacked)
 
     @functools.lru_cache(maxsize=None)
     def _reduce_program(self, op, axes, has_lengths):
@@ -238,7 +239,7 @@ class ReplicaPrograms:
 
         def body(block, valid=None):
             valid_rows = None if valid is None else valid[0]
-            total, count = _local_sum_count(block[0], valid_rows, axes, op)
+            total, count = local_sum_count(block[0], valid_rows, axes, op)
             total = lax.psum(total, axis)
             if axes is None:
                 count = n

@@ -11,25 +11,33 @@ through the host. ``strategy.reduce``, ``extended.reduce_to`` / ``batch_reduce_t
 ``broadcast_to`` and ``ReplicaContext.all_reduce`` inside ``run`` use the strategy's ops.
 """
 
+import abc
 import functools
 import math
 import operator
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 
 from jdist._src import collectives
 from jdist._src import devices as devices_lib
-from jdist._src import dispatch
 from jdist._src import errors
 from jdist._src import packing
+from jdist._src.destinations import AXIS
+from jdist._src.destinations import DeviceSet
+from jdist._src.destinations import as_per_replica
+from jdist._src.destinations import destination_devices
+from jdist._src.destinations import destination_programs
+from jdist._src.destinations import mesh_devices
+from jdist._src.destinations import one_replica_value
+from jdist._src.destinations import programs_of
+from jdist._src.destinations import simple_broadcast
+from jdist._src.destinations import strip_padding
+from jdist._src.destinations import validate_destinations
 from jdist._src.packing import CommunicationImplementation  # noqa: F401 (public name)
 from jdist._src.packing import CommunicationOptions  # noqa: F401 (public name)
 from jdist._src.packing import as_options
@@ -38,192 +46,8 @@ from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 
-AXIS = "replica"
-
-
-# ------------------------------------------------------------------- devices and destinations
-class _DeviceSet(DistributedValues):
-    """A destination standing for "Mirrored over these devices" (the strategy's, or a mesh's)."""
-    __slots__ = ("devices",)
-
-    def __init__(self, devices):
-        self.devices = tuple(devices)
-
-    @property
-    def num_replicas(self):
-        return len(self.devices)
-
-
-def validate_destinations(destinations):
-    """Raises `InvalidArgumentError` unless ``destinations`` names devices (see `CrossDeviceOps`)."""
-    if isinstance(destinations, (DistributedValues, jax.Device)):
-        return
-    if isinstance(destinations, jax.Array) and not isinstance(destinations, jax.core.Tracer):
-        return
-    if isinstance(destinations, str):
-        if not destinations.strip():
-            raise errors.InvalidArgumentError(
-                "destinations can not be empty; pass a device name such as 'CPU:0', a jax.Device "
-                "or a DistributedValues.")
-        devices_lib.resolve(destinations)
-        return
-    raise errors.InvalidArgumentError(
-        "destinations must be a DistributedValues, a jax.Array, a device name such as 'CPU:0' "
-        f"or a jax.Device; got {type(destinations).__name__}.")
-
-
-def _array_devices(x):
-    """The devices of a committed array, in mesh order when it has a mesh; None otherwise."""
-    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-        return None
-    sharding = x.sharding
-    if isinstance(sharding, NamedSharding):
-        return tuple(sharding.mesh.devices.flat)
-    return tuple(sorted(sharding.device_set, key=lambda d: d.id))
-
-
-def _devices_of(array, n):
-    """The ``n`` devices ``array`` spans; else (a host value) the first ``n`` local devices."""
-    devices = _array_devices(array)
-    if devices is not None and len(devices) == n:
-        return devices
-    if n > len(jax.local_devices()):
-        raise errors.InvalidArgumentError(
-            f"a value with {n} replicas needs {n} devices; this process has fewer.")
-    return tuple(jax.local_devices()[:n])
-
-
-_by_sharding = {}  # (sharding, n) -> ReplicaPrograms: the cheap lookup of a value's devices.
-
-
-def _programs_of(array, n):
-    """The programs of the ``n`` devices ``array`` spans (see `_devices_of`)."""
-    key = None
-    if isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer):
-        key = (array.sharding, n)
-        programs = _by_sharding.get(key)
-        if programs is not None:
-            return programs
-    programs = programs_for(_devices_of(array, n))
-    if key is not None:
-        _by_sharding[key] = programs
-    return programs
-
-
-def _destination_programs(destinations):
-    """The programs of the devices a `DistributedValues` destination stands for."""
-    if isinstance(destinations, _DeviceSet):
-        return programs_for(destinations.devices)
-    array = destinations.stacked if isinstance(destinations, PerReplica) else (
-        getattr(destinations, "value", None))
-    return _programs_of(array, destinations.num_replicas)
-
-
-def _destination_devices(destinations):
-    if isinstance(destinations, DistributedValues):
-        return _mesh_devices(_destination_programs(destinations))
-    if isinstance(destinations, jax.Array):
-        return _array_devices(destinations)
-    return (devices_lib.resolve(destinations),)
-
-
-def _mesh_devices(programs):
-    return tuple(programs.per_replica_sharding.mesh.devices.flat)
-
-
-def _guard(devices):
-    platform = devices[0].platform
-    return dispatch.guard_for(platform, len(jax.local_devices(backend=platform)))
-
-
-_programs = {}
-_programs_lock = threading.Lock()
-
-
-def programs_for(devices):
-    """The `collectives.ReplicaPrograms` of a 1-D mesh over ``devices`` (shared per device tuple)."""
-    devices = tuple(devices)
-    with _programs_lock:
-        programs = _programs.get(devices)
-        if programs is None:
-            mesh = Mesh(np.array(devices), (AXIS,))
-            programs = _programs[devices] = collectives.ReplicaPrograms(mesh, AXIS, _guard(devices))
-        return programs
-
-
-def register_programs(programs):
-    """Lets a strategy's own `ReplicaPrograms` serve its devices, so compiled programs are shared."""
-    sharding = programs.per_replica_sharding
-    if sharding.spec == P(AXIS):
-        with _programs_lock:
-            _programs.setdefault(tuple(sharding.mesh.devices.flat), programs)
-
-
-def _as_per_replica(value):
-    """``value`` as a `PerReplica` sharded over its devices (a Mirrored one is tiled); None for
-    a plain tensor."""
-    if isinstance(value, PerReplica):
-        programs = _programs_of(value.stacked, value.num_replicas)
-        return PerReplica._from_stacked(programs.place_per_replica(value.stacked), value.lengths)
-    if isinstance(value, Mirrored):
-        programs = _programs_of(value.value, value.num_replicas)
-        tile = _tile_program(programs, value.num_replicas)
-        return PerReplica._from_stacked(
-            programs._guard.dispatch(tile, programs.place_replicated(value.value)))
-    if isinstance(value, DistributedValues):
-        raise errors.UnsupportedValueError(f"cannot reduce a {type(value).__name__}.")
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _tile_program(programs, n):
-    return jax.jit(lambda v: jnp.broadcast_to(v, (n,) + v.shape),
-                   out_shardings=programs.per_replica_sharding)
-
-
-def _strip_padding(programs, value):
-    """The stacked array of ``value`` without padding rows (their lengths must agree)."""
-    stacked, lengths = value.stacked, value.lengths
-    if lengths is None:
-        return stacked
-    common = collectives.equal_lengths_or_raise(lengths, stacked.shape[1], "reduce")
-    return stacked if common is None else programs._slice_rows(stacked, common)
-
-
-def _one_replica(op, x):
-    x = x if isinstance(x, (jax.Array, np.ndarray)) else jnp.asarray(x)
-    if op is ReduceOp.MEAN and not jnp.issubdtype(x.dtype, jnp.inexact):
-        x = jnp.asarray(x).astype(collectives.mean_dtype(x.dtype))
-    return x
-
-
-def simple_broadcast(tensor, destinations):
-    """Copies ``tensor`` to ``destinations``: `Mirrored` for a DistributedValues, else an array."""
-    if isinstance(tensor, PerReplica):
-        raise errors.UnsupportedValueError(
-            "broadcast takes one tensor, not a PerReplica value; reduce it first.")
-    x = tensor.value if isinstance(tensor, Mirrored) else tensor
-    x = x if isinstance(x, (jax.Array, np.ndarray)) else jnp.asarray(x)
-    if isinstance(destinations, DistributedValues):
-        programs = _destination_programs(destinations)
-        if not (isinstance(x, jax.Array) and x.sharding == programs.replicated_sharding):
-            x = programs._guard.dispatch(jax.device_put, x, programs.replicated_sharding)
-        return Mirrored._from_value(x, programs.num_replicas)
-    devices = _destination_devices(destinations)
-    if len(devices) == 1:
-        sharding = SingleDeviceSharding(devices[0])
-        if isinstance(x, jax.Array) and x.sharding.is_fully_replicated and (
-                devices[0] in x.devices()):  # Already there: no copy.
-            return next(s.data for s in x.addressable_shards if s.device == devices[0])
-    else:
-        sharding = programs_for(devices).replicated_sharding
-    if not (isinstance(x, jax.Array) and x.sharding == sharding):
-        x = _guard(devices).dispatch(jax.device_put, x, sharding)
-    return x
-
-
 # --------------------------------------------------------------------------------- the base
-class CrossDeviceOps:
+class CrossDeviceOps(abc.ABC):
     """Base class of how values are combined across devices (``tf.distribute.CrossDeviceOps``).
 
     Subclasses implement ``reduce_implementation`` (and may override
@@ -285,9 +109,9 @@ class CrossDeviceOps:
         validate_destinations(destinations)
         return self.broadcast_implementation(tensor, destinations)
 
+    @abc.abstractmethod
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         """Reduces a `PerReplica` with >= 2 replicas (arguments already checked)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement reduce_implementation.")
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         """Reduces checked pairs of `PerReplica` values; by default one by one."""
@@ -305,14 +129,14 @@ class CrossDeviceOps:
             if isinstance(destinations, DistributedValues):
                 return Mirrored._from_value(result, destinations.num_replicas)
             return result
-        per_replica = _as_per_replica(value)
+        per_replica = as_per_replica(value)
         if per_replica is None or per_replica.num_replicas == 1:
             one = value if per_replica is None else per_replica.values[0]
-            return self.broadcast_implementation(_one_replica(op, one), destinations)
+            return self.broadcast_implementation(one_replica_value(op, one), destinations)
         return self.reduce_implementation(op, per_replica, destinations, options)
 
     def _batch_reduce(self, op, pairs, options):
-        placed = [(_as_per_replica(v), d) for v, d in pairs]
+        placed = [(as_per_replica(v), d) for v, d in pairs]
         batch = [i for i, (v, _) in enumerate(placed) if v is not None and v.num_replicas > 1]
         results = dict(zip(batch, self.batch_reduce_implementation(
             op, [placed[i] for i in batch], options) if batch else []))
@@ -329,16 +153,16 @@ class CrossDeviceOps:
         Generic: each replica reduces its block along ``axes`` (no communication), the partial
         sums are reduced with SUM by `reduce_implementation`, MEAN divides by the element count.
         """
-        here = _DeviceSet(_mesh_devices(programs))
+        here = DeviceSet(mesh_devices(programs))
         stacked, lengths = programs.place_per_replica(value.stacked), value.lengths
         if lengths is not None and (axes is None or 0 not in axes):
-            stacked, lengths = _strip_padding(programs, value), None
+            stacked, lengths = strip_padding(programs, value), None
         n = stacked.shape[0]
         if axes is None:
             per_replica = PerReplica._from_stacked(stacked)
             return self.reduce_implementation(op, per_replica, here, as_options(None)).value
         args = (stacked,) if lengths is None else (stacked, programs.lengths_array(lengths))
-        partials = programs._guard.dispatch(
+        partials = programs.guard.dispatch(
             _partials_program(programs, op, axes, lengths is not None), *args)
         total = self.reduce_implementation(ReduceOp.SUM, PerReplica._from_stacked(partials), here,
                                            as_options(None)).value
@@ -347,7 +171,7 @@ class CrossDeviceOps:
         with_rows = lengths is not None and 0 in axes
         count = math.prod(stacked.shape[a + 1] for a in axes if not (a == 0 and with_rows))
         count *= sum(lengths) if with_rows else n
-        return programs._guard.dispatch(_divide, total, np.asarray(count, total.dtype))
+        return programs.guard.dispatch(_divide, total, np.asarray(count, total.dtype))
 
     def _replica_all_reduce(self, axis_name, num_replicas, op, value, options=None):
         """``ReplicaContext.all_reduce`` inside ``run``: psum per leaf, or packed psums when
@@ -374,7 +198,7 @@ def _partials_program(programs, op, axes, has_lengths):
 
     def body(block, valid=None):
         rows = None if valid is None else valid[0]
-        return collectives._local_sum_count(block[0], rows, axes, op)[0][None]
+        return collectives.local_sum_count(block[0], rows, axes, op)[0][None]
 
     in_specs = (P(AXIS), P(AXIS)) if has_lengths else (P(AXIS),)
     return jax.jit(jax.shard_map(body, mesh=sharding.mesh, in_specs=in_specs, out_specs=P(AXIS)))
@@ -442,7 +266,7 @@ class ReductionToOneDevice(CrossDeviceOps):
     def _device(self, destinations):
         if self.reduce_to_device is not None:
             return devices_lib.resolve(self.reduce_to_device)
-        return _destination_devices(destinations)[0]
+        return destination_devices(destinations)[0]
 
     def _accumulate_fn(self, op, n):
         """A function of the ``(n, ...)`` stacked values: accumulate them, MEAN divides by n."""
@@ -460,10 +284,10 @@ class ReductionToOneDevice(CrossDeviceOps):
         return program
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
-        programs = _programs_of(per_replica_value.stacked, per_replica_value.num_replicas)
-        stacked = _strip_padding(programs, per_replica_value)
+        programs = programs_of(per_replica_value.stacked, per_replica_value.num_replicas)
+        stacked = strip_padding(programs, per_replica_value)
         device = self._device(destinations)
-        guard = programs._guard
+        guard = programs.guard
         on_device = guard.dispatch(jax.device_put, stacked, SingleDeviceSharding(device))
         reduced = guard.dispatch(self._accumulate_program(reduce_op, stacked.shape[0]), on_device)
         return self.broadcast_implementation(reduced, destinations)
@@ -525,7 +349,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         return programs.reduce(op, value.stacked, axes, value.lengths)
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
-        programs = _programs_of(per_replica_value.stacked, per_replica_value.num_replicas)
+        programs = programs_of(per_replica_value.stacked, per_replica_value.num_replicas)
         reduced = self._reduce_to_mesh(programs, reduce_op, per_replica_value, None)
         return self._place(programs, reduced, destinations)
 
@@ -533,18 +357,18 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         """``reduced`` (replicated on ``programs``' mesh) on ``destinations``; no copy when they
         are the same devices."""
         if isinstance(destinations, DistributedValues) and (
-                _destination_programs(destinations) is programs):
+                destination_programs(destinations) is programs):
             return Mirrored._from_value(reduced, programs.num_replicas)
         return self.broadcast_implementation(reduced, destinations)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         by_mesh = {}
         for i, (value, _) in enumerate(value_destination_pairs):
-            programs = _programs_of(value.stacked, value.num_replicas)
+            programs = programs_of(value.stacked, value.num_replicas)
             by_mesh.setdefault(programs, []).append(i)
         results = [None] * len(value_destination_pairs)
         for programs, indices in by_mesh.items():
-            stacked = [_strip_padding(programs, value_destination_pairs[i][0]) for i in indices]
+            stacked = [strip_padding(programs, value_destination_pairs[i][0]) for i in indices]
             reduced = self.packed_all_reduce(programs, reduce_op, stacked, options)
             for i, r in zip(indices, reduced):
                 results[i] = self._place(programs, r, value_destination_pairs[i][1])
@@ -554,7 +378,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         """All-reduces ``stacked`` arrays (sharded over ``programs``' mesh) in one packed program;
         returns the reduced arrays, replicated."""
         program, _ = self._packed_program(programs, reduce_op, stacked, as_options(options))
-        return list(programs._guard.dispatch(program, *stacked))
+        return list(programs.guard.dispatch(program, *stacked))
 
     def _packed_program(self, programs, op, stacked, options):
         return packing.all_reduce_program(programs.per_replica_sharding, op,
@@ -641,7 +465,7 @@ def resolve(cross_device_ops, devices):
 # ----------------------------------------------------------- the strategy's extended methods
 def _for_strategy(extended, destinations):
     if isinstance(destinations, DistributedValues):
-        return _DeviceSet(extended.worker_devices)
+        return DeviceSet(extended.worker_devices)
     return destinations
 
 

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from jdist._src import collectives
 from jdist._src import cross_device_ops as cross_device_ops_lib
+from jdist._src import destinations
 from jdist._src import devices as devices_lib
 from jdist._src import dispatch
 from jdist._src import errors
@@ -41,7 +42,7 @@ class MirroredExtended(StrategyExtended):
                                              REPLICA_AXIS, self._guard)
         # None picks the backend's all-reduce; the strategy's programs serve ops on its devices.
         self._cross_device_ops = cross_device_ops_lib.resolve(cross_device_ops, self._devices)
-        cross_device_ops_lib.register_programs(self._programs)
+        destinations.register_programs(self._programs)
 
     @property
     def mesh(self):

@@ -14,9 +14,9 @@ Two ways to cut, as in TF:
   ``num_packs`` nearly equal slices regardless of value boundaries (TF's ``_ConcatAndSplitPacker``).
 
 With neither, every value is its own pack. `CommunicationOptions` (TF's
-``tf.distribute.experimental.CommunicationOptions``) carries ``bytes_per_pack``. The plan is static (shapes and dtypes only), so a
-compiled program holds exactly one all-reduce per pack; `count_all_reduces` reads that number
-from HLO text.
+``tf.distribute.experimental.CommunicationOptions``) carries ``bytes_per_pack``. The plan is
+static (shapes and dtypes only), so a compiled program holds exactly one all-reduce per pack;
+`count_all_reduces` reads that number from HLO text.
 """
 
 import dataclasses
