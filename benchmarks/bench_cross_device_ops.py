@@ -25,13 +25,7 @@ A missed target is printed as MISSED; the exit status stays 0 so ``make bench`` 
 benchmark. Run it with ``python benchmarks/bench_cross_device_ops.py``.
 """
 
-import os
-
-# The simulated devices must be requested before JAX starts; a value the caller chose wins.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import common  # noqa: F401  (first: it requests the simulated devices)
 
 import statistics  # noqa: E402
 import time  # noqa: E402

@@ -17,13 +17,7 @@ all alike. A missed target prints MISSED; the
 exit status stays 0. Run with ``python benchmarks/bench_input.py`` (``make bench`` runs all).
 """
 
-import os
-
-# The simulated devices must be requested before JAX starts; a value the caller chose wins.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import common  # noqa: F401  (first: it requests the simulated devices)
 
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -44,20 +38,11 @@ LEARNING_RATE = 0.05
 
 
 def init_params(key):
-    params = {}
-    for i, (fan_in, fan_out) in enumerate(zip(LAYERS[:-1], LAYERS[1:])):
-        key, sub = jax.random.split(key)
-        params[f"w{i}"] = jax.random.normal(sub, (fan_in, fan_out)) * jnp.sqrt(2.0 / fan_in)
-        params[f"b{i}"] = jnp.zeros((fan_out,))
-    return params
+    return common.init_mlp(key, LAYERS)
 
 
 def loss_fn(params, x, y, mask):
-    h = x
-    for i in range(len(LAYERS) - 1):
-        h = h @ params[f"w{i}"] + params[f"b{i}"]
-        if i < len(LAYERS) - 2:
-            h = jax.nn.relu(h)
+    h = common.mlp_logits(params, x)
     losses = -jnp.take_along_axis(jax.nn.log_softmax(h), y[:, None], axis=1)[:, 0]
     return jnp.sum(jnp.where(mask, losses, 0.0))
 

@@ -18,19 +18,12 @@ A missed target is printed as MISSED; the exit status stays 0 so ``make bench`` 
 benchmark. Run it with ``python benchmarks/bench_run.py`` (``make bench`` runs all of them).
 """
 
-import os
-
-# The simulated devices must be requested before JAX starts; a value the caller chose wins.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import common  # noqa: F401  (first: it requests the simulated devices)
 
 import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax import lax  # noqa: E402
@@ -54,20 +47,11 @@ AXIS = "replica"
 
 
 def init_params(key):
-    params = {}
-    for i, (fan_in, fan_out) in enumerate(zip(LAYERS[:-1], LAYERS[1:])):
-        key, sub = jax.random.split(key)
-        params[f"w{i}"] = jax.random.normal(sub, (fan_in, fan_out)) * jnp.sqrt(2.0 / fan_in)
-        params[f"b{i}"] = jnp.zeros((fan_out,))
-    return params
+    return common.init_mlp(key, LAYERS)
 
 
 def loss_fn(params, x, y):
-    for i in range(len(LAYERS) - 1):
-        x = x @ params[f"w{i}"] + params[f"b{i}"]
-        if i < len(LAYERS) - 2:
-            x = jax.nn.relu(x)
-    return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(common.mlp_logits(params, x), y).mean()
 
 
 OPTIMIZER = optax.adam(1e-3)

@@ -16,6 +16,8 @@ import jdist
 
 #: The replica counts jdist's own tests cover (on 8 simulated CPU devices).
 REPLICA_COUNTS = (1, 2, 3, 4, 8)
+#: The dataset tests add 5 replicas, where TF's split leaves trailing replicas short or empty.
+DATASET_REPLICA_COUNTS = (1, 2, 3, 4, 5, 8)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,4 @@
-"""Shared fixtures: strategies over 1, 2, 3, 4 and 8 of the eight simulated CPU devices.
+"""Shared fixtures: strategies over several of the eight simulated CPU devices.
 
 The root ``conftest.py`` creates the devices (XLA_FLAGS) before JAX starts.
 """
@@ -7,12 +7,12 @@ import pytest
 
 import jdist
 from jdist._src import context
-from jdist.testing import REPLICA_COUNTS, mirrored
+from jdist.testing import DATASET_REPLICA_COUNTS, mirrored
 
 
-@pytest.fixture(params=REPLICA_COUNTS, ids=lambda n: f"{n}rep")
-def strategy(request):
-    """A MirroredStrategy over 1, 2, 3, 4 and 8 replicas."""
+@pytest.fixture(params=DATASET_REPLICA_COUNTS, ids=lambda n: f"{n}rep")
+def s(request):
+    """A MirroredStrategy over 1, 2, 3, 4, 5 and 8 replicas (the dataset tests' counts)."""
     return mirrored(request.param)
 
 

@@ -1,7 +1,6 @@
 """How distributed datasets and iterators end, replay and describe themselves; options and the
 TF1 names (SEMANTICS.md, Datasets)."""
 
-import functools
 import subprocess
 import sys
 
@@ -13,18 +12,7 @@ import pytest
 import jdist
 from jdist import errors
 from jdist._src.numpy_dataset import NumpyDataset
-
-COUNTS = (1, 2, 3, 4, 5, 8)
-
-
-@functools.lru_cache(maxsize=None)
-def strategy_of(n):
-    return jdist.MirroredStrategy(jax.devices()[:n])
-
-
-@pytest.fixture(params=COUNTS, ids=lambda n: f"{n}rep")
-def s(request):
-    return strategy_of(request.param)
+from jdist.testing import mirrored
 
 
 def gathered(s, element):
@@ -88,7 +76,7 @@ def test_iterating_again_replays_the_data(s):
 
 
 def test_a_one_shot_generator_is_read_once():
-    s = strategy_of(2)
+    s = mirrored(2)
     dist = s.experimental_distribute_dataset(np.arange(2 * k, 2 * k + 2) for k in range(3))
     assert len(list(dist)) == 3
     with pytest.raises(errors.InvalidArgumentError, match="one-shot"):
@@ -96,7 +84,7 @@ def test_a_one_shot_generator_is_read_once():
 
 
 def test_a_zero_argument_function_is_re_iterable():
-    s = strategy_of(2)
+    s = mirrored(2)
     dist = s.experimental_distribute_dataset(
         lambda: (np.arange(2 * k, 2 * k + 2) for k in range(3)))
     assert [gathered(s, b).tolist() for b in dist] == [[0, 1], [2, 3], [4, 5]]
@@ -141,7 +129,7 @@ def test_element_spec_is_one_replicas_padded_batch(s):
 
 
 def test_element_spec_of_generators_is_read_from_the_first_batch():
-    s = strategy_of(4)
+    s = mirrored(4)
     dist = s.experimental_distribute_dataset(lambda: iter([np.zeros((7, 2), np.float64)]))
     assert dist.element_spec == jax.ShapeDtypeStruct((2, 2), jnp.float32)  # float64 -> default.
     one_shot = s.experimental_distribute_dataset(iter([np.zeros((8,), np.int32)]))
@@ -150,7 +138,7 @@ def test_element_spec_of_generators_is_read_from_the_first_batch():
 
 
 def test_cardinality():
-    s = strategy_of(2)
+    s = mirrored(2)
     ds = s.experimental_make_numpy_dataset(np.arange(10))
     assert s.experimental_distribute_dataset(ds.batch(4)).cardinality() == 3
     assert s.experimental_distribute_dataset(ds.batch(4, drop_remainder=True)).cardinality() == 2
@@ -164,7 +152,7 @@ def test_cardinality():
 
 
 def test_reduce_folds_one_pass():
-    s = strategy_of(2)
+    s = mirrored(2)
     dist = s.experimental_distribute_dataset(
         s.experimental_make_numpy_dataset(np.arange(5.0)).batch(2))
     total = dist.reduce(0.0, lambda acc, b: acc + float(s.reduce("sum", b, axis=0)))
@@ -184,7 +172,7 @@ def test_input_options_defaults_and_validation():
         jdist.InputOptions(experimental_per_replica_buffer_size=-1)
     with pytest.raises(ValueError):
         jdist.InputOptions(experimental_replication_mode="sideways")
-    s = strategy_of(2)
+    s = mirrored(2)
     per_replica = jdist.InputOptions(experimental_replication_mode="PER_REPLICA")
     with pytest.raises(NotImplementedError, match="distribute_datasets_from_function"):
         s.experimental_distribute_dataset([np.zeros(2)], per_replica)
@@ -203,7 +191,7 @@ def test_input_options_defaults_and_validation():
 
 @pytest.mark.parametrize("n", (1, 3))
 def test_fetch_to_device_false_keeps_batches_on_the_host(n):
-    s = strategy_of(n)
+    s = mirrored(n)
     dist = dataset(s, size=5, batch=3, experimental_fetch_to_device=False)
     elements = list(dist)
     assert isinstance(elements[1], jdist.PerReplica) and isinstance(elements[1].stacked, np.ndarray)
@@ -212,14 +200,14 @@ def test_fetch_to_device_false_keeps_batches_on_the_host(n):
 
 
 def test_buffer_size_zero_feeds_without_a_thread():
-    s = strategy_of(2)
+    s = mirrored(2)
     it = iter(dataset(s, experimental_per_replica_buffer_size=0))
     assert not hasattr(it._feed, "thread")
     assert [gathered(s, b).tolist() for b in it] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
 def test_invalid_inputs():
-    s = strategy_of(2)
+    s = mirrored(2)
     with pytest.raises(ValueError, match="experimental_make_numpy_dataset"):
         s.experimental_distribute_dataset(np.arange(4))
     with pytest.raises(ValueError, match="dict"):
@@ -260,7 +248,7 @@ def test_make_dataset_iterator_and_experimental_run(s):
 
 
 def test_make_input_fn_iterator_and_the_alias():
-    s = strategy_of(2)
+    s = mirrored(2)
 
     def input_fn(ctx):
         assert isinstance(ctx, jdist.InputContext) and ctx.num_replicas_in_sync == 2
@@ -316,7 +304,7 @@ def test_numpy_dataset_shuffles_differently_each_iteration():
 
 
 def test_element_spec_does_not_consume_a_shuffle_order():
-    s = strategy_of(2)
+    s = mirrored(2)
     make = lambda: s.experimental_make_numpy_dataset(np.arange(12)).shuffle(12, seed=5).batch(4)
     dist = s.experimental_distribute_dataset(make())
     assert dist.element_spec == jax.ShapeDtypeStruct((2,), jnp.int32)

@@ -1,11 +1,9 @@
 """The background feeder: reads ahead (bounded), forwards errors, and never leaves a thread."""
 
-import functools
 import gc
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import jax
@@ -14,15 +12,7 @@ import pytest
 
 import jdist
 from jdist._src import prefetch
-
-
-@functools.lru_cache(maxsize=None)
-def strategy_of(n):
-    return jdist.MirroredStrategy(jax.devices()[:n])
-
-
-def prefetch_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("jdist-prefetch-")]
+from jdist.testing import mirrored
 
 
 def wait_for(condition, timeout=10.0):
@@ -56,16 +46,16 @@ class CountingLoader:
 @pytest.fixture(autouse=True)
 def _no_threads_left():
     gc.collect()
-    assert wait_for(lambda: not prefetch_threads(), 5.0), (
-        f"left by earlier tests: {prefetch_threads()}")
+    assert wait_for(lambda: not prefetch.live_threads(), 5.0), (
+        f"left by earlier tests: {prefetch.live_threads()}")
     yield
     gc.collect()
-    assert wait_for(lambda: not prefetch_threads(), 5.0), prefetch_threads()
+    assert wait_for(lambda: not prefetch.live_threads(), 5.0), prefetch.live_threads()
 
 
 @pytest.mark.parametrize("buffer_size", (1, 3))
 def test_reads_ahead_of_the_consumer_but_bounded(buffer_size):
-    s = strategy_of(2)
+    s = mirrored(2)
     loader = CountingLoader()
     options = jdist.InputOptions(experimental_per_replica_buffer_size=buffer_size)
     it = iter(s.experimental_distribute_dataset(loader, options))
@@ -81,26 +71,26 @@ def test_reads_ahead_of_the_consumer_but_bounded(buffer_size):
 
 
 def test_break_leaves_no_thread():
-    s = strategy_of(4)
+    s = mirrored(4)
     loader = CountingLoader()  # Endless: the feeder is blocked on a full queue when we break.
     for i, _ in enumerate(s.experimental_distribute_dataset(loader)):
-        assert len(prefetch_threads()) == 1
+        assert len(prefetch.live_threads()) == 1
         if i == 2:
             break
-    assert not prefetch_threads()  # Joined as soon as the loop dropped the iterator.
+    assert not prefetch.live_threads()  # Joined as soon as the loop dropped the iterator.
 
 
 def test_exception_in_the_step_leaves_no_thread():
-    s = strategy_of(2)
+    s = mirrored(2)
     with pytest.raises(ZeroDivisionError):
         for _ in s.experimental_distribute_dataset(CountingLoader()):
             _ = 1 / 0
     gc.collect()
-    assert not prefetch_threads()
+    assert not prefetch.live_threads()
 
 
 def test_garbage_collection_and_close_stop_the_thread():
-    s = strategy_of(3)
+    s = mirrored(3)
     dist = s.experimental_distribute_dataset(CountingLoader(delay=0.01))
     it = iter(dist)
     next(it)
@@ -112,13 +102,13 @@ def test_garbage_collection_and_close_stop_the_thread():
     it = iter(dist)
     next(it)
     it.close()
-    assert not prefetch_threads()
+    assert not prefetch.live_threads()
     with pytest.raises(StopIteration):
         next(it)
 
 
 def test_a_cycle_holding_the_iterator_is_collected():
-    s = strategy_of(2)
+    s = mirrored(2)
 
     class Holder:
         pass
@@ -128,31 +118,31 @@ def test_a_cycle_holding_the_iterator_is_collected():
     next(holder.it)
     del holder
     gc.collect()
-    assert not prefetch_threads()
+    assert not prefetch.live_threads()
 
 
 def test_end_of_data_joins_the_thread():
-    s = strategy_of(2)
+    s = mirrored(2)
     it = iter(s.experimental_distribute_dataset(CountingLoader(limit=3)))
     assert len(list(it)) == 3
-    assert not prefetch_threads()
+    assert not prefetch.live_threads()
 
 
 def test_loader_exceptions_reach_the_consumer():
-    s = strategy_of(2)
+    s = mirrored(2)
     loader = CountingLoader(fail_at=2)
     it = iter(s.experimental_distribute_dataset(loader))
     next(it)
     next(it)
     with pytest.raises(KeyError, match="loader failed"):
         next(it)
-    assert not prefetch_threads()
+    assert not prefetch.live_threads()
     with pytest.raises(StopIteration):  # The data has ended with the error.
         next(it)
 
 
 def test_splitting_errors_reach_the_consumer():
-    s = strategy_of(2)
+    s = mirrored(2)
     it = iter(s.experimental_distribute_dataset([np.zeros(4), np.float32(1.0)]))
     next(it)
     with pytest.raises(ValueError, match="unbatched"):
@@ -160,7 +150,7 @@ def test_splitting_errors_reach_the_consumer():
 
 
 def test_generators_are_closed_when_the_loop_stops_early():
-    s = strategy_of(2)
+    s = mirrored(2)
     closed = []
 
     def gen():

@@ -4,7 +4,6 @@ Every per-replica value is compared with NumPy slicing of the unpadded data, for
 and 8 replicas, with NumPy datasets, lists and generators.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,18 +12,7 @@ import pytest
 
 import jdist
 from jdist import errors
-
-COUNTS = (1, 2, 3, 4, 5, 8)
-
-
-@functools.lru_cache(maxsize=None)
-def strategy_of(n):
-    return jdist.MirroredStrategy(jax.devices()[:n])
-
-
-@pytest.fixture(params=COUNTS, ids=lambda n: f"{n}rep")
-def s(request):
-    return strategy_of(request.param)
+from jdist.testing import mirrored
 
 
 def tf_split(batch, n):
@@ -49,14 +37,14 @@ def assert_split(s, element, batch):
 
 # ------------------------------------------------------------------ the rule, literally
 def test_semantics_examples_range8_batch4_on_3():
-    s = strategy_of(3)
+    s = mirrored(3)
     ds = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(np.arange(8)).batch(4))
     got = [[v.tolist() for v in local(s, b)] for b in ds]
     assert got == [[[0, 1], [2, 3], []], [[4, 5], [6, 7], []]]
 
 
 def test_semantics_examples_range9_batch2_on_2():
-    s = strategy_of(2)
+    s = mirrored(2)
     ds = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(np.arange(9)).batch(2))
     got = [[v.tolist() for v in local(s, b)] for b in ds]
     assert got == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]], [[8], []]]
@@ -104,7 +92,7 @@ def test_jax_array_batches_are_accepted(s):
 
 
 def test_unbatched_dataset_on_several_replicas_is_a_clear_error():
-    s = strategy_of(2)
+    s = mirrored(2)
     with pytest.raises(errors.InvalidArgumentError, match="unbatched"):
         s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(np.arange(4)))
     it = iter(s.experimental_distribute_dataset([np.float32(1.0)]))
@@ -113,20 +101,20 @@ def test_unbatched_dataset_on_several_replicas_is_a_clear_error():
 
 
 def test_unbatched_dataset_on_one_replica_passes_elements_through():
-    s = strategy_of(1)
+    s = mirrored(1)
     ds = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(np.arange(3.0)))
     assert [float(x) for x in ds] == [0.0, 1.0, 2.0]
 
 
 def test_leaves_with_different_batch_sizes_are_an_error():
-    s = strategy_of(2)
+    s = mirrored(2)
     it = iter(s.experimental_distribute_dataset([(np.zeros(4), np.zeros(3))]))
     with pytest.raises(errors.InvalidArgumentError, match="leading"):
         next(it)
 
 
 def test_strings_are_an_error():
-    s = strategy_of(2)
+    s = mirrored(2)
     with pytest.raises(errors.InvalidArgumentError, match="dtype"):
         next(iter(s.experimental_distribute_dataset([np.array(["a", "b"])])))
 
@@ -167,7 +155,7 @@ def test_reduce_and_gather_of_partial_batches_equal_numpy(s):
 
 
 def test_uneven_mean_is_tf_mean():
-    s = strategy_of(2)
+    s = mirrored(2)
     element = next(iter(s.experimental_distribute_dataset([np.array([5.0, 6.0, 7.0], np.float32)])))
     assert [v.tolist() for v in local(s, element)] == [[5.0, 6.0], [7.0]]
     assert float(s.reduce("mean", element, axis=0)) == 6.0
@@ -206,7 +194,7 @@ def test_step_sees_real_rows_and_compiles_once_per_shape(s):
 
 
 def test_padded_batches_of_different_lengths_share_one_program():
-    s = strategy_of(4)
+    s = mirrored(4)
     count = []
 
     def step(x):

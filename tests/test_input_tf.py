@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import jdist
+from jdist.testing import DATASET_REPLICA_COUNTS
 
-COUNTS = (1, 2, 3, 4, 5, 8)
+COUNTS = DATASET_REPLICA_COUNTS
 
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

@@ -391,8 +391,10 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         return program.lower(*stacked), plan
 
     def __repr__(self):
-        return (f"{type(self).__name__}(all_reduce_alg={self._all_reduce_alg!r}, "
-                f"num_packs={self._num_packs})")
+        if type(self) is AllReduceCrossDeviceOps:
+            return (f"AllReduceCrossDeviceOps(all_reduce_alg={self._all_reduce_alg!r}, "
+                    f"num_packs={self._num_packs})")
+        return f"{type(self).__name__}(num_packs={self._num_packs})"
 
 
 class NcclAllReduce(AllReduceCrossDeviceOps):
@@ -415,9 +417,6 @@ class NcclAllReduce(AllReduceCrossDeviceOps):
 
     def __init__(self, num_packs=1):
         super().__init__("nccl", num_packs)
-
-    def __repr__(self):
-        return f"NcclAllReduce(num_packs={self._num_packs})"
 
 
 class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
@@ -444,9 +443,6 @@ class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
 
     def __init__(self, num_packs=1):
         super().__init__("hierarchical_copy", num_packs)
-
-    def __repr__(self):
-        return f"HierarchicalCopyAllReduce(num_packs={self._num_packs})"
 
 
 def resolve(cross_device_ops, devices):
