@@ -29,6 +29,7 @@ from jax import lax
 from jax.extend import core
 from jax.sharding import PartitionSpec as P
 
+from jdist._src import batch_rows
 from jdist._src import context
 from jdist._src import errors
 from jdist._src import invariance
@@ -201,6 +202,7 @@ class ReplicatedRunner:
         # Which outputs derive from per-replica inputs; it also decides, for one replica, which
         # outputs are padded batches (a replicated output never inherits the batch's lengths).
         dataflow_same = invariance.same_outputs(inner, replicated_in)
+        rows = self._output_rows(traced, eqn, kinds, leaves, has_lengths)
         same = [True] * len(inner.outvars) if n == 1 else dataflow_same
         run_body = core.jaxpr_as_fun(core.ClosedJaxpr(inner, ()))
 
@@ -220,10 +222,28 @@ class ReplicatedRunner:
                             for v in eqn.invars])
 
         varying = tuple(not s for s in same)
+        # A per-replica output inherits the batch's lengths when its leading axis runs over the
+        # batch rows (1: axis 0 after the stacked replica axis), or, where the analysis cannot
+        # tell, when its leading size is the padded batch size.
         inherits = tuple(
             has_lengths and not s and len(shape) >= 1 and shape[0] == padded
-            for s, shape in zip(dataflow_same, record["shapes"]))
+            and (r == 1 or r is batch_rows.UNKNOWN)
+            for s, r, shape in zip(dataflow_same, rows, record["shapes"]))
         return _Program(jax.jit(program), record["tree"], varying, inherits)
+
+    @staticmethod
+    def _output_rows(traced, eqn, kinds, leaves, has_lengths):
+        """The row axis of each stacked output of the traced body (see `batch_rows`)."""
+        if not has_lengths:
+            return [batch_rows.NOT_ROWS] * len(eqn.params["jaxpr"].outvars)
+        # Blocks of padded batches are (1, rows, ...): their rows run along axis 1.
+        dynamic = [leaf for leaf, kind in zip(leaves, kinds) if kind != _STATIC]
+        states = [1 if isinstance(leaf, PerReplica) and leaf.lengths is not None
+                  else batch_rows.NOT_ROWS for leaf in dynamic]
+        states.append(batch_rows.NOT_ROWS)  # The lengths themselves.
+        by_var = dict(zip(traced.jaxpr.invars, states))
+        inputs = [by_var.get(v, batch_rows.NOT_ROWS) for v in eqn.invars]
+        return batch_rows.row_axes(eqn.params["jaxpr"], inputs)
 
     def _wrap_outputs(self, program, outputs, lengths):
         wrapped = []

@@ -1,0 +1,155 @@
+"""Which outputs of a replica function are rows of its padded input batch.
+
+A partial batch reaches the step padded, with its true per-replica lengths (``docs/design.md``,
+section 10). An output that is row-for-row aligned with the batch (per-example losses,
+predictions) must carry those lengths back, so that ``reduce(..., axis=0)`` and ``gather`` skip
+the padding; an output that merely has the same leading size (the gradient of a weight whose
+input size equals the per-replica batch size) must not, or real rows would be dropped.
+
+This module follows the batch's row axis through the traced body: the state of a value is the
+index of its axis that runs over the batch rows (`int`), `NOT_ROWS` when it provably has none
+(replicated inputs, constants, a contraction or reduction over the rows), or `UNKNOWN` for
+anything the analysis does not model (control flow, gathers, unknown primitives). For `UNKNOWN`
+the caller falls back to the leading-size rule.
+"""
+
+import math
+
+from jax.extend import core
+
+NOT_ROWS = -1
+UNKNOWN = None
+
+_ELEMENTWISE = frozenset({
+    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt",
+    "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh", "div", "eq", "erf",
+    "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag", "integer_pow",
+    "is_finite", "le", "lgamma", "digamma", "log", "log1p", "logistic", "lt", "max", "min", "mul",
+    "ne", "neg", "nextafter", "not", "or", "pow", "real", "reduce_precision", "rem", "round",
+    "rsqrt", "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign",
+    "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor", "psum",
+    "psum_invariant", "pmax", "pmin", "pvary", "pcast",
+})
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                         "reduce_or", "reduce_xor", "argmax", "argmin"})
+_CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+_NOT_ROWS = frozenset({"iota", "axis_index", "all_gather", "rng_bit_generator", "random_bits"})
+_STRUCTURAL = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose", "slice", "pad",
+                         "concatenate", "sort"})
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def row_axes(jaxpr, input_states):
+    """Returns, per output of ``jaxpr``, the axis that runs over the batch rows.
+
+    Args:
+      jaxpr: a ``jax.extend.core.Jaxpr``.
+      input_states: per input, its row axis, `NOT_ROWS` or `UNKNOWN`.
+
+    Returns:
+      A list with one state per output.
+    """
+    env = {v: NOT_ROWS for v in jaxpr.constvars}
+    env.update(zip(jaxpr.invars, input_states))
+
+    def read(v):
+        return NOT_ROWS if isinstance(v, core.Literal) else env.get(v, UNKNOWN)
+
+    for eqn in jaxpr.eqns:
+        outs = _eqn_rows(eqn, [read(v) for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _join(states):
+    """Several operands combined element by element: their common row axis, if they agree."""
+    axes = {s for s in states if s is not UNKNOWN and s != NOT_ROWS}
+    if UNKNOWN in states or len(axes) > 1:
+        return UNKNOWN
+    return axes.pop() if axes else NOT_ROWS
+
+
+def _shape(var):
+    return tuple(var.aval.shape)
+
+
+def _eqn_rows(eqn, ins):
+    name, params, n_out = eqn.primitive.name, eqn.params, len(eqn.outvars)
+    if name in _ELEMENTWISE:
+        return [_join(ins)] * n_out
+    if name in _NOT_ROWS:
+        return [NOT_ROWS] * n_out
+    for key in _CALL_PARAMS:
+        sub = params.get(key)
+        if isinstance(sub, (core.Jaxpr, core.ClosedJaxpr)):
+            inner = getattr(sub, "jaxpr", sub)
+            if len(inner.invars) == len(ins):
+                return row_axes(inner, ins)
+    k = ins[0] if ins else NOT_ROWS
+    if name == "dot_general":
+        return [_dot_general(eqn, ins)]
+    if name == "concatenate" and k != _join(ins):
+        return [UNKNOWN]  # Operands whose rows disagree.
+    if k is UNKNOWN or k == NOT_ROWS:
+        # Reshaping a value without rows gives a value without rows; other ops are not modelled.
+        modelled = name in _STRUCTURAL or name in _REDUCTIONS or name in _CUMULATIVE
+        return [k if modelled else UNKNOWN] * n_out
+    if name in _REDUCTIONS:
+        axes = params["axes"]
+        return [NOT_ROWS if k in axes else k - sum(a < k for a in axes)] * n_out
+    if name in _CUMULATIVE:
+        return [UNKNOWN if params["axis"] == k else k] * n_out
+    if name == "broadcast_in_dim":
+        out_axis = params["broadcast_dimensions"][k]
+        same_size = _shape(eqn.invars[0])[k] == params["shape"][out_axis]
+        return [out_axis if same_size else UNKNOWN]
+    if name == "squeeze":
+        dims = params["dimensions"]
+        return [UNKNOWN if k in dims else k - sum(d < k for d in dims)]
+    if name == "transpose":
+        return [tuple(params["permutation"]).index(k)]
+    if name == "reshape":
+        return [_reshaped_axis(_shape(eqn.invars[0]), tuple(params["new_sizes"]), k)]
+    if name == "slice":
+        start, limit = params["start_indices"][k], params["limit_indices"][k]
+        strides = params.get("strides")
+        whole = start == 0 and limit == _shape(eqn.invars[0])[k] and (
+            not strides or strides[k] == 1)
+        return [k if whole else UNKNOWN]
+    if name == "pad":
+        low, high, interior = params["padding_config"][k]
+        return [k if (low, high, interior) == (0, 0, 0) else UNKNOWN]
+    if name in ("concatenate", "sort"):
+        return [UNKNOWN if params["dimension"] == k else k] * n_out
+    return [UNKNOWN] * n_out
+
+
+def _reshaped_axis(old, new, k):
+    """Where axis ``k`` of shape ``old`` lands in ``new``, if it survives the reshape intact."""
+    before = math.prod(old[:k])
+    running = 1
+    for j, size in enumerate(new):
+        if running == before and size == old[k]:
+            return j
+        running *= size
+        if running > before:
+            break
+    return UNKNOWN
+
+
+def _dot_general(eqn, ins):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs_rank, rhs_rank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
+    lhs_free = [d for d in range(lhs_rank) if d not in lc and d not in lb]
+    rhs_free = [d for d in range(rhs_rank) if d not in rc and d not in rb]
+
+    def out_axis(k, contracting, batch, free, offset):
+        if k is UNKNOWN or k == NOT_ROWS:
+            return k
+        if k in contracting:
+            return NOT_ROWS  # Summed over the rows: e.g. the gradient of a weight.
+        if k in batch:
+            return list(batch).index(k)
+        return offset + free.index(k)
+    return _join([out_axis(ins[0], lc, lb, lhs_free, len(lb)),
+                  out_axis(ins[1], rc, rb, rhs_free, len(lb) + len(lhs_free))])

@@ -1,0 +1,74 @@
+"""Which outputs of a step are rows of its padded partial batch (and so carry its lengths)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from jdist._src import batch_rows
+from jdist.testing import mirrored, per_replica
+
+ROWS = 4  # Per-replica padded batch size; the weight below has as many inputs, on purpose.
+
+
+def partial_batch(s):
+    """Replica 0 has 3 real rows of 4, replica 1 has 1: a partial last batch."""
+    rng = np.random.default_rng(0)
+    return per_replica(s, [rng.normal(size=(3, ROWS)).astype(np.float32),
+                           rng.normal(size=(1, ROWS)).astype(np.float32)])
+
+
+def test_per_example_outputs_inherit_the_lengths_and_a_weight_gradient_does_not():
+    s = mirrored(2)
+    x = partial_batch(s)
+    w = jnp.ones((ROWS, 3), jnp.float32)  # Leading size == ROWS, like the batch.
+
+    def step(w, x):
+        logits = jax.nn.log_softmax(x @ w)
+        losses = -logits[:, 0]
+        grad_w = jax.grad(lambda w: jnp.sum(x @ w))(w)  # x^T @ 1: summed over the rows.
+        return {"losses": losses, "predictions": jnp.argmax(logits, axis=-1),
+                "scaled": jnp.transpose(jnp.transpose(x) * 2.0), "grad_w": grad_w}
+    out = s.run(step, args=(w, x))
+    assert out["losses"].lengths == out["predictions"].lengths == out["scaled"].lengths == (3, 1)
+    assert out["grad_w"].lengths is None
+    np.testing.assert_allclose(s.gather(out["scaled"], 0),
+                               2 * np.concatenate([c for c in x.values]), rtol=1e-6)
+    # Every row of the per-replica gradients is real: gather keeps all of them.
+    assert s.gather(out["grad_w"], 0).shape == (2 * ROWS, 3)
+
+
+def test_other_per_replica_inputs_of_the_same_size_are_not_batch_rows():
+    s = mirrored(2)
+    x = partial_batch(s)
+    other = per_replica(s, [np.ones(ROWS, np.float32)] * 2)
+    out = s.run(lambda x, other: other * 2.0, args=(x, other))
+    assert out.lengths is None
+
+
+def test_unmodelled_ops_fall_back_to_the_leading_size():
+    s = mirrored(2)
+    x = partial_batch(s)
+    out = s.run(lambda x: lax.scan(lambda c, row: (c, row * 2.0), 0.0, x)[1], args=(x,))
+    assert out.lengths == (3, 1)
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (lambda x: x * 2 + 1, [0]),
+    (lambda x: x.T, [1]),
+    (lambda x: x.reshape(x.shape[0], 2, -1), [0]),
+    (lambda x: x.reshape(-1), [batch_rows.UNKNOWN]),
+    (lambda x: jnp.sum(x, axis=1), [0]),
+    (lambda x: jnp.sum(x, axis=0), [batch_rows.NOT_ROWS]),
+    (lambda x: x @ jnp.ones((6, 2)), [0]),
+    (lambda x: x.T @ x, [batch_rows.NOT_ROWS]),
+    (lambda x: x[None], [1]),
+    (lambda x: x[1:], [batch_rows.UNKNOWN]),
+    (lambda x: jnp.cumsum(x, axis=1), [0]),
+    (lambda x: jnp.concatenate([x, x], axis=1), [0]),
+    (lambda x: jnp.zeros((5, 6)), [batch_rows.NOT_ROWS]),
+])
+def test_row_axis_rules(fn, expected):
+    jaxpr = jax.make_jaxpr(fn)(jnp.ones((5, 6))).jaxpr
+    assert batch_rows.row_axes(jaxpr, [0]) == expected
