@@ -15,20 +15,18 @@ Example:
 
 from jdist import errors
 from jdist import experimental
-from jdist._src.context import ReplicaContext
-from jdist._src.context import ValueContext
 from jdist._src.context import experimental_set_strategy
 from jdist._src.context import get_replica_context
 from jdist._src.context import get_strategy
 from jdist._src.context import has_strategy
 from jdist._src.context import in_cross_replica_context
-from jdist._src.dispatch import function
-from jdist._src.cross_device_ops import CommunicationImplementation
-from jdist._src.cross_device_ops import CommunicationOptions
+from jdist._src.context import ReplicaContext
+from jdist._src.context import ValueContext
 from jdist._src.cross_device_ops import CrossDeviceOps
 from jdist._src.cross_device_ops import HierarchicalCopyAllReduce
 from jdist._src.cross_device_ops import NcclAllReduce
 from jdist._src.cross_device_ops import ReductionToOneDevice
+from jdist._src.dispatch import function
 from jdist._src.input import DistributedDataset
 from jdist._src.input import DistributedIterator
 from jdist._src.input import InputContext
@@ -37,6 +35,8 @@ from jdist._src.input import InputReplicationMode
 from jdist._src.input import Optional
 from jdist._src.mirrored import MirroredStrategy
 from jdist._src.mirrored import OneDeviceStrategy
+from jdist._src.packing import CommunicationImplementation
+from jdist._src.packing import CommunicationOptions
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.strategy import Strategy
 from jdist._src.strategy import StrategyExtended
@@ -50,21 +50,21 @@ __all__ = (
     "CommunicationImplementation",
     "CommunicationOptions",
     "CrossDeviceOps",
-    "HierarchicalCopyAllReduce",
-    "NcclAllReduce",
-    "ReductionToOneDevice",
     "DistributedDataset",
     "DistributedIterator",
     "DistributedValues",
+    "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
     "InputReplicationMode",
     "Mirrored",
     "MirroredStrategy",
+    "NcclAllReduce",
     "OneDeviceStrategy",
     "Optional",
     "PerReplica",
     "ReduceOp",
+    "ReductionToOneDevice",
     "ReplicaContext",
     "Strategy",
     "StrategyExtended",

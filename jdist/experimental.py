@@ -6,10 +6,12 @@ Example:
   <CommunicationImplementation.RING: 'RING'>
 """
 
-from jdist._src.cross_device_ops import CommunicationImplementation
-from jdist._src.cross_device_ops import CommunicationOptions
+from jdist._src.input import Optional
+from jdist._src.packing import CommunicationImplementation
+from jdist._src.packing import CommunicationOptions
 
 # TF's deprecated name of CommunicationImplementation.
 CollectiveCommunication = CommunicationImplementation
 
-__all__ = ("CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions")
+__all__ = ("CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions",
+           "Optional")

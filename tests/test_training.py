@@ -4,6 +4,7 @@ A small MLP regresses onto a random linear teacher, so the loss has a known floo
 every replica count trains on exactly the same global batches.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,10 +75,7 @@ def fetch(tree):
 
 
 def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
-    actual, expected = fetch(actual), fetch(expected)
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+    chex.assert_trees_all_close(fetch(actual), fetch(expected), rtol=rtol, atol=atol)
 
 
 def test_thousands_of_steps_dispatched_back_to_back():

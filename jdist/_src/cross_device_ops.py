@@ -38,8 +38,6 @@ from jdist._src.destinations import programs_of
 from jdist._src.destinations import simple_broadcast
 from jdist._src.destinations import strip_padding
 from jdist._src.destinations import validate_destinations
-from jdist._src.packing import CommunicationImplementation  # noqa: F401 (public name)
-from jdist._src.packing import CommunicationOptions  # noqa: F401 (public name)
 from jdist._src.packing import as_options
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.values import DistributedValues
