@@ -174,7 +174,7 @@ def test_input_options_defaults_and_validation():
         jdist.InputOptions(experimental_replication_mode="sideways")
     s = mirrored(2)
     per_replica = jdist.InputOptions(experimental_replication_mode="PER_REPLICA")
-    with pytest.raises(NotImplementedError, match="distribute_datasets_from_function"):
+    with pytest.raises(errors.InvalidArgumentError, match="distribute_datasets_from_function"):
         s.experimental_distribute_dataset([np.zeros(2)], per_replica)
     with pytest.raises(ValueError, match="PER_REPLICA"):
         s.distribute_datasets_from_function(

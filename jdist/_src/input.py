@@ -478,13 +478,13 @@ def distribute_dataset(strategy, dataset, options=None):
     """Implements `Strategy.experimental_distribute_dataset`."""
     options = _options(options)
     if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
-        raise NotImplementedError(
+        raise errors.InvalidArgumentError(
             "InputReplicationMode.PER_REPLICA is only supported in "
-            "`distribute_datasets_from_function`.")
+            "`distribute_datasets_from_function`; use it, or the default PER_WORKER mode here.")
     if options.experimental_place_dataset_on_device:
-        raise NotImplementedError(
+        raise errors.InvalidArgumentError(
             "`experimental_place_dataset_on_device` is only supported in "
-            "`distribute_datasets_from_function` with PER_REPLICA mode.")
+            "`distribute_datasets_from_function` with PER_REPLICA mode; unset it here.")
     if isinstance(dataset, DistributedDataset):
         raise errors.InvalidArgumentError("the dataset is already distributed.")
     source = input_batches.Source(dataset, "experimental_distribute_dataset")

@@ -521,7 +521,7 @@ class Strategy:
 class _DefaultExtended(StrategyExtended):
 
     def _wait_all(self):
-        pass
+        """The default strategy runs replica functions directly: it has no programs in flight."""
 
 
 class _DefaultStrategy(Strategy):
