@@ -15,7 +15,7 @@ the caller falls back to the leading-size rule.
 
 import math
 
-from jax.extend import core
+from jdist._src import invariance
 
 NOT_ROWS = -1
 UNKNOWN = None
@@ -36,7 +36,6 @@ _CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"
 _NOT_ROWS = frozenset({"iota", "axis_index", "all_gather", "rng_bit_generator", "random_bits"})
 _STRUCTURAL = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose", "slice", "pad",
                          "concatenate", "sort"})
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
 def row_axes(jaxpr, input_states):
@@ -49,16 +48,7 @@ def row_axes(jaxpr, input_states):
     Returns:
       A list with one state per output.
     """
-    env = {v: NOT_ROWS for v in jaxpr.constvars}
-    env.update(zip(jaxpr.invars, input_states))
-
-    def read(v):
-        return NOT_ROWS if isinstance(v, core.Literal) else env.get(v, UNKNOWN)
-
-    for eqn in jaxpr.eqns:
-        outs = _eqn_rows(eqn, [read(v) for v in eqn.invars])
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    return invariance.propagate(jaxpr, input_states, _eqn_rows, NOT_ROWS)
 
 
 def _join(states):
@@ -79,12 +69,9 @@ def _eqn_rows(eqn, ins):
         return [_join(ins)] * n_out
     if name in _NOT_ROWS:
         return [NOT_ROWS] * n_out
-    for key in _CALL_PARAMS:
-        sub = params.get(key)
-        if isinstance(sub, (core.Jaxpr, core.ClosedJaxpr)):
-            inner = getattr(sub, "jaxpr", sub)
-            if len(inner.invars) == len(ins):
-                return row_axes(inner, ins)
+    inner = invariance.call_body(eqn)
+    if inner is not None:
+        return row_axes(inner, ins)
     k = ins[0] if ins else NOT_ROWS
     if name == "dot_general":
         return [_dot_general(eqn, ins)]

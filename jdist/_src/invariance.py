@@ -28,6 +28,41 @@ _DIFFERING = frozenset({"axis_index", "ppermute", "all_to_all", "psum_scatter", 
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
+def propagate(jaxpr, inputs, eqn_rule, constant):
+    """A forward dataflow analysis: one state per variable, computed equation by equation.
+
+    Args:
+      jaxpr: a ``jax.extend.core.Jaxpr``.
+      inputs: the state of each input.
+      eqn_rule: ``(eqn, operand_states) -> output_states``.
+      constant: the state of literals and closed-over constants.
+
+    Returns:
+      The state of each output.
+    """
+    env = {v: constant for v in jaxpr.constvars}
+    env.update(zip(jaxpr.invars, inputs))
+
+    def read(v):
+        return constant if isinstance(v, core.Literal) else env.get(v, constant)
+
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, eqn_rule(eqn, [read(v) for v in eqn.invars])))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def call_body(eqn):
+    """The sub-program of a call-like equation (``jit``, ``custom_jvp_call``, ``checkpoint``...)
+    that takes the equation's operands one to one, or None."""
+    for key in _CALL_PARAMS:
+        sub = eqn.params.get(key)
+        if isinstance(sub, (core.Jaxpr, core.ClosedJaxpr)):
+            inner = _inner(sub)
+            if len(inner.invars) == len(eqn.invars):
+                return inner
+    return None
+
+
 def same_outputs(jaxpr, inputs_same):
     """Returns, per output of ``jaxpr``, whether it is equal on every replica.
 
@@ -38,16 +73,7 @@ def same_outputs(jaxpr, inputs_same):
     Returns:
       A list of bools, one per output.
     """
-    env = {v: True for v in jaxpr.constvars}
-    env.update(zip(jaxpr.invars, inputs_same))
-
-    def read(v):
-        return True if isinstance(v, core.Literal) else env.get(v, True)
-
-    for eqn in jaxpr.eqns:
-        outs = _eqn_same(eqn, [read(v) for v in eqn.invars])
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    return propagate(jaxpr, inputs_same, _eqn_same, True)
 
 
 def _inner(closed_or_open):
@@ -67,12 +93,9 @@ def _eqn_same(eqn, ins):
         return _while_same(eqn, ins)
     if name == "cond":
         return _cond_same(eqn, ins)
-    for key in _CALL_PARAMS:
-        sub = eqn.params.get(key)
-        if isinstance(sub, (core.Jaxpr, core.ClosedJaxpr)):
-            inner = _inner(sub)
-            if len(inner.invars) == len(ins):
-                return same_outputs(inner, ins)
+    inner = call_body(eqn)
+    if inner is not None:
+        return same_outputs(inner, ins)
     if any(isinstance(p, (core.Jaxpr, core.ClosedJaxpr)) or (
             isinstance(p, tuple) and p and isinstance(p[0], (core.Jaxpr, core.ClosedJaxpr)))
            for p in eqn.params.values()):
