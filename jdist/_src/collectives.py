@@ -162,8 +162,8 @@ class ReplicaPrograms:
     """
 
     def __init__(self, mesh, axis_name, guard):
-        self._mesh = mesh
-        self._axis = axis_name
+        self.mesh = mesh
+        self.axis_name = axis_name
         self.guard = guard
         self.num_replicas = mesh.devices.size
         self.per_replica_sharding = NamedSharding(mesh, P(axis_name))
@@ -235,7 +235,7 @@ class ReplicaPrograms:
 
     @functools.lru_cache(maxsize=None)
     def _reduce_program(self, op, axes, has_lengths):
-        axis, n = self._axis, self.num_replicas
+        axis, n = self.axis_name, self.num_replicas
 
         def body(block, valid=None):
             valid_rows = None if valid is None else valid[0]
@@ -250,14 +250,14 @@ class ReplicaPrograms:
             return _finish(op, total, count)
 
         in_specs = (P(axis), P(axis)) if has_lengths else (P(axis),)
-        return jax.jit(jax.shard_map(body, mesh=self._mesh, in_specs=in_specs, out_specs=P()))
+        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=P()))
 
     @functools.lru_cache(maxsize=None)
     def _gather_program(self, axis):
         def body(block):
-            return lax.all_gather(block[0], self._axis, axis=axis, tiled=True)
+            return lax.all_gather(block[0], self.axis_name, axis=axis, tiled=True)
         # all_gather's result is equal on every device, but jax 0.10 types it per-replica.
-        return jax.jit(jax.shard_map(body, mesh=self._mesh, in_specs=(P(self._axis),),
+        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P(self.axis_name),),
                                      out_specs=P(), check_vma=False))
 
 

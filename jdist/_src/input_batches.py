@@ -28,6 +28,7 @@ from jdist._src.numpy_dataset import NumpyDataset
 from jdist._src.numpy_dataset import UNKNOWN
 from jdist._src.values import DistributedValues
 from jdist._src.values import PerReplica
+from jdist._src.values import pad_components
 
 
 def _is_tf_dataset(obj):
@@ -57,7 +58,6 @@ class Source:
                 f"{what} takes an iterable of batches, got a {type(obj).__name__}; for a dict of "
                 "arrays use strategy.experimental_make_numpy_dataset(d).batch(global_batch_size).")
         self._obj = obj
-        self._what = what
         self.is_tf = _is_tf_dataset(obj)
         self.one_shot = isinstance(obj, collections.abc.Iterator)
         self._callable = not self.is_tf and callable(obj) and not isinstance(
@@ -224,13 +224,10 @@ class Placer:
     @staticmethod
     def stacked(chunks, rows):
         """A leaf from one chunk per replica, each zero-padded to ``rows`` (None: no padding)."""
-        if rows is None or all(c.shape[0] == rows for c in chunks):
+        if rows is None:
             return (np.stack(chunks), None, True)
-        first = chunks[0]
-        out = np.zeros((len(chunks), rows) + first.shape[1:], first.dtype)
-        for i, c in enumerate(chunks):
-            out[i, :c.shape[0]] = c
-        return (out, tuple(c.shape[0] for c in chunks), True)
+        stacked, lengths = pad_components(chunks, rows)
+        return (stacked, lengths, True)
 
     def place(self, leaves):
         """The element's values: arrays for `whole` leaves, `PerReplica` for `stacked` ones."""

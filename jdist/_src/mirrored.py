@@ -21,6 +21,7 @@ from jdist._src import spmd
 from jdist._src.strategy import Strategy
 from jdist._src.strategy import StrategyExtended
 from jdist._src.values import PerReplica
+from jdist._src.values import pad_components
 
 REPLICA_AXIS = "replica"
 
@@ -38,8 +39,7 @@ class MirroredExtended(StrategyExtended):
         self._mesh = Mesh(np.array(self._devices), (REPLICA_AXIS,))
         self._guard = dispatch.guard_for(self._platform, len(self._devices))
         self._programs = collectives.ReplicaPrograms(self._mesh, REPLICA_AXIS, self._guard)
-        self._runner = spmd.ReplicatedRunner(container_strategy, self._programs, self._mesh,
-                                             REPLICA_AXIS, self._guard)
+        self._runner = spmd.ReplicatedRunner(container_strategy, self._programs)
         # None picks the backend's all-reduce; the strategy's programs serve ops on its devices.
         self._cross_device_ops = cross_device_ops_lib.resolve(cross_device_ops, self._devices)
         destinations.register_programs(self._programs)
@@ -91,9 +91,9 @@ class MirroredExtended(StrategyExtended):
                     not shapes[0]):
                 raise errors.ShapeMismatchError(
                     f"replica values must agree in every dimension but the first, got {shapes}.")
-            lengths = tuple(s[0] for s in shapes)
-            padded = max(lengths)
-            arrays = [_pad_rows(np.asarray(a), padded) for a in arrays]
+            stacked, lengths = pad_components(arrays)
+            return PerReplica._from_stacked(
+                jax.device_put(stacked, self._programs.per_replica_sharding), lengths)
         blocks = [jax.device_put(a[None], d) for a, d in zip(arrays, self._devices)]
         stacked = jax.make_array_from_single_device_arrays(
             (len(blocks),) + tuple(blocks[0].shape[1:]), self._programs.per_replica_sharding,
@@ -161,8 +161,3 @@ class OneDeviceStrategy(Strategy):
 
     def __init__(self, device):
         super().__init__(MirroredExtended(self, [devices_lib.resolve(device)]))
-
-
-def _pad_rows(array, rows):
-    pad = [(0, rows - array.shape[0])] + [(0, 0)] * (array.ndim - 1)
-    return np.pad(array, pad)

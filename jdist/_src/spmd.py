@@ -56,16 +56,15 @@ class ReplicatedRunner:
 
     Args:
       strategy: the owning strategy (what `get_strategy` returns inside the function).
-      programs: the strategy's `collectives.ReplicaPrograms` (mesh, shardings, guard).
-      axis_name: the name of the replica axis.
+      programs: the strategy's `collectives.ReplicaPrograms` (mesh, axis name, shardings, guard).
     """
 
-    def __init__(self, strategy, programs, mesh, axis_name, guard):
+    def __init__(self, strategy, programs):
         self._strategy = strategy
         self._programs = programs
-        self._mesh = mesh
-        self._axis = axis_name
-        self._guard = guard
+        self._mesh = programs.mesh
+        self._axis = programs.axis_name
+        self._guard = programs.guard
         self._n = programs.num_replicas
         self._cache = weakref.WeakKeyDictionary()
         self._strong_cache = {}  # For callables that cannot be weakly referenced.
@@ -73,8 +72,7 @@ class ReplicatedRunner:
     # ----------------------------------------------------------------------------- run
     def run(self, fn, args, kwargs):
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
-        kinds, dynamic, signature, lengths, padded = self._classify(leaves)
-        tracing = any(isinstance(x, jax.core.Tracer) for x in dynamic)
+        kinds, dynamic, signature, lengths, padded, tracing = self._classify(leaves)
         if lengths is not None:
             dynamic.append(self._programs.lengths_array(lengths))
         program = self._program(fn, in_tree, tuple(kinds), tuple(signature), leaves,
@@ -87,13 +85,18 @@ class ReplicatedRunner:
 
     def _classify(self, leaves):
         kinds, dynamic, signature = [], [], []
-        lengths, padded = None, None
+        lengths, padded, tracing = None, None, False
+        batch_rows_seen = set()  # Per-replica leading sizes, for full batches.
         place = self._programs
         for leaf in leaves:
             if isinstance(leaf, PerReplica):
                 stacked = leaf._stacked
-                if not isinstance(stacked, jax.core.Tracer):
+                if isinstance(stacked, jax.core.Tracer):
+                    tracing = True
+                else:
                     stacked = place.place_per_replica(stacked)
+                if stacked.ndim >= 2:
+                    batch_rows_seen.add(stacked.shape[1])
                 if leaf._lengths is not None:
                     if lengths is not None and (leaf._lengths != lengths
                                                 or stacked.shape[1] != padded):
@@ -106,14 +109,18 @@ class ReplicatedRunner:
                 signature.append((stacked.shape, stacked.dtype, leaf._lengths is not None))
             elif isinstance(leaf, Mirrored):
                 value = leaf._value
-                if not isinstance(value, jax.core.Tracer):
+                if isinstance(value, jax.core.Tracer):
+                    tracing = True
+                else:
                     value = place.place_replicated(value)
                 kinds.append(_MIRRORED)
                 dynamic.append(value)
                 signature.append((value.shape, value.dtype))
             elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-                if (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
-                        and leaf.committed and leaf.sharding != place.replicated_sharding):
+                if isinstance(leaf, jax.core.Tracer):
+                    tracing = True
+                elif (isinstance(leaf, jax.Array) and leaf.committed
+                      and leaf.sharding != place.replicated_sharding):
                     leaf = place.place_replicated(leaf)
                 kinds.append(_ARRAY)
                 dynamic.append(leaf)
@@ -133,14 +140,13 @@ class ReplicatedRunner:
                         "hashable Python objects (those are compiled in as constants).") from None
                 kinds.append(_STATIC)
                 signature.append(("static", type(leaf), leaf))
-        if lengths is None:
+        if lengths is None and len(batch_rows_seen) == 1:
             # Full batches: the rows are all real; `padded` is their common per-replica size.
-            rows = {x.shape[1] for x, k in zip(dynamic, kinds) if k == _PER_REPLICA and x.ndim >= 2}
-            padded = rows.pop() if len(rows) == 1 else None
-        return kinds, dynamic, signature, lengths, padded
+            padded = batch_rows_seen.pop()
+        return kinds, dynamic, signature, lengths, padded, tracing
 
     def _program(self, fn, in_tree, kinds, signature, leaves, has_lengths, padded):
-        key = (in_tree, kinds, signature, padded)
+        key = (in_tree, kinds, signature)  # The shapes in `signature` determine `padded`.
         try:
             per_fn = self._cache.get(fn)
             if per_fn is None:

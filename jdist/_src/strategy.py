@@ -36,7 +36,6 @@ class StrategyExtended:
         self._container_strategy_ref = container_strategy
         self._devices = tuple(devices)
         self._device_names = tuple(devices_lib.name(d) for d in self._devices)
-        self._session_config = None
 
     @property
     def worker_devices(self):
@@ -486,7 +485,10 @@ class Strategy:
         return copy.deepcopy(config_proto)
 
     def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None):
-        """TF1 configuration hook. Records ``session_config``; a multi-worker cluster is an error.
+        """TF1 configuration hook: checks that the cluster is this one process.
+
+        ``session_config`` has no JAX meaning (devices and collectives are set by XLA flags before
+        JAX starts) and is accepted for compatibility.
 
         Raises:
           InvalidArgumentError: ``cluster_spec`` describes more than one worker; use a
@@ -499,7 +501,6 @@ class Strategy:
             raise errors.InvalidArgumentError(
                 f"{type(self).__name__} runs in one process; a cluster of {workers} workers needs "
                 "MultiWorkerMirroredStrategy.")
-        self._extended._session_config = session_config
 
     def experimental_initialize(self):
         """Initialisation ops to run before any computation: none are needed in JAX (``[]``)."""

@@ -265,6 +265,30 @@ def _component(stacked, index, lengths):
     return value
 
 
+def pad_components(chunks, rows=None):
+    """One host array ``(N, rows, ...)`` from per-replica chunks, zero-padded along axis 0.
+
+    This is the padded-batch representation: ``rows`` defaults to the longest chunk; the
+    lengths are None when no chunk needed padding.
+
+    Args:
+      chunks: one array per replica, agreeing in every dimension but the first.
+      rows: the padded per-replica size, at least the longest chunk.
+
+    Returns:
+      ``(stacked, lengths)``.
+    """
+    chunks = [np.asarray(c) for c in chunks]
+    rows = max(c.shape[0] for c in chunks) if rows is None else rows
+    if all(c.shape[0] == rows for c in chunks):
+        return np.stack(chunks), None
+    first = chunks[0]
+    out = np.zeros((len(chunks), rows) + first.shape[1:], first.dtype)
+    for i, c in enumerate(chunks):
+        out[i, :c.shape[0]] = c
+    return out, tuple(c.shape[0] for c in chunks)
+
+
 def _flatten_per_replica(v):
     return (v._stacked,), v._lengths
 
