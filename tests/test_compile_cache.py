@@ -108,3 +108,36 @@ def test_the_cache_keeps_neither_the_step_nor_what_it_closes_over_alive():
     del fn, held
     gc.collect()
     assert fn_ref() is None and held_ref() is None
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_host_arrays_passed_every_step_compile_once_and_reach_every_replica(n):
+    # The direct program takes placed values only; a numpy array and an unplaced jax array on
+    # every step are placed for it, without a compile per step.
+    s = mirrored(n)
+    x = per_replica(s, [np.full(2, i + 1, np.float32) for i in range(n)])
+
+    def step(w, x, scale, shift):
+        return w + jdist.get_replica_context().all_reduce("sum", jnp.sum(x)) * scale + shift, x
+
+    w, expected = jnp.float32(0), 0.0
+    with count_compiles() as compiles:
+        for i in range(5):
+            w, _ = s.run(step, args=(w, x, np.float32(i), jnp.float32(2 * i)))
+            expected += sum(2.0 * (r + 1) for r in range(n)) * i + 2 * i
+        jax.block_until_ready(w)
+    assert len(compiles) == 1
+    np.testing.assert_allclose(np.asarray(w), expected)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_values_held_off_the_replicas_devices_are_moved_there(n):
+    s = mirrored(n)
+    elsewhere = jax.devices()[-1]
+    w = jdist.Mirrored([np.float32(1.5)] * n)  # Host value, on the default device.
+    x = jdist.PerReplica([np.full(2, r, np.float32) for r in range(n)])  # Host stack.
+    b = jax.device_put(np.float32(3), elsewhere)  # Committed to a device outside the mesh.
+    for _ in range(2):
+        out = s.run(lambda w, x, b: w * jnp.sum(x) + b, args=(w, x, b))
+        np.testing.assert_allclose([np.asarray(v) for v in s.experimental_local_results(out)],
+                                   [1.5 * 2 * r + 3 for r in range(n)])

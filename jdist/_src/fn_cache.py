@@ -20,16 +20,20 @@ class FnCache:
         what its closure holds (a dataset iterator, a model) is kept alive by the cache.
       programs: per full signature (the general path): a compiled program or an `uneven`
         plan (`spmd`).
-      fast: per argument tree structure: the fast path's entry (`spmd`).
-      by_canonical: per canonical structure (`Mirrored` leaves as plain arrays): the jitted fast
-        program, shared by structures that enter the program alike.
-      plans: the programs the fast programs call, by number (`plan_number`).
+      direct: the direct program (`spmd`): one ``jax.jit`` over the arguments as they come.
+      token: which output of the direct program the CPU guard waits on (`spmd`).
+      direct_missed: whether the last call missed the direct program (was not canonical).
+      flatten_first: whether calls go straight to being made canonical (two missed in a row).
+      plans: the programs the direct program calls, by number (`plan_number`).
     """
-    __slots__ = ("_fn", "programs", "fast", "by_canonical", "plans", "__weakref__")
+    __slots__ = ("_fn", "programs", "direct", "token", "direct_missed", "flatten_first",
+                 "plans", "__weakref__")
 
     def __init__(self, fn, weak):
         self._fn = weakref.ref(fn) if weak else (lambda: fn)
-        self.programs, self.fast, self.by_canonical, self.plans = {}, {}, {}, []
+        self.programs, self.plans = {}, []
+        self.direct = self.token = None
+        self.direct_missed = self.flatten_first = False
 
     def plan_number(self, program):
         """The number under which ``program`` is in `plans` (added if it is not)."""

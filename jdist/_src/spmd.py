@@ -49,7 +49,6 @@ from jdist._src.values import ragged_components
 _PER_REPLICA, _MIRRORED, _ARRAY, _STATIC = "per_replica", "mirrored", "array", "static"
 _SCALARS = (bool, int, float, complex)
 _RAGGED = object()  # `_classify`'s marker for arguments whose replicas differ in shape.
-_SLOW = object()  # An argument structure the fast path does not serve (see `_fast_program`).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,38 +125,68 @@ class ReplicatedRunner:
         cache = self._caches.get(fn)
         if traced and context.in_merge():
             return self._run_in_merge(cache.fn, args, kwargs)
-        flat, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        fast = cache.fast.get(treedef)
-        if fast is None:
-            fast = cache.fast[treedef] = self._fast_program(cache, args, kwargs)
-        if fast is not _SLOW:
-            try:
-                return self._run_fast(cache, fast, flat, traced)
-            except (TypeError, ValueError):
-                pass  # A leaf jax.jit refuses (a string, an array elsewhere): the general path.
+        if not traced and self._fast_ok:
+            outputs = self._run_fast(cache, args, kwargs)
+            if outputs is not None:
+                return outputs
         return self._run_general(cache, args, kwargs)
 
-    def _run_fast(self, cache, fast, flat, traced):
-        jitted, plain = fast.jitted, fast.plain
-        if plain and not traced:
-            # Plain values enter already replicated over the mesh, as `Mirrored` values do, so
-            # both have one abstract type (its sharding included) and share one compile: all
-            # of them at the structure's first call (a loop's first parameters), later only
-            # host values (the parameters are then the program's own outputs).
-            if not fast.placed:
-                fast.placed, place = True, list(plain)
-            else:
-                place = [i for i in plain if not isinstance(flat[i], jax.Array)]
-            if place:
-                placed = jax.device_put([flat[i] for i in place],
-                                        self._programs.replicated_sharding)
-                for i, x in zip(place, placed):
-                    flat[i] = x
-        if traced:
-            (number, outputs), = jitted(*flat).items()
-        else:
-            (number, outputs), = self._guard.dispatch_with_token(jitted, flat, fast.token).items()
-        return self._wrap_outputs(cache.plans[number], outputs, None)
+    def _run_fast(self, cache, args, kwargs):
+        """``run`` through the function's direct program, or None where it does not serve the
+        arguments (the general path then does).
+
+        The direct program is one ``jax.jit`` taking ``(args, kwargs)`` as they are, so its C++
+        dispatch flattens, checks and looks up the call, with no per-leaf work in Python. It
+        accepts canonical arguments only: every value on the mesh, and replicated ones as
+        `Mirrored` (as `run` returns them). Anything else (a loop's first parameters, host
+        arrays) is made canonical here first, so plain and `Mirrored` parameters share one
+        compile. A function whose calls keep needing that skips the direct attempt.
+        """
+        if cache.direct is None:
+            cache.direct = jax.jit(functools.partial(self._direct_body, cache))
+            cache.token = functools.partial(_token_of_outputs, cache)
+        call = (args, kwargs)
+        if not cache.flatten_first:
+            try:
+                return self._wrap_direct(cache, self._guard.dispatch_with_token(
+                    cache.direct, call, cache.token), missed=False)
+            except _NotCanonical:
+                cache.flatten_first = cache.direct_missed  # Two in a row: not a one-off.
+            except (TypeError, ValueError):
+                return None  # A leaf jax.jit refuses (a string, an array elsewhere).
+        call = self._canonical(call)
+        if call is None:
+            return None
+        try:
+            outputs = self._guard.dispatch_with_token(cache.direct, call, cache.token)
+        except (TypeError, ValueError):
+            return None
+        return self._wrap_direct(cache, outputs, missed=True)
+
+    def _wrap_direct(self, cache, outputs, missed):
+        cache.direct_missed = missed
+        (number, arrays), = outputs.items()
+        return self._wrap_outputs(cache.plans[number], arrays, None)
+
+    def _canonical(self, call):
+        """``call``'s arguments as the direct program takes them: every array placed on the
+        mesh, plain ones as `Mirrored` (several replicas); None for arguments it does not take
+        (ragged or padded values, Python objects and numbers)."""
+        leaves, tree = jax.tree_util.tree_flatten(call, is_leaf=is_distributed)
+        if not all(_fast_leaf(leaf, self._n) for leaf in leaves):
+            return None
+        place = self._programs
+        leaves = [_placed(leaf, place) if is_distributed(leaf) else leaf for leaf in leaves]
+        plain = [i for i, leaf in enumerate(leaves) if not is_distributed(leaf)]
+        unplaced = [i for i in plain if not (isinstance(leaves[i], jax.Array)
+                                             and leaves[i].sharding == place.replicated_sharding)]
+        if unplaced:
+            placed = jax.device_put([leaves[i] for i in unplaced], place.replicated_sharding)
+            for i, x in zip(unplaced, placed):
+                leaves[i] = x
+        if self._n > 1:  # One replica's replicated outputs are plain arrays, so its inputs stay so.
+            mirror_at(leaves, plain, self._n)
+        return jax.tree_util.tree_unflatten(tree, leaves)
 
     def _run_in_merge(self, fn, args, kwargs):
         """``run`` inside a traced ``merge_fn``: every replica's values are at hand (the merge
@@ -245,39 +274,37 @@ class ReplicatedRunner:
                                                           has_lengths, padded, leaves)
         return program
 
-    def _fast_program(self, cache, args, kwargs):
-        """A ``jax.jit`` over the flat arguments whose C++ dispatch does the per-call work
-        (checks, placement), or `_SLOW` for arguments it cannot take (ragged or padded values,
-        Python objects, several processes). Structures that differ only by `Mirrored` versus
-        plain arrays (the first step's parameters, then the updated ones) share one program."""
-        leaves = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_distributed)
-        if not self._fast_ok or not all(_fast_leaf(leaf, self._n) for leaf in leaves):
-            return _SLOW
-        canonical = jax.tree_util.tree_structure(jax.tree_util.tree_map(
-            lambda x: x.value if isinstance(x, Mirrored) else x, (args, kwargs),
-            is_leaf=is_distributed))
-        program = cache.by_canonical.get(canonical)
-        if program is None:
-            shardings = tuple(self._programs.per_replica_sharding if isinstance(leaf, PerReplica)
-                              else self._programs.replicated_sharding for leaf in leaves)
-            program = cache.by_canonical[canonical] = jax.jit(
-                functools.partial(self._fast_body, cache, canonical), in_shardings=shardings)
-        return _FastEntry(program, tuple(i for i, leaf in enumerate(leaves)
-                                         if not is_distributed(leaf)),
-                          functools.partial(_token_of_outputs, cache))
-
-    def _fast_body(self, cache, canonical, *flat):
-        """Traced by the fast program: the general path on tracers."""
-        args, kwargs = jax.tree_util.tree_unflatten(canonical, flat)
-        leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
+    def _direct_body(self, cache, args, kwargs):
+        """Traced by the direct program (`_run_fast`): the general path on tracers, for
+        canonical arguments only; raises `_NotCanonical` for the others, before any trace of
+        the function, so the direct program never compiles them."""
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
+        if not all(self._is_canonical(leaf) for leaf in leaves):
+            raise _NotCanonical()
+        # `Mirrored` and plain arrays enter the program alike: one program for both.
+        leaves = [leaf.value if isinstance(leaf, Mirrored) else leaf for leaf in leaves]
         call = self._classify(leaves)
-        program = self._program(cache, in_tree, call.kinds, call.signature, leaves, False,
+        program = self._program(cache, tree, call.kinds, call.signature, leaves, False,
                                 call.rows)
         outputs = program.jitted(*call.dynamic)
         # The outputs leave flat, keyed by the number of the program that wraps them after the
         # call: jax.jit's C++ dispatch rebuilds a dict by itself, with no Python callback per
         # output (a custom pytree node in the outputs would turn its fast path off).
         return {cache.plan_number(program): tuple(outputs)}
+
+    def _is_canonical(self, leaf):
+        """Whether a traced argument of the direct program came placed on this mesh, as
+        `_canonical` leaves it (a tracer's type names the mesh its array was committed to)."""
+        if isinstance(leaf, PerReplica):
+            if leaf.ragged or leaf.lengths is not None or leaf.num_replicas != self._n:
+                return False
+            leaf = leaf.stacked
+        elif isinstance(leaf, Mirrored):
+            leaf = leaf.value
+        elif self._n > 1:
+            return False  # Replicated values arrive as `Mirrored`, as run returns them.
+        return (isinstance(leaf, jax.core.Tracer)
+                and jax.typeof(leaf).sharding.mesh == self._mesh.abstract_mesh)
 
     def _compile(self, fn, in_tree, kinds, statics, has_lengths, padded, leaves):
         axis, n = self._axis, self._n
@@ -515,14 +542,17 @@ def _fast_leaf(leaf, num_replicas):
     return isinstance(leaf, (Mirrored, jax.Array, np.ndarray, np.generic))
 
 
-class _FastEntry:
-    """The fast path for one argument structure: the jitted fast program, the positions of its
-    plain (not distributed) leaves, whether a call has put those on the mesh yet, and which
-    output the CPU guard waits on (``token``, a function of the outputs)."""
-    __slots__ = ("jitted", "plain", "placed", "token")
+class _NotCanonical(Exception):
+    """Raised while the direct program traces arguments `_canonical` did not prepare."""
 
-    def __init__(self, jitted, plain, token):
-        self.jitted, self.plain, self.placed, self.token = jitted, plain, False, token
+
+def _placed(leaf, place):
+    """A distributed argument whose array is on ``place``'s mesh (``leaf`` itself if it is)."""
+    if isinstance(leaf, PerReplica):
+        stacked = place.place_per_replica(leaf.stacked)
+        return leaf if stacked is leaf.stacked else PerReplica._from_stacked(stacked)
+    value = place.place_replicated(leaf.value)
+    return leaf if value is leaf.value else Mirrored._from_value(value, leaf.num_replicas)
 
 
 def _token_of_outputs(cache, outputs):
