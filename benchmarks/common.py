@@ -4,6 +4,7 @@ Import it before anything that imports jax: it requests the simulated devices, w
 when its backend starts (a device count the caller already set in ``XLA_FLAGS`` wins).
 """
 
+import contextlib
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -54,3 +55,23 @@ def record(benchmark, metric, value, unit="", target=None, met=None, detail="", 
     figures.append({"metric": metric, "value": float(value), "unit": unit, "target": target,
                     "met": met, "detail": detail, "data": data})
     path.write_text(json.dumps(figures, indent=1))
+
+
+@contextlib.contextmanager
+def replayed_launches(strategy):
+    """Inside, each compiled program ``strategy`` launches runs once; later launches of it return
+    those first outputs at once. What a ``strategy.run`` call then costs is jdist's host-side
+    work alone: flattening, checks, the guard, wrapping outputs (benchmarks only: it reaches
+    into the strategy's private dispatch guard)."""
+    guard = strategy.extended._guard  # pylint: disable=protected-access
+    launch, first = guard.launch, {}
+
+    def replay(program, args, waited):
+        if id(program) not in first:
+            first[id(program)] = program, jax.block_until_ready(launch(program, args, waited))
+        return first[id(program)][1]
+    guard.launch = replay
+    try:
+        yield
+    finally:
+        del guard.launch  # The class's method again.

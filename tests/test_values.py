@@ -41,6 +41,19 @@ def test_mirrored_is_one_replicated_array(n):
     assert_local_results(s, m, [[0., 1., 2.]] * n)
 
 
+@pytest.mark.parametrize("copy", [
+    lambda m: jax.tree_util.tree_map(lambda v: v * 1, m),
+    lambda m: jax.tree_util.tree_unflatten(*reversed(jax.tree_util.tree_flatten(m))),
+    lambda m: __import__("pickle").loads(__import__("pickle").dumps(m)),
+    lambda m: __import__("copy").deepcopy(m)], ids=["tree_map", "unflatten", "pickle", "deepcopy"])
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_mirrored_keeps_its_replica_count_through_copies(n, copy):
+    # The count is the class's (one pytree node type per count), so every copy must keep it.
+    m = copy(mirrored(n).run(lambda: jnp.arange(3.0)) if n > 1 else jdist.Mirrored([np.arange(3.0)]))
+    assert isinstance(m, jdist.Mirrored) and m.num_replicas == n and len(m.values) == n
+    np.testing.assert_array_equal(np.asarray(m), [0., 1., 2.])
+
+
 def test_local_results_of_plain_value_is_one_tuple():
     assert mirrored(4).experimental_local_results(5.0) == (5.0,)
 

@@ -48,25 +48,18 @@ class DispatchGuard:
             leaves = [x for x in jax.tree_util.tree_leaves(outputs)
                       if hasattr(x, "block_until_ready")]
             return tuple(leaves[:1] if spans_all_devices else leaves)
-        return self._launch(program, args, waited)
+        return self.launch(program, args, waited)
 
-    def dispatch_with_token(self, program, args, token):
-        """Like `dispatch`, waiting later on one array only: ``token(outputs)`` (or nothing when
-        it gives None), chosen by the caller so the guard never walks a large output tree.
+    def launch(self, program, args, waited):
+        """``program(*args)`` once the previous launch is done, as `dispatch`; the next launch
+        waits on ``waited(outputs)``, arrays the caller picks so the guard never walks a large
+        output tree.
 
         Args:
           program: a compiled callable.
           args: its arguments (a sequence).
-          token: a function from the program's outputs to one array of them, or None.
+          waited: a function from the program's outputs to a tuple of arrays among them.
         """
-        def waited(outputs):
-            array = token(outputs)
-            return () if array is None else (array,)
-        return self._launch(program, args, waited)
-
-    def _launch(self, program, args, waited):
-        """``program(*args)`` once the previous launch is done; ``waited(outputs)`` are the
-        arrays the next launch waits on."""
         if self.observer is not None:
             self.observer()
         if not self.enabled:

@@ -21,7 +21,7 @@ class FnCache:
       programs: per full signature (the general path): a compiled program or an `uneven`
         plan (`spmd`).
       direct: the direct program (`spmd`): one ``jax.jit`` over the arguments as they come.
-      token: which output of the direct program the CPU guard waits on (`spmd`).
+      token: what the CPU guard waits on of the direct program's outputs (`spmd`).
       direct_missed: whether the last call missed the direct program (was not canonical).
       flatten_first: whether calls go straight to being made canonical (two missed in a row).
       plans: the programs the direct program calls, by number (`plan_number`).

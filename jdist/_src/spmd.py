@@ -144,12 +144,12 @@ class ReplicatedRunner:
         """
         if cache.direct is None:
             cache.direct = jax.jit(functools.partial(self._direct_body, cache))
-            cache.token = functools.partial(_token_of_outputs, cache)
+            cache.token = functools.partial(_waited_outputs, cache)
         call = (args, kwargs)
         if not cache.flatten_first:
             try:
-                return self._wrap_direct(cache, self._guard.dispatch_with_token(
-                    cache.direct, call, cache.token), missed=False)
+                return self._wrap_direct(cache, self._guard.launch(cache.direct, call, cache.token),
+                                         missed=False)
             except _NotCanonical:
                 cache.flatten_first = cache.direct_missed  # Two in a row: not a one-off.
             except (TypeError, ValueError):
@@ -158,7 +158,7 @@ class ReplicatedRunner:
         if call is None:
             return None
         try:
-            outputs = self._guard.dispatch_with_token(cache.direct, call, cache.token)
+            outputs = self._guard.launch(cache.direct, call, cache.token)
         except (TypeError, ValueError):
             return None
         return self._wrap_direct(cache, outputs, missed=True)
@@ -469,7 +469,7 @@ class ReplicatedRunner:
         if program.has_statics:
             arrays = iter(wrapped)
             wrapped = [next(arrays) if st is OUTPUT else st for st in program.out_statics]
-        return jax.tree_util.tree_unflatten(program.out_tree, wrapped)
+        return program.out_tree.unflatten(wrapped)
 
     # ------------------------------------------------------------------ replica context
     def merge_call(self, binding, merge_fn, args, kwargs):
@@ -555,10 +555,11 @@ def _placed(leaf, place):
     return leaf if value is leaf.value else Mirrored._from_value(value, leaf.num_replicas)
 
 
-def _token_of_outputs(cache, outputs):
+def _waited_outputs(cache, outputs):
+    """What the CPU guard waits on of a direct program's outputs: its smallest array."""
     (number, arrays), = outputs.items()
     index = cache.plans[number].token_index
-    return None if index is None else arrays[index]
+    return () if index is None else (arrays[index],)
 
 
 def _abstract(leaf, kind, replica=None):
