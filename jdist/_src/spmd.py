@@ -36,6 +36,7 @@ from jdist._src import dispatch
 from jdist._src import errors
 from jdist._src import fn_cache
 from jdist._src import invariance
+from jdist._src import staged_outputs
 from jdist._src import uneven
 from jdist._src.uneven_trace import OUTPUT
 from jdist._src.values import DistributedValues
@@ -64,7 +65,8 @@ class _Call:
 
 @dataclasses.dataclass(eq=False)  # Hashed by identity: jax.jit's fast path keys on it.
 class _Program:
-    jitted: Any
+    jitted: Any  # ``jax.jit`` of `function`.
+    function: Any  # The program as a traceable function (what the direct program inlines).
     out_tree: Any
     out_varying: tuple  # Per output array: whether it differs between replicas.
     out_inherits_lengths: tuple  # Per output array: whether it is a padded batch (design.md).
@@ -286,7 +288,7 @@ class ReplicatedRunner:
         call = self._classify(leaves)
         program = self._program(cache, tree, call.kinds, call.signature, leaves, False,
                                 call.rows)
-        outputs = program.jitted(*call.dynamic)
+        outputs = program.function(*call.dynamic)  # Inlined: a jit level fewer to lower.
         # The outputs leave flat, keyed by the number of the program that wraps them after the
         # call: jax.jit's C++ dispatch rebuilds a dict by itself, with no Python callback per
         # output (a custom pytree node in the outputs would turn its fast path off).
@@ -307,7 +309,7 @@ class ReplicatedRunner:
                 and jax.typeof(leaf).sharding.mesh == self._mesh.abstract_mesh)
 
     def _compile(self, fn, in_tree, kinds, statics, has_lengths, padded, leaves):
-        axis, n = self._axis, self._n
+        n = self._n
         abstract = [_abstract(leaf, kind) for leaf, kind in zip(leaves, kinds)
                     if kind != _STATIC]
         if has_lengths:
@@ -321,19 +323,7 @@ class ReplicatedRunner:
         dataflow_same = invariance.same_outputs(inner, replicated_in)
         rows = self._output_rows(traced, eqn, kinds, leaves, has_lengths)
         same = [True] * len(inner.outvars) if n == 1 else dataflow_same
-        # The traced program is called as it was staged (a jit equation holding the traced
-        # shard_map), so its body is neither traced nor evaluated again; a second shard_map
-        # over the blocks turns each replicated output (1, ...) into the replicated value.
-        staged = core.jaxpr_as_fun(record["staged"])
-        unblock = jax.shard_map(lambda *outs: tuple(o[0] if s else o for o, s in zip(outs, same)),
-                                mesh=self._mesh, in_specs=P(axis),
-                                out_specs=tuple(P() if s else P(axis) for s in same),
-                                check_vma=False)
-
-        def program(*dynamic):
-            outs = staged(*dynamic)
-            return tuple(unblock(*outs)) if outs else ()
-
+        program = self._staged_program(record["staged"], same)
         varying = tuple(not s for s in same)
         # A per-replica output inherits the batch's lengths when its leading axis runs over the
         # batch rows (1: axis 0 after the stacked replica axis), or, where the analysis cannot
@@ -349,8 +339,28 @@ class ReplicatedRunner:
         # once), picked out after the call: returning it twice would cost a copy.
         sizes = [math.prod(shape) * (1 if s else n) for s, shape in zip(same, record["shapes"])]
         token = min(range(len(sizes)), key=sizes.__getitem__, default=None)
-        return _Program(jax.jit(program), record["tree"], varying, inherits,
+        return _Program(jax.jit(program), program, record["tree"], varying, inherits,
                         record["statics"], tuple(plain), n, token)
+
+    def _staged_program(self, staged, same):
+        """The traced program as a function, called as it was staged (a jit equation holding the
+        traced shard_map), so its body is neither traced nor evaluated again; each output that
+        ``same`` marks replicated leaves as the value, the others stacked."""
+        edited = staged_outputs.unblock_replicated(staged, same)
+        if edited is not None:
+            edited_fn = core.jaxpr_as_fun(edited)
+            return lambda *dynamic: tuple(edited_fn(*dynamic))
+        # A form the edit does not know: a second shard_map takes the replicated blocks apart.
+        axis, staged_fn = self._axis, core.jaxpr_as_fun(staged)
+        unblock = jax.shard_map(lambda *outs: tuple(o[0] if s else o for o, s in zip(outs, same)),
+                                mesh=self._mesh, in_specs=P(axis),
+                                out_specs=tuple(P() if s else P(axis) for s in same),
+                                check_vma=False)
+
+        def program(*dynamic):
+            outs = staged_fn(*dynamic)
+            return tuple(unblock(*outs)) if outs else ()
+        return program
 
     def trace(self, fn, in_tree, kinds, statics, abstract, has_lengths, padded, exact=None,
               staged=False):

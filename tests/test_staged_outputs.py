@@ -1,0 +1,46 @@
+"""Editing a traced replica program so its replicated outputs leave unblocked (no retrace)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax._src import core
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jdist._src.staged_outputs import unblock_replicated
+
+
+def staged(n, body, *args):
+    mesh = Mesh(np.array(jax.devices()[:n]), ("r",))
+    mapped = jax.shard_map(lambda *a: [x[None] for x in body(*a)], mesh=mesh,
+                           in_specs=(P(), P("r")), out_specs=P("r"), check_vma=False)
+    return jax.make_jaxpr(jax.jit(mapped))(*args)
+
+
+def body(w, x):  # Outputs: a replicated sum, a per-replica product, a replicated scalar.
+    total = lax.psum(x[0], "r")
+    return [w + total, x[0] * 2, jnp.sum(total)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_replicated_outputs_leave_as_the_value_and_the_rest_stacked(n):
+    w = jnp.arange(3.0)
+    x = jnp.arange(3.0 * n).reshape(n, 3)
+    edited = unblock_replicated(staged(n, body, w, x), [True, n == 1, True])
+    core.check_jaxpr(edited.jaxpr)
+    out = core.jaxpr_as_fun(edited)(w, x)
+    total = np.asarray(x).sum(0)
+    np.testing.assert_allclose(out[0], np.asarray(w) + total)
+    expected = np.asarray(x)[0] * 2 if n == 1 else np.asarray(x) * 2
+    np.testing.assert_allclose(out[1], expected)
+    np.testing.assert_allclose(out[2], total.sum())
+    assert out[0].sharding.is_fully_replicated and out[2].shape == ()
+
+
+def test_an_output_not_made_by_the_blocking_broadcast_is_left_to_the_caller():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("r",))
+    mapped = jax.shard_map(lambda x: x * 2, mesh=mesh, in_specs=P("r"), out_specs=P("r"),
+                           check_vma=False)
+    assert unblock_replicated(jax.make_jaxpr(jax.jit(mapped))(jnp.ones((2, 3))), [True]) is None
