@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core
 from jax.sharding import PartitionSpec as P
 
 from jdist._src import batch_rows
@@ -323,7 +322,7 @@ class ReplicatedRunner:
         dataflow_same = invariance.same_outputs(inner, replicated_in)
         rows = self._output_rows(traced, eqn, kinds, leaves, has_lengths)
         same = [True] * len(inner.outvars) if n == 1 else dataflow_same
-        program = self._staged_program(record["staged"], same)
+        program = staged_outputs.staged_program(record["staged"], same, self._mesh, self._axis)
         varying = tuple(not s for s in same)
         # A per-replica output inherits the batch's lengths when its leading axis runs over the
         # batch rows (1: axis 0 after the stacked replica axis), or, where the analysis cannot
@@ -341,26 +340,6 @@ class ReplicatedRunner:
         token = min(range(len(sizes)), key=sizes.__getitem__, default=None)
         return _Program(jax.jit(program), program, record["tree"], varying, inherits,
                         record["statics"], tuple(plain), n, token)
-
-    def _staged_program(self, staged, same):
-        """The traced program as a function, called as it was staged (a jit equation holding the
-        traced shard_map), so its body is neither traced nor evaluated again; each output that
-        ``same`` marks replicated leaves as the value, the others stacked."""
-        edited = staged_outputs.unblock_replicated(staged, same)
-        if edited is not None:
-            edited_fn = core.jaxpr_as_fun(edited)
-            return lambda *dynamic: tuple(edited_fn(*dynamic))
-        # A form the edit does not know: a second shard_map takes the replicated blocks apart.
-        axis, staged_fn = self._axis, core.jaxpr_as_fun(staged)
-        unblock = jax.shard_map(lambda *outs: tuple(o[0] if s else o for o, s in zip(outs, same)),
-                                mesh=self._mesh, in_specs=P(axis),
-                                out_specs=tuple(P() if s else P(axis) for s in same),
-                                check_vma=False)
-
-        def program(*dynamic):
-            outs = staged_fn(*dynamic)
-            return tuple(unblock(*outs)) if outs else ()
-        return program
 
     def trace(self, fn, in_tree, kinds, statics, abstract, has_lengths, padded, exact=None,
               staged=False):

@@ -14,12 +14,44 @@ the form `spmd.ReplicatedRunner.trace` produces; any other form gives None and t
 the second ``shard_map``.
 """
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
+import jax
 from jax._src import core
 from jax._src import shard_map
 from jax._src.lax import lax
 from jax.sharding import PartitionSpec as P
+
+
+def staged_program(staged: core.ClosedJaxpr, replicated: Sequence[bool], mesh: jax.sharding.Mesh,
+                   axis: str) -> Callable:
+    """The traced program as a function, called as it was staged (a jit equation holding the
+    traced shard_map), so its body is neither traced nor evaluated again.
+
+    Args:
+      staged: as `unblock_replicated` takes it.
+      replicated: per output, whether every replica computes the same value.
+      mesh, axis: the replica mesh and its axis name.
+
+    Returns:
+      A function of the program's arguments giving a tuple: each replicated output as the value,
+      the others stacked ``(num_replicas, ...)``.
+    """
+    edited = unblock_replicated(staged, replicated)
+    if edited is not None:
+        edited_fn = core.jaxpr_as_fun(edited)
+        return lambda *arrays: tuple(edited_fn(*arrays))
+    # A form the edit does not know: a second shard_map takes the replicated blocks apart.
+    staged_fn = core.jaxpr_as_fun(staged)
+    unblock = jax.shard_map(
+        lambda *outs: tuple(o[0] if r else o for o, r in zip(outs, replicated)), mesh=mesh,
+        in_specs=P(axis), out_specs=tuple(P() if r else P(axis) for r in replicated),
+        check_vma=False)
+
+    def program(*arrays):
+        outs = staged_fn(*arrays)
+        return tuple(unblock(*outs)) if outs else ()
+    return program
 
 
 def unblock_replicated(staged: core.ClosedJaxpr,
