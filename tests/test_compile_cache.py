@@ -141,3 +141,27 @@ def test_values_held_off_the_replicas_devices_are_moved_there(n):
         out = s.run(lambda w, x, b: w * jnp.sum(x) + b, args=(w, x, b))
         np.testing.assert_allclose([np.asarray(v) for v in s.experimental_local_results(out)],
                                    [1.5 * 2 * r + 3 for r in range(n)])
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_a_loop_makes_its_arguments_canonical_once_then_takes_the_direct_program(n, monkeypatch):
+    # Steady state: the Mirrored parameters run returned go straight to jax.jit's C++ dispatch;
+    # only the first, plain parameters are placed and wrapped in Python.
+    from jdist._src.spmd import ReplicatedRunner
+    calls = []
+    canonical = ReplicatedRunner._canonical
+    monkeypatch.setattr(ReplicatedRunner, "_canonical",
+                        lambda self, call: calls.append(1) or canonical(self, call))
+    s = mirrored(n)
+
+    def step(w, x):
+        mean = jdist.get_replica_context().all_reduce("mean", jnp.sum(x))
+        return jax.tree_util.tree_map(lambda p: p - mean, w), mean
+    x = per_replica(s, [np.full(2, i + 1, np.float32) for i in range(n)])
+    if n == 1:  # One replica's batch is a plain array; a host one is placed on every step.
+        x = jax.device_put(x, jax.sharding.NamedSharding(s.extended.mesh, jax.sharding.PartitionSpec()))
+    w = {"a": np.float32(1), "b": jnp.zeros((3,))}
+    for _ in range(6):
+        w, _ = s.run(step, args=(w, x))
+    assert len(calls) == 1
+    np.testing.assert_allclose(np.asarray(w["a"]), 1 - 6 * np.mean([2.0 * (i + 1) for i in range(n)]))
