@@ -126,3 +126,15 @@ def test_local_results_of_a_nest_of_another_strategys_values_raises():
     v = per_replica(mirrored(2), [np.float32(0), np.float32(1)])
     with pytest.raises(errors.InvalidArgumentError, match="replicas"):
         mirrored(4).experimental_local_results([v])
+
+
+@pytest.mark.parametrize("make", [lambda: jdist.MirroredStrategy(jax.devices()[3:4]),
+                                  lambda: jdist.OneDeviceStrategy("cpu:3")],
+                         ids=["mirrored", "one_device"])
+def test_one_replica_values_from_function_are_placed_on_its_device(make):
+    # One replica's value is the value itself (no PerReplica), already where run takes it.
+    v = make().experimental_distribute_values_from_function(
+        lambda ctx: {"x": np.arange(3.0), "k": 2})
+    assert isinstance(v["x"], jax.Array) and v["x"].devices() == {jax.devices()[3]}
+    np.testing.assert_array_equal(v["x"], [0., 1., 2.])
+    assert v["k"] == 2

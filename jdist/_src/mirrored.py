@@ -100,6 +100,13 @@ class MirroredExtended(StrategyExtended):
             blocks)
         return PerReplica._from_stacked(stacked)
 
+    def place_one_replica_value(self, value):
+        """Arrays go onto the replica's device as `run`'s programs take them (no transfer per
+        step); other objects stay as they are."""
+        if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+            return self._programs.place_replicated(value)
+        return value
+
     def _wait_all(self):
         self._guard.wait()
 

@@ -241,8 +241,8 @@ class Strategy(TF1Methods):
             raise errors.InvalidArgumentError(
                 "value_fn returned different structures for different replicas: "
                 f"{trees[0]} vs {next(t for t in trees if t != trees[0])}.")
-        if n == 1:
-            return per_replica[0]
+        if n == 1:  # The value itself, on the replica's device (as TF's device scope puts it).
+            return jax.tree_util.tree_map(self._extended.place_one_replica_value, per_replica[0])
         columns = zip(*(jax.tree_util.tree_leaves(v) for v in per_replica))
         leaves = [self._extended._distribute_components(list(c)) for c in columns]
         return jax.tree_util.tree_unflatten(trees[0], leaves)

@@ -138,6 +138,11 @@ class StrategyExtended:
     def _replicate(self, value):
         return jnp.asarray(value)
 
+    def place_one_replica_value(self, value):
+        """A value of a one-replica strategy's ``experimental_distribute_values_from_function``,
+        where its replica's programs take it; the default strategy has no devices of its own."""
+        return value
+
     def _wait_all(self):
         """Waits for the programs this strategy dispatched (the default strategy runs replica
         functions directly: it has none in flight)."""
