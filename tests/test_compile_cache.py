@@ -165,3 +165,40 @@ def test_a_loop_makes_its_arguments_canonical_once_then_takes_the_direct_program
         w, _ = s.run(step, args=(w, x))
     assert len(calls) == 1
     np.testing.assert_allclose(np.asarray(w["a"]), 1 - 6 * np.mean([2.0 * (i + 1) for i in range(n)]))
+
+
+def test_a_step_given_python_numbers_stops_trying_the_direct_program(monkeypatch):
+    # Python numbers take the general path; after two misses run goes there at once.
+    from jdist._src.spmd import ReplicatedRunner
+    attempts = []
+    body = ReplicatedRunner._direct_body
+    monkeypatch.setattr(ReplicatedRunner, "_direct_body",
+                        lambda self, *a: attempts.append(1) or body(self, *a))
+    s = mirrored(2)
+
+    def step(w, lr):
+        return w + lr
+    w = s.run(lambda: jnp.float32(0))
+    attempts.clear()
+    for i in range(6):
+        w = s.run(step, args=(w, float(i)))
+    assert float(w) == 15.0 and len(attempts) == 2
+
+
+def test_a_step_back_on_canonical_arguments_takes_the_direct_program_again(monkeypatch):
+    from jdist._src.spmd import ReplicatedRunner
+    calls = []
+    canonical = ReplicatedRunner._canonical
+    monkeypatch.setattr(ReplicatedRunner, "_canonical",
+                        lambda self, call: calls.append(1) or canonical(self, call))
+    s = mirrored(2)
+
+    def step(w, x):
+        return w + jnp.sum(x)
+    w = s.run(lambda: jnp.float32(0))
+    for _ in range(3):  # A host array on every step: made canonical every time.
+        w = s.run(step, args=(w, np.ones(2, np.float32)))
+    placed = s.run(lambda: jnp.ones(2))
+    for _ in range(3):  # Canonical again: one check finds it so, then the direct program.
+        w = s.run(step, args=(w, placed))
+    assert float(w) == 12.0 and len(calls) == 3 + 1

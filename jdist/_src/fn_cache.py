@@ -22,8 +22,9 @@ class FnCache:
         plan (`spmd`).
       direct: the direct program (`spmd`): one ``jax.jit`` over the arguments as they come.
       token: what the CPU guard waits on of the direct program's outputs (`spmd`).
-      direct_missed: whether the last call missed the direct program (was not canonical).
-      flatten_first: whether calls go straight to being made canonical (two missed in a row).
+      direct_missed: whether the last call's arguments missed the direct program.
+      flatten_first: whether calls go straight to being made canonical (two missed in a row,
+        until a call's arguments come canonical again).
       plans: the programs the direct program calls, by number (`plan_number`).
     """
     __slots__ = ("_fn", "programs", "direct", "token", "direct_missed", "flatten_first",

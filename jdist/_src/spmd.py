@@ -149,45 +149,51 @@ class ReplicatedRunner:
         call = (args, kwargs)
         if not cache.flatten_first:
             try:
-                return self._wrap_direct(cache, self._guard.launch(cache.direct, call, cache.token),
-                                         missed=False)
+                outputs = self._guard.launch(cache.direct, call, cache.token)
             except _NotCanonical:
                 cache.flatten_first = cache.direct_missed  # Two in a row: not a one-off.
+                cache.direct_missed = True
             except (TypeError, ValueError):
                 return None  # A leaf jax.jit refuses (a string, an array elsewhere).
-        call = self._canonical(call)
+            else:
+                cache.direct_missed = False
+                return self._wrap_direct(cache, outputs)
+        call, changed = self._canonical(call)
         if call is None:
             return None
+        if not changed:  # Arguments the direct program takes as they come: try it again.
+            cache.flatten_first = False
         try:
-            outputs = self._guard.launch(cache.direct, call, cache.token)
+            return self._wrap_direct(cache, self._guard.launch(cache.direct, call, cache.token))
         except (TypeError, ValueError):
             return None
-        return self._wrap_direct(cache, outputs, missed=True)
 
-    def _wrap_direct(self, cache, outputs, missed):
-        cache.direct_missed = missed
+    def _wrap_direct(self, cache, outputs):
         (number, arrays), = outputs.items()
         return self._wrap_outputs(cache.plans[number], arrays, None)
 
     def _canonical(self, call):
-        """``call``'s arguments as the direct program takes them: every array placed on the
-        mesh, plain ones as `Mirrored` (several replicas); None for arguments it does not take
-        (ragged or padded values, Python objects and numbers)."""
+        """``(arguments, changed)``: ``call``'s arguments as the direct program takes them (every
+        array placed on the mesh, plain ones as `Mirrored` on several replicas), and whether that
+        changed any; ``(None, False)`` for arguments it does not take (ragged or padded values,
+        Python objects and numbers)."""
         leaves, tree = jax.tree_util.tree_flatten(call, is_leaf=is_distributed)
         if not all(_fast_leaf(leaf, self._n) for leaf in leaves):
-            return None
+            return None, False
         place = self._programs
-        leaves = [_placed(leaf, place) if is_distributed(leaf) else leaf for leaf in leaves]
-        plain = [i for i, leaf in enumerate(leaves) if not is_distributed(leaf)]
-        unplaced = [i for i in plain if not (isinstance(leaves[i], jax.Array)
-                                             and leaves[i].sharding == place.replicated_sharding)]
+        placed = [_placed(leaf, place) if is_distributed(leaf) else leaf for leaf in leaves]
+        changed = any(new is not old for new, old in zip(placed, leaves))
+        plain = [i for i, leaf in enumerate(placed) if not is_distributed(leaf)]
+        unplaced = [i for i in plain if not (isinstance(placed[i], jax.Array)
+                                             and placed[i].sharding == place.replicated_sharding)]
         if unplaced:
-            placed = jax.device_put([leaves[i] for i in unplaced], place.replicated_sharding)
-            for i, x in zip(unplaced, placed):
-                leaves[i] = x
+            for i, x in zip(unplaced, jax.device_put([placed[i] for i in unplaced],
+                                                     place.replicated_sharding)):
+                placed[i] = x
         if self._n > 1:  # One replica's replicated outputs are plain arrays, so its inputs stay so.
-            mirror_at(leaves, plain, self._n)
-        return jax.tree_util.tree_unflatten(tree, leaves)
+            mirror_at(placed, plain, self._n)
+        changed = changed or bool(unplaced) or (self._n > 1 and bool(plain))
+        return jax.tree_util.tree_unflatten(tree, placed), changed
 
     def _run_in_merge(self, fn, args, kwargs):
         """``run`` inside a traced ``merge_fn``: every replica's values are at hand (the merge
