@@ -287,6 +287,24 @@ def test_numpy_dataset_verbs():
         NumpyDataset(np.arange(3)).batch(0)
 
 
+@pytest.mark.parametrize("drop", [False, True])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("size", [0, 1, 5, 8, 13])
+def test_batches_of_the_rows_in_order_are_the_consecutive_chunks(size, batch, drop):
+    # Batching the rows directly takes the path without per-row work; so does what follows it.
+    chunks = [list(range(i, min(i + batch, size))) for i in range(0, size, batch)]
+    if drop:
+        chunks = [c for c in chunks if len(c) == batch]
+    ds = NumpyDataset(np.arange(size) * 10).batch(batch, drop_remainder=drop)
+    assert [b.tolist() for b in ds] == [[10 * r for r in c] for c in chunks]
+    assert ds.cardinality() == len(chunks)
+    assert [b.tolist() for b in ds.repeat(2).take(len(chunks) + 1)] == (
+        [[10 * r for r in c] for c in (chunks + chunks)[:len(chunks) + 1]])
+    if drop or size % batch == 0:  # Batches of one shape batch again.
+        assert [b.tolist() for b in ds.batch(2)] == [
+            [[10 * r for r in c] for c in chunks[i:i + 2]] for i in range(0, len(chunks), 2)]
+
+
 @pytest.mark.parametrize("make", [
     lambda x: NumpyDataset(x).batch(4),
     lambda x: NumpyDataset(x).shuffle(8, seed=1).batch(4),

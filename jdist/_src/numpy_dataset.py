@@ -98,8 +98,12 @@ class NumpyDataset:
             yield jax.tree_util.tree_map(lambda a, rows=_rows(item): _read_only(a[rows]), data)
 
     def _indices(self):
-        factory = lambda: iter(range(self._size))
-        for op in self._ops:
+        ops = self._ops
+        if ops and isinstance(ops[0], _Batch):  # Batches of the rows in order: no per-row work.
+            factory, ops = ops[0].of_rows(self._size), ops[1:]
+        else:
+            factory = lambda: iter(range(self._size))
+        for op in ops:
             factory = op.wrap(factory)
         return factory
 
@@ -166,6 +170,12 @@ class _Batch:
 
     def __init__(self, size, drop_remainder):
         self.size, self.drop = size, drop_remainder
+
+    def of_rows(self, size):
+        """The batches of rows ``0 .. size - 1`` in order, each one ``np.arange``."""
+        stop = size - size % self.size if self.drop else size
+        return lambda: (np.arange(start, min(start + self.size, size))
+                        for start in range(0, stop, self.size))
 
     def wrap(self, upstream):
         def batches():
