@@ -167,22 +167,24 @@ def test_a_loop_makes_its_arguments_canonical_once_then_takes_the_direct_program
     np.testing.assert_allclose(np.asarray(w["a"]), 1 - 6 * np.mean([2.0 * (i + 1) for i in range(n)]))
 
 
-def test_a_step_given_python_numbers_stops_trying_the_direct_program(monkeypatch):
-    # Python numbers take the general path; after two misses run goes there at once.
-    from jdist._src.spmd import ReplicatedRunner
-    attempts = []
-    body = ReplicatedRunner._direct_body
-    monkeypatch.setattr(ReplicatedRunner, "_direct_body",
-                        lambda self, *a: attempts.append(1) or body(self, *a))
+@pytest.mark.parametrize("extra", [float, str], ids=["number", "string"])
+def test_a_step_given_python_objects_stops_trying_the_direct_program(extra, monkeypatch):
+    # Python numbers and constants take the general path; after two misses run goes there at
+    # once: 6 steps launch 6 programs, plus the 2 direct attempts that were refused.
+    from jdist._src.dispatch import DispatchGuard
+    launches = []
+    launch = DispatchGuard.launch
+    monkeypatch.setattr(DispatchGuard, "launch",
+                        lambda self, *a: launches.append(1) or launch(self, *a))
     s = mirrored(2)
 
-    def step(w, lr):
-        return w + lr
+    def step(w, k):
+        return w + (float(k) if isinstance(k, str) else k)
     w = s.run(lambda: jnp.float32(0))
-    attempts.clear()
+    launches.clear()
     for i in range(6):
-        w = s.run(step, args=(w, float(i)))
-    assert float(w) == 15.0 and len(attempts) == 2
+        w = s.run(step, args=(w, extra(i)))
+    assert float(w) == 15.0 and len(launches) == 6 + 2
 
 
 def test_a_step_back_on_canonical_arguments_takes_the_direct_program_again(monkeypatch):

@@ -150,11 +150,11 @@ class ReplicatedRunner:
         if not cache.flatten_first:
             try:
                 outputs = self._guard.launch(cache.direct, call, cache.token)
-            except _NotCanonical:
+            except (_NotCanonical, TypeError, ValueError) as refused:
                 cache.flatten_first = cache.direct_missed  # Two in a row: not a one-off.
                 cache.direct_missed = True
-            except (TypeError, ValueError):
-                return None  # A leaf jax.jit refuses (a string, an array elsewhere).
+                if not isinstance(refused, _NotCanonical):
+                    return None  # A leaf jax.jit refuses (a string, an array elsewhere).
             else:
                 cache.direct_missed = False
                 return self._wrap_direct(cache, outputs)
