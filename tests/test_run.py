@@ -235,3 +235,17 @@ def test_uneven_steps_regroup_python_numbers_per_replica():
     rows, tag = s.run(lambda x: (x.shape[0], "same"), args=(v,))
     assert tag == "same"
     assert_local_results(s, rows, [1, 2, 1, 2])
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_run_under_disable_jit_still_runs_one_compiled_program(n):
+    # jax.disable_jit does not reach inside run: the replicas are one SPMD program either way.
+    s = mirrored(n)
+    w = jnp.float32(1)
+    x = per_replica(s, [np.float32(r) for r in range(n)])
+    with jax.disable_jit():
+        total, y = s.run(lambda w, x: (w * 2 + jdist.get_replica_context().all_reduce("sum", x),
+                                       x + 1), args=(w, x))
+    assert float(np.asarray(total)) == 2 + sum(range(n))
+    np.testing.assert_allclose([np.asarray(v) for v in s.experimental_local_results(y)],
+                               [r + 1 for r in range(n)])

@@ -118,6 +118,10 @@ class ReplicatedRunner:
 
     # ----------------------------------------------------------------------------- run
     def run(self, fn, args, kwargs):
+        if jax.config.jax_disable_jit:
+            # The replicas run as one compiled SPMD program: there is no eager one to fall to.
+            with jax.disable_jit(False):
+                return self.run(fn, args, kwargs)
         traced = dispatch.under_a_trace()
         if traced:
             dispatch.check_traced_run(self._guard)  # Before anything is dispatched.
