@@ -74,9 +74,22 @@ class ReplicaMesh:
 
     def place_replicated(self, value) -> jax.Array:
         """``value`` replicated on every replica's device (no copy if it already is)."""
-        if isinstance(value, jax.Array) and value.sharding == self.replicated_sharding:
+        if self._is_replicated(value):
             return value
         return jax.device_put(value, self.replicated_sharding)
+
+    def _is_replicated(self, value) -> bool:
+        return isinstance(value, jax.Array) and value.sharding == self.replicated_sharding
+
+    def place_replicated_all(self, values: Sequence) -> list:
+        """`place_replicated` of each of ``values``, the ones not yet placed in one transfer."""
+        values = list(values)
+        unplaced = [i for i, x in enumerate(values) if not self._is_replicated(x)]
+        if unplaced:
+            placed = jax.device_put([values[i] for i in unplaced], self.replicated_sharding)
+            for i, x in zip(unplaced, placed):
+                values[i] = x
+        return values
 
     def tile(self, value) -> jax.Array:
         """A replicated ``value`` as ``num_replicas`` stacked copies, sharded over the replicas."""

@@ -64,8 +64,7 @@ class _Call:
 
 @dataclasses.dataclass(eq=False)  # Hashed by identity: jax.jit's fast path keys on it.
 class _Program:
-    jitted: Any  # ``jax.jit`` of `function`.
-    function: Any  # The program as a traceable function (what the direct program inlines).
+    function: Any  # The program as a traceable function (the direct program inlines it).
     out_tree: Any
     out_varying: tuple  # Per output array: whether it differs between replicas.
     out_inherits_lengths: tuple  # Per output array: whether it is a padded batch (design.md).
@@ -83,6 +82,11 @@ class _Program:
         self.per_replica_at = tuple(i for i, (v, inh, _) in enumerate(kinds) if v and not inh)
         self.padded_at = tuple(i for i, (_, inh, _) in enumerate(kinds) if inh)
         self.has_statics = any(st is not OUTPUT for st in self.out_statics)
+
+    @functools.cached_property
+    def jitted(self):
+        """`function` compiled on its own (the general path calls it)."""
+        return jax.jit(self.function)
 
 
 class ReplicatedRunner:
@@ -186,17 +190,13 @@ class ReplicatedRunner:
             return None, False
         place = self._programs
         placed = [_placed(leaf, place) if is_distributed(leaf) else leaf for leaf in leaves]
-        changed = any(new is not old for new, old in zip(placed, leaves))
         plain = [i for i, leaf in enumerate(placed) if not is_distributed(leaf)]
-        unplaced = [i for i in plain if not (isinstance(placed[i], jax.Array)
-                                             and placed[i].sharding == place.replicated_sharding)]
-        if unplaced:
-            for i, x in zip(unplaced, jax.device_put([placed[i] for i in unplaced],
-                                                     place.replicated_sharding)):
-                placed[i] = x
-        if self._n > 1:  # One replica's replicated outputs are plain arrays, so its inputs stay so.
+        for i, x in zip(plain, place.place_replicated_all([placed[i] for i in plain])):
+            placed[i] = x
+        changed = any(new is not old for new, old in zip(placed, leaves))
+        if self._n > 1 and plain:  # One replica's replicated outputs are plain arrays: kept so.
             mirror_at(placed, plain, self._n)
-        changed = changed or bool(unplaced) or (self._n > 1 and bool(plain))
+            changed = True
         return jax.tree_util.tree_unflatten(tree, placed), changed
 
     def _run_in_merge(self, fn, args, kwargs):
@@ -348,7 +348,7 @@ class ReplicatedRunner:
         # once), picked out after the call: returning it twice would cost a copy.
         sizes = [math.prod(shape) * (1 if s else n) for s, shape in zip(same, record["shapes"])]
         token = min(range(len(sizes)), key=sizes.__getitem__, default=None)
-        return _Program(jax.jit(program), program, record["tree"], varying, inherits,
+        return _Program(program, record["tree"], varying, inherits,
                         record["statics"], tuple(plain), n, token)
 
     def trace(self, fn, in_tree, kinds, statics, abstract, has_lengths, padded, exact=None,

@@ -461,6 +461,8 @@ def _unflatten_per_replica(aux, children):
 
 
 jax.tree_util.register_pytree_node(PerReplica, _flatten_per_replica, _unflatten_per_replica)
+
+
 @functools.lru_cache(maxsize=None)
 def _mirrored_class(num_replicas):
     """The class of `Mirrored` values over ``num_replicas`` replicas: a dataclass pytree node
