@@ -70,6 +70,34 @@ def test_bound_methods_share_a_program_and_do_not_keep_the_owner_alive():
     assert owner() is None
 
 
+def test_step_functions_called_in_turn_each_keep_their_program():
+    s = mirrored(2)
+    traces = []
+
+    def add(w):
+        traces.append("add")
+        return w + 1
+
+    def double(w):
+        traces.append("double")
+        return w * 2
+    w = jnp.float32(1)
+    for _ in range(3):
+        w = s.run(double, args=(s.run(add, args=(w,)),))
+    assert float(w) == 22.0 and sorted(traces) == ["add", "double"]
+
+
+def test_a_new_step_function_never_gets_a_dead_ones_program():
+    # Closures made one after another may reuse a dead one's memory address.
+    s = mirrored(2)
+
+    def make(k):
+        return lambda w: w + k
+    for k in range(4):
+        assert float(s.run(make(k), args=(jnp.float32(10),))) == 10.0 + k
+        gc.collect()
+
+
 def test_partials_pass_their_arguments_to_the_step():
     s = mirrored(2)
     traces = []

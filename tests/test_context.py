@@ -70,6 +70,19 @@ def test_experimental_set_strategy_sets_and_resets_globally():
     assert not jdist.has_strategy()
 
 
+@pytest.mark.parametrize("n1, n2", [(2, 3), (1, 2)])
+def test_run_of_another_strategy_than_the_global_one_raises(n1, n2):
+    s1, s2 = mirrored(n1), mirrored(n2)
+    jdist.experimental_set_strategy(s1)
+    try:
+        with pytest.raises(errors.MixedStrategyError, match="Mixing different"):
+            s2.run(lambda: jnp.ones(()))
+        assert float(s1.run(lambda: jnp.ones(()) * 2)) == 2.0
+    finally:
+        jdist.experimental_set_strategy(None)
+    assert float(s2.run(lambda: jnp.ones(()) * 3)) == 3.0
+
+
 def test_experimental_set_strategy_inside_a_scope_raises():
     with mirrored(2).scope():
         with pytest.raises(RuntimeError, match="inside a `strategy.scope"):

@@ -236,6 +236,18 @@ def require_not_mixed(strategy, what):
             "the current strategy (jdist.get_strategy()).")
 
 
+def require_run_allowed(strategy):
+    """Raises unless ``strategy.run`` may be called here: `MixedStrategyError` in another
+    strategy's scope, `WrongContextError` inside a replica function (nested ``run``)."""
+    if not _state.frames and _global_strategy is None:
+        return  # Outside every scope, where a training loop usually calls run.
+    require_not_mixed(strategy, "run")
+    if in_replica_function():
+        raise errors.WrongContextError(
+            "strategy.run was called inside a replica function; nested run is not allowed. "
+            "Call the inner function directly, or use get_replica_context().merge_call.")
+
+
 def require_cross_replica(strategy, what):
     """Raises `WrongContextError` unless ``what`` of ``strategy`` may run here: not in another
     strategy's scope (`MixedStrategyError`), not in a replica function."""

@@ -129,7 +129,7 @@ def check_traced_run(guard):
       >>> float(jdist.function(lambda w: s.run(lambda w: w + 1.0, args=(w,)))(jnp.float32(0)))
       1.0
     """
-    if not guard.enabled or _function_trace.depth or not _under_a_trace():
+    if not guard.enabled or _function_trace.depth or not under_a_trace():
         return
     if context.in_replica_trace() or context.in_merge():
         return  # Part of a program jdist traces and launches itself.
@@ -144,11 +144,6 @@ def check_traced_run(guard):
 
 
 def under_a_trace():
-    """Whether a JAX transformation is tracing on this thread (not plain eager evaluation)."""
-    return _under_a_trace()
-
-
-def _under_a_trace():
     """Whether a JAX transformation is tracing on this thread (not plain eager evaluation)."""
     return type(core.find_top_trace(())).__name__ != "EvalTrace"
 

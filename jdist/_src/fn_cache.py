@@ -56,10 +56,25 @@ class FunctionCaches:
         self._weak = weakref.WeakKeyDictionary()  # Function -> `FnCache`.
         self._by_owner = weakref.WeakKeyDictionary()  # Bound methods: owner -> {func: cache}.
         self._strong = {}  # For callables that cannot be weakly referenced.
+        self._last = (_dead, None)  # The last function found (held weakly) and its cache.
 
     def get(self, fn):
         """The `FnCache` of ``fn``: weakly keyed, as ``jax.jit``'s; a bound method (a new object
         at every attribute access) is keyed on its owner (weakly) and its function."""
+        last_fn, last_cache = self._last
+        if last_fn() is fn:  # A training loop runs one step function call after call.
+            return last_cache
+        cache = self._find(fn)
+        if isinstance(cache._fn, weakref.ref):  # Not a bound method: new at every access.
+            # Forgotten when ``fn`` dies, so the cache (and what its programs hold) goes too.
+            self._last = (weakref.ref(fn, self._forget_last), cache)
+        return cache
+
+    def _forget_last(self, ref):
+        if self._last[0] is ref:
+            self._last = (_dead, None)
+
+    def _find(self, fn):
         if inspect.ismethod(fn):
             owner, func = fn.__self__, fn.__func__
             try:
@@ -89,3 +104,8 @@ def _weak_method(owner, func):
     def method(*args, **kwargs):
         return func(ref(), *args, **kwargs)
     return method
+
+
+def _dead():
+    """What a dead weak reference returns: `FunctionCaches._last` before any function."""
+    return None

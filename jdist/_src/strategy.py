@@ -100,11 +100,7 @@ class Strategy(TF1Methods):
         elif not isinstance(kwargs, dict):
             raise errors.InvalidArgumentError(f"run() expects kwargs to be a dict, got "
                                               f"{type(kwargs).__name__}.")
-        context.require_not_mixed(self, "run")
-        if context.in_replica_function():
-            raise errors.WrongContextError(
-                "strategy.run was called inside a replica function; nested run is not allowed. "
-                "Call the inner function directly, or use get_replica_context().merge_call.")
+        context.require_run_allowed(self)
         return self._extended._run(fn, tuple(args), kwargs)
 
     experimental_run_v2 = run
