@@ -95,6 +95,23 @@ def test_each_replica_sees_its_true_shape_and_an_empty_mean_is_nan(n):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_an_all_reduce_of_values_computed_from_shapes_alone(n):
+    # TF users count the global examples as an all-sum of each replica's row count: a piece
+    # that reads no array, only its replica's shape, still runs on its replica's device.
+    s = mirrored(n)
+    comps = [np.ones((i % 3, 2), np.float32) for i in range(n)]  # Sizes 0, 1, 2, 0, ...
+
+    def step(x):
+        ctx = jdist.get_replica_context()
+        return (ctx.all_reduce("sum", jnp.float32(x.shape[0])),
+                ctx.all_reduce("mean", jnp.full((2,), x.shape[0], jnp.float32)))
+    total, mean = s.run(step, args=(per_replica(s, comps),))
+    rows = [len(c) for c in comps]
+    assert_local_results(s, total, [float(sum(rows))] * n)
+    assert_local_results(s, mean, [np.full(2, np.mean(rows), np.float32)] * n)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_reduce_with_an_axis_and_gather_combine_ragged_values(n):
     s = mirrored(n)
     rng = np.random.default_rng(0)

@@ -226,3 +226,40 @@ def test_ragged_value_of_several_workers_holds_only_this_workers_arrays():
     assert not spans_workers(PerReplica([np.zeros(2), np.zeros(3)]))
     assert "shapes=[(2,), (3,)]" in repr(v)
 
+
+
+# ------------------------------------ 64-bit integers: exact in 32 bits, or an error (no x64)
+BIG = 2**40 + 5  # JAX without x64 would hold it as int32 5.
+ENTRIES = {
+    "PerReplica components": lambda s, v: per_replica(s, [v] * s.num_replicas_in_sync),
+    "PerReplica": lambda s, v: jdist.PerReplica([v] * s.num_replicas_in_sync),
+    "Mirrored": lambda s, v: jdist.Mirrored([v] * s.num_replicas_in_sync),
+    "values from a function": lambda s, v: s.experimental_distribute_values_from_function(
+        lambda ctx: v),
+    "run argument": lambda s, v: s.run(lambda x: x + 1, args=(v,)),
+    "dataset batch": lambda s, v: next(iter(s.experimental_distribute_dataset(
+        [np.repeat(v, s.num_replicas_in_sync)]))),
+    "numpy dataset": lambda s, v: next(iter(s.experimental_distribute_dataset(
+        s.experimental_make_numpy_dataset(np.repeat(v, 4 * s.num_replicas_in_sync)).batch(
+            s.num_replicas_in_sync)))),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_64_bit_integers_jax_would_wrap_raise(n, entry, dtype):
+    s = mirrored(n)
+    with pytest.raises(errors.InvalidArgumentError, match="jax_enable_x64"):
+        ENTRIES[entry](s, np.array([BIG], dtype))
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+@pytest.mark.parametrize("n", [1, 3])
+def test_64_bit_integers_that_fit_keep_their_values(n, entry):
+    s = mirrored(n)
+    value = np.array([2**31 - 1 if entry != "run argument" else 2**31 - 2], np.int64)
+    out = ENTRIES[entry](s, value)
+    expected = value + 1 if entry == "run argument" else value
+    for local in s.experimental_local_results(out):
+        np.testing.assert_array_equal(np.asarray(local).ravel(), expected.ravel()[:local.size])

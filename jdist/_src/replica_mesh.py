@@ -32,6 +32,7 @@ from jdist._src.reduce_op import ReduceOp
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
+from jdist._src.values import check_host_integers
 
 
 class ReplicaMesh:
@@ -70,12 +71,14 @@ class ReplicaMesh:
             raise errors.InvalidArgumentError(
                 f"a PerReplica value with {stacked.shape[0]} components was given to a strategy "
                 f"with {self.num_replicas} replicas; create it with this strategy.")
+        check_host_integers(stacked)
         return jax.device_put(stacked, self.per_replica_sharding)
 
     def place_replicated(self, value) -> jax.Array:
         """``value`` replicated on every replica's device (no copy if it already is)."""
         if self._is_replicated(value):
             return value
+        check_host_integers(value)
         return jax.device_put(value, self.replicated_sharding)
 
     def _is_replicated(self, value) -> bool:
@@ -85,6 +88,8 @@ class ReplicaMesh:
         """`place_replicated` of each of ``values``, the ones not yet placed in one transfer."""
         values = list(values)
         unplaced = [i for i, x in enumerate(values) if not self._is_replicated(x)]
+        for i in unplaced:
+            check_host_integers(values[i])
         if unplaced:
             placed = jax.device_put([values[i] for i in unplaced], self.replicated_sharding)
             for i, x in zip(unplaced, placed):

@@ -132,7 +132,9 @@ def _segment(jaxpr, bounds, k, last, stored, uses, later, out_forms):
         values = [_to_plain(x, f) for x, f in zip(values, in_forms)]
         results = fun(*values, *([replica_id] * n_axis))
         return [_from_plain(x, f) for x, f in zip(results, out_forms_k)]
-    return _Segment(jax.jit(run), in_keys, tuple(key for key, _, _ in outs))
+    # The replica id (on its replica's device) is kept even if unused: it is what places a piece
+    # that reads no other value (one computing only from its shapes) on the replica's device.
+    return _Segment(jax.jit(run, keep_unused=True), in_keys, tuple(key for key, _, _ in outs))
 
 
 def _to_plain(x, form):

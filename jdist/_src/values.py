@@ -237,6 +237,7 @@ class Mirrored(DistributedValues):
                         "Mirrored values must be equal on every replica; use PerReplica for "
                         "values that differ.")
             values = values[0]
+        check_host_integers(values)
         self._value = jax.numpy.asarray(values)
 
     @classmethod
@@ -354,6 +355,35 @@ def _kind_of_dtype(dtype):
                 None)
 
 
+def check_host_integers(value) -> None:
+    """Raises `InvalidArgumentError` when JAX would hold host integers as other numbers.
+
+    Without ``jax_enable_x64`` JAX holds 64-bit integers in 32 bits and keeps only their low
+    bits: ``np.int64(2**40 + 5)`` becomes ``5``, silently, where TF keeps int64. Every host
+    array jdist places (batches, per-replica components, ``run`` arguments) passes here.
+
+    Args:
+      value: anything; only NumPy integer arrays and scalars are checked.
+
+    Example:
+      >>> import numpy as np
+      >>> check_host_integers(np.arange(3))  # int64 values that fit in 32 bits: fine.
+    """
+    if not isinstance(value, (np.ndarray, np.generic)) or value.dtype.kind not in "iu":
+        return
+    held = jax.dtypes.canonicalize_dtype(value.dtype)
+    if held == value.dtype or not value.size:
+        return
+    low, high, limits = value.min(), value.max(), np.iinfo(held)
+    if low < limits.min or high > limits.max:
+        raise errors.InvalidArgumentError(
+            f"a host value of dtype {value.dtype} holds numbers from {low} to {high}; JAX "
+            f"without 64-bit mode holds it as {held} and would wrap them to other numbers (TF "
+            "keeps them). Enable 64-bit mode before creating arrays "
+            "(jax.config.update('jax_enable_x64', True)), or bring the values into range in "
+            "the input pipeline (e.g. ids modulo a table size).")
+
+
 def _components(values):
     """The replicas' values as arrays, checked: arrays or numbers, all of one dtype kind.
 
@@ -368,6 +398,7 @@ def _components(values):
             arrays.append(v)
         elif isinstance(v, (np.ndarray, np.generic, bool, int, float, complex)):
             arrays.append(np.asarray(v))
+            check_host_integers(arrays[-1])
         else:
             raise errors.UnsupportedValueError(
                 f"PerReplica component {i} is a {type(v).__name__}; each replica's value must "
