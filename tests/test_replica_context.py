@@ -223,3 +223,30 @@ def test_run_inside_the_merge_fn_of_an_uneven_step():
             lambda: jdist.get_replica_context().replica_id_in_sync_group * 10))
         return ids + x.shape[0]
     assert_local_results(s, s.run(step, args=(v,)), [2, 11, 20])
+
+
+ONE_REPLICA = {
+    "default strategy": lambda f, x: f(x),
+    "OneDeviceStrategy": lambda f, x: jdist.OneDeviceStrategy("cpu:0").run(f, args=(x,)),
+    "MirroredStrategy(1)": lambda f, x: mirrored(1).run(f, args=(x,)),
+}
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", [np.int32, np.float32, np.uint8])
+@pytest.mark.parametrize("where", sorted(ONE_REPLICA))
+def test_all_reduce_on_one_replica_is_the_value_itself(where, dtype, op):
+    # TF: a one-replica value reduces to itself; an integer MEAN stays integer there.
+    x = np.array([1, 2, 4], dtype)
+    out = ONE_REPLICA[where](lambda v: jdist.get_replica_context().all_reduce(op, v), x)
+    assert np.asarray(out).dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out), x)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_integer_all_reduce_mean_on_several_replicas_is_float(n):
+    s = mirrored(n)
+    v = per_replica(s, [np.array([i, 2 * i], np.int32) for i in range(n)])
+    out = s.run(lambda x: jdist.get_replica_context().all_reduce("mean", x), args=(v,))
+    expected = np.mean([[i, 2 * i] for i in range(n)], axis=0)
+    assert_local_results(s, out, [expected.astype(np.float32)] * n)

@@ -19,6 +19,7 @@ import dataclasses
 import threading
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 
 from jdist._src import errors
@@ -402,7 +403,8 @@ class ReplicaContext:
             leaves into buckets of about that size, one all-reduce per bucket.
 
         Returns:
-          The nest with each leaf replaced by its sum or mean over replicas.
+          The nest with each leaf replaced by its sum or mean over replicas. On one replica,
+          the nest itself, dtypes included (TF's: a MEAN of integers stays integer there).
 
         Example (with two replicas):
           replica 0 ``{'a': 1, 'b': [40, 1]}`` and replica 1 ``{'a': 3, 'b': [2, 98]}`` give
@@ -411,6 +413,8 @@ class ReplicaContext:
         self._require_current("all_reduce")
         op = ReduceOp.from_any(reduce_op)
         check_reducible(op, value)
+        if self.num_replicas_in_sync == 1:  # TF: one replica's value reduces to itself, dtype
+            return jax.tree_util.tree_map(jnp.asarray, value)  # too (an int MEAN stays int).
         return self._collectives.all_reduce(op, value, options)
 
     def all_gather(self, value, axis):
