@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: example test bench docs clean
+.PHONY: example test test-tf bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,21 @@ example: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2
+
+# The tests that compare jdist with TensorFlow's own tf.distribute (they skip under `make test`,
+# whose environment has no TensorFlow): a separate environment with the `tf` extra.
+TF_VENV := .venv-tf
+TF_STAMP := $(TF_VENV)/.installed
+
+$(TF_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(TF_VENV)
+	$(TF_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TF_VENV)/bin/python -m pip install --quiet -e ".[test,tf]"
+	touch $(TF_STAMP)
+
+test-tf: $(TF_STAMP)
+	$(TF_VENV)/bin/python -m pytest -q -n 2 tests/test_tf_conformance.py tests/test_input_tf.py \
+		tests/test_auto_shard.py
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
@@ -37,4 +52,4 @@ docs: $(DOCS_STAMP)
 	$(PY) -m mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build site benchmarks/results *.egg-info
+	rm -rf $(VENV) $(TF_VENV) .pytest_cache .hypothesis build site benchmarks/results *.egg-info

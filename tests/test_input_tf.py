@@ -4,7 +4,6 @@ Skipped when TensorFlow is not importable. When it is, jdist's per-replica value
 what a real ``tf.distribute.MirroredStrategy`` over logical CPU devices gives for the same dataset.
 """
 
-import functools
 import os
 
 import jax
@@ -20,25 +19,7 @@ COUNTS = DATASET_REPLICA_COUNTS
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 
-
-@functools.lru_cache(maxsize=None)
-def tf_devices():
-    """Eight logical CPU devices for TF's own MirroredStrategy (None if TF started already)."""
-    cpus = tf.config.list_physical_devices("CPU")
-    try:
-        tf.config.set_logical_device_configuration(
-            cpus[0], [tf.config.LogicalDeviceConfiguration()] * 8)
-    except RuntimeError:
-        pass
-    names = [d.name for d in tf.config.list_logical_devices("CPU")]
-    return names if len(names) >= 8 else None
-
-
-@functools.lru_cache(maxsize=None)
-def strategies(n):
-    names = tf_devices()
-    tf_strategy = None if names is None else tf.distribute.MirroredStrategy(names[:n])
-    return jdist.MirroredStrategy(jax.devices()[:n]), tf_strategy
+from _tf_reference import strategies  # noqa: E402
 
 
 def tf_split(batch, n):

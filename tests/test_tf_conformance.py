@@ -1,0 +1,405 @@
+"""Differential tests: jdist computes the numbers a real ``tf.distribute.MirroredStrategy`` computes.
+
+For 1, 2, 3, 4 and 8 replicas, every test runs the same computation in TensorFlow's own
+MirroredStrategy over logical CPU devices and in ``jdist.testing.mirrored(n)``, both fed from the
+same tf.data dataset through their ``experimental_distribute_dataset``, and asserts that jdist's
+results equal TF's: float32 to rtol 1e-6, integers exactly, shapes and dtypes too. Every expected
+value is TF's; nothing is hard-coded. Where TF raises, jdist must raise too. The one difference
+SEMANTICS.md documents: a MEAN of integers is float64 in TF, the default float (float32) in jdist.
+Where jdist disagrees with TF otherwise, the case is a strict xfail that asserts TF's result.
+
+  a. ``strategy.reduce`` SUM / MEAN with ``axis=None`` and ``axis=0`` of per-replica batches,
+     partial last batches included (trailing replicas get fewer rows or none);
+  b. ``strategy.gather(axis=0)`` of the same batches;
+  c. inside ``strategy.run``: ``all_reduce``, ``all_gather`` of uneven sizes, ``merge_call``,
+     values built from ``replica_id_in_sync_group``;
+  d. a custom training loop: linear regression, SGD, ``tf.nn.compute_average_loss``, 2 epochs;
+  e. ``experimental_distribute_values_from_function`` with a different shape per replica.
+
+Skipped when TensorFlow is not importable; ``.venv-tf`` has it (``pip install -e ".[test,tf]"``).
+"""
+
+import functools
+import os
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdist
+from jdist import errors
+from jdist.testing import REPLICA_COUNTS
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+tf = pytest.importorskip("tensorflow")
+
+from _tf_reference import strategies  # noqa: E402
+
+COUNTS = REPLICA_COUNTS  # 1, 2, 3, 4, 8
+
+INT64_IS_INT32 = ("jdist (JAX without x64) delivers TF's int64 batches as int32 and reduces and "
+                  "gathers them as int32; TF keeps int64 (docs/migration.md; not in "
+                  "SEMANTICS.md).")
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing the two libraries' results.
+
+def both(n):
+    """jdist's and TF's MirroredStrategy over ``n`` devices."""
+    strategy, tf_strategy = strategies(n)
+    if tf_strategy is None:
+        pytest.skip("TensorFlow was initialised before its logical CPU devices were configured.")
+    return strategy, tf_strategy
+
+
+def local_results(strategy, value):
+    """Each local replica's value as a NumPy array (either library's strategy)."""
+    return [np.asarray(v) for v in strategy.experimental_local_results(value)]
+
+
+def outcome(strategy, compute):
+    """``compute()``'s local results, or the exception it raised."""
+    try:
+        return local_results(strategy, compute())
+    except Exception as error:  # noqa: BLE001 - compared with TF's outcome below.
+        return error
+
+
+def assert_matches(got, want, dtypes=None, rtol=1e-6):
+    """jdist's local results (or exception) ``got`` equal TF's ``want``.
+
+    ``dtypes`` maps a dtype of TF's to jdist's where they are known to differ (`known_dtypes`);
+    None there means not compared. Any other dtype must be the same.
+    """
+    if isinstance(want, Exception):
+        assert isinstance(got, Exception), f"TF raised {want!r}, jdist returned {got}"
+        return
+    if isinstance(got, Exception):
+        raise AssertionError(f"jdist raised, TF returned {want}") from got
+    if len(want) == 1 < len(got):
+        # TF's run returns one plain tensor when every replica returned the same tensor object
+        # (a merge_fn's non-distributed result): that value is every replica's.
+        want = want * len(got)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, f"replica {i}: shape {g.shape}, TF's {w.shape}"
+        expected_dtype = (dtypes or {}).get(w.dtype, w.dtype)
+        if expected_dtype is not None:
+            assert g.dtype == expected_dtype, f"replica {i}: dtype {g.dtype}, TF's {w.dtype}"
+        if np.issubdtype(w.dtype, np.integer):
+            np.testing.assert_array_equal(g, w, err_msg=f"replica {i}")
+        else:
+            np.testing.assert_allclose(g, w, rtol=rtol, err_msg=f"replica {i}")
+
+
+def known_dtypes(input_dtype, op="SUM"):
+    """Where jdist's dtype differs from TF's, for a reduction ``op`` of ``input_dtype`` values."""
+    known = {}
+    if op.upper() == "MEAN" and input_dtype != "float32":
+        known[np.dtype("float64")] = jax.dtypes.canonicalize_dtype(float)  # SEMANTICS.md
+    if input_dtype == "int64":
+        known[np.dtype("int64")] = None  # INT64_IS_INT32: test_int64_batches_keep_their_dtype.
+    return known
+
+
+def steady(dataset):
+    """``dataset`` without tf.data's autotuning (the same elements): with it, the first element of
+    a TF distributed iterator over 8 logical CPU devices on a 2-core machine takes 0.6 s, 1.2, 2.5,
+    5 or 10 s (a backoff); without it, 0.6 s mostly. jdist ignores the option."""
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
+
+
+# ---------------------------------------------------------------------------------------------
+# a, b. reduce and gather of distributed tf.data batches.
+
+# (dataset size, global batch), concatenated: global batches of 4, 2, 3 and 1 rows. On 2, 3, 4
+# and 8 replicas, one is even at most: trailing replicas get fewer rows or none.
+SIZES = [(6, 4), (3, 8), (1, 1)]
+# TF reduces int32 through ReductionToOneDevice, float32 and int64 with collective ops.
+DTYPES = ["float32", "int32", "int64"]
+
+
+def rows():
+    """Each ``range(size).batch(batch)`` of `SIZES`, one after another, as rows (i, 2i + 1, 3i + 2)
+    in each of `DTYPES` (a dict by dtype); the floats are divided by 7, plus 0.1 (`steady`)."""
+    def as_dtypes(i):
+        r = tf.stack([i, 2 * i + 1, 3 * i + 2])
+        return {"float32": tf.cast(r, tf.float32) / 7 + 0.1, "int32": tf.cast(r, tf.int32),
+                "int64": r}
+    parts = [tf.data.Dataset.range(size).map(as_dtypes).batch(batch) for size, batch in SIZES]
+    return steady(functools.reduce(tf.data.Dataset.concatenate, parts))
+
+
+@functools.lru_cache(maxsize=None)
+def distributed_rows(n):
+    """The distributed batches of `rows`, as pairs (jdist's, TF's), and TF's element spec."""
+    strategy, tf_strategy = both(n)
+    tf_dataset = tf_strategy.experimental_distribute_dataset(rows())
+    return list(zip(strategy.experimental_distribute_dataset(rows()), tf_dataset,
+                    strict=True)), tf_dataset.element_spec
+
+
+def batches(n, dtype):
+    """The distributed batches of `rows` of ``dtype``, as pairs (jdist's, TF's)."""
+    return [(element[dtype], tf_element[dtype]) for element, tf_element in distributed_rows(n)[0]]
+
+
+@functools.lru_cache(maxsize=None)
+def tf_gather(n, dtype):
+    """TF's ``gather(axis=0)`` of `rows` of ``dtype``, in a tf.function traced once (eagerly,
+    TF traces one for every call)."""
+    _, tf_strategy = both(n)
+    return tf.function(lambda value: tf_strategy.gather(value, axis=0),
+                       input_signature=[distributed_rows(n)[1][dtype]])
+
+
+@pytest.mark.parametrize("axis", [None, 0])
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", COUNTS)
+def test_reduce(n, dtype, op, axis):
+    strategy, tf_strategy = both(n)
+    for element, tf_element in batches(n, dtype):
+        assert_matches(outcome(strategy, lambda: strategy.reduce(op, element, axis=axis)),
+                       outcome(tf_strategy, lambda: tf_strategy.reduce(op, tf_element, axis=axis)),
+                       known_dtypes(dtype, op))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32"])  # int64: TF's float32 path (and slow).
+@pytest.mark.parametrize("n", COUNTS)
+def test_gather(n, dtype):
+    strategy, tf_strategy = both(n)
+    for element, tf_element in batches(n, dtype):
+        assert_matches(outcome(strategy, lambda: strategy.gather(element, axis=0)),
+                       outcome(tf_strategy, lambda: tf_gather(n, dtype)(tf_element)),
+                       known_dtypes(dtype))
+
+
+@pytest.mark.xfail(strict=True, reason=INT64_IS_INT32)
+def test_int64_batches_keep_their_dtype():
+    strategy, tf_strategy = both(2)
+    element, tf_element = batches(2, "int64")[0]
+
+    def dtypes(s, x):
+        return [np.asarray(v).dtype for v in (*s.experimental_local_results(x),
+                                              s.reduce("SUM", x, axis=0), s.gather(x, axis=0))]
+    assert dtypes(strategy, element) == dtypes(tf_strategy, tf_element)
+
+
+def test_int64_beyond_int32_gives_tfs_numbers_or_an_error():
+    """Hashed ids above 2**31: JAX without x64 cannot hold them, so jdist must give TF's numbers
+    or raise InvalidArgumentError, never other numbers."""
+    strategy, tf_strategy = both(2)
+    ids = steady(tf.data.Dataset.from_tensor_slices(
+        np.array([2**40 + 5, 3, 2**33, 7], np.int64)).batch(4))
+
+    def results(s):
+        batch = next(iter(s.experimental_distribute_dataset(ids)))
+        return [*local_results(s, batch), *local_results(s, s.reduce("SUM", batch, axis=0)),
+                *local_results(s, s.gather(batch, axis=0))]
+    want = results(tf_strategy)
+    try:
+        got = results(strategy)
+    except errors.InvalidArgumentError:
+        return
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+# ---------------------------------------------------------------------------------------------
+# c. Inside strategy.run: the replica context's collectives.
+
+# The few array ops the replica function uses, in each library.
+TF_OPS = SimpleNamespace(
+    get_replica_context=tf.distribute.get_replica_context,
+    sum_rows=lambda x: tf.reduce_sum(x, axis=0),
+    float32=lambda x: tf.cast(x, tf.float32), vector=lambda x: tf.reshape(x, [1]))
+JAX_OPS = SimpleNamespace(
+    get_replica_context=jdist.get_replica_context,
+    sum_rows=lambda x: jnp.sum(x, axis=0),
+    float32=lambda x: jnp.asarray(x, jnp.float32), vector=lambda x: jnp.reshape(x, [1]))
+
+
+def weighted(ops, ctx, x):
+    """The column sums of this replica's rows (zeros without rows) times (replica id + 1)."""
+    return ops.sum_rows(x) * ops.float32(ctx.replica_id_in_sync_group + 1)
+
+
+# Each output of the replica function: f(ops, replica context, this replica's batch (rows, 3)).
+REPLICA_OUTPUTS = {
+    "all_reduce_sum": lambda ops, ctx, x: ctx.all_reduce(
+        "sum", {"col_sums": ops.sum_rows(x), "squares": ops.sum_rows(x) ** 2}),
+    "all_reduce_mean": lambda ops, ctx, x: ctx.all_reduce("mean", weighted(ops, ctx, x)),
+    "all_gather_rows": lambda ops, ctx, x: ctx.all_gather(x, axis=0),
+    "all_gather_ids": lambda ops, ctx, x: ctx.all_gather(
+        ops.vector(ctx.replica_id_in_sync_group), axis=0),
+    "replica_id": lambda ops, ctx, x: ctx.replica_id_in_sync_group,
+    "replica_id_sum": lambda ops, ctx, x: ctx.all_reduce("sum", ctx.replica_id_in_sync_group),
+    "replica_id_mean": lambda ops, ctx, x: ctx.all_reduce("mean", ctx.replica_id_in_sync_group),
+    "merge_reduce_rows": lambda ops, ctx, x: ctx.merge_call(
+        lambda s, v: s.reduce("MEAN", v, axis=0), args=(x,)),
+    "merge_reduce_sums": lambda ops, ctx, x: ctx.merge_call(
+        lambda s, v: s.reduce("SUM", v, axis=None), args=(weighted(ops, ctx, x),)),
+    "merge_returns_per_replica": lambda ops, ctx, x: ctx.merge_call(
+        lambda s, v: v, args=(weighted(ops, ctx, x),)),
+}
+# The replica id is int32; on 1 replica TF's MEAN returns it unchanged (int32), as jdist does.
+DTYPES_OF = {"replica_id_mean": known_dtypes("int32", "MEAN")}
+
+
+def replica_fn(ops):
+    """The replica function: every output of `REPLICA_OUTPUTS`, with ``ops`` (a closure: jdist
+    takes a partial's arguments as run's arguments, which must be arrays or hashable)."""
+    @tf.autograph.experimental.do_not_convert  # Autograph cannot parse the lambdas.
+    def fn(x):
+        ctx = ops.get_replica_context()
+        return {name: output(ops, ctx, x) for name, output in REPLICA_OUTPUTS.items()}
+    return fn
+
+
+JAX_REPLICA_FN, TF_REPLICA_FN = replica_fn(JAX_OPS), replica_fn(TF_OPS)
+
+
+@functools.lru_cache(maxsize=None)
+def replica_context_results(n):
+    """On global batches of 4 and 3 rows (even on 2 and 4 replicas, then on 3; uneven on the
+    others), each output's local results, as pairs (jdist's, TF's)."""
+    strategy, tf_strategy = both(n)
+    results = {name: [] for name in REPLICA_OUTPUTS}
+    for x, tf_x in [batches(n, "float32")[i] for i in (0, 2)]:
+        out = strategy.run(JAX_REPLICA_FN, args=(x,))
+        tf_out = tf_strategy.run(TF_REPLICA_FN, args=(tf_x,))
+        for name in REPLICA_OUTPUTS:
+            got = jax.tree.leaves(out[name], is_leaf=lambda v: isinstance(v, jdist.DistributedValues))
+            want = tf.nest.flatten(tf_out[name])
+            assert len(got) == len(want)
+            results[name] += [(local_results(strategy, g), local_results(tf_strategy, w))
+                              for g, w in zip(got, want)]
+    return results
+
+
+@pytest.mark.parametrize("name", list(REPLICA_OUTPUTS))
+@pytest.mark.parametrize("n", COUNTS)
+def test_replica_context(n, name):
+    for got, want in replica_context_results(n)[name]:
+        assert_matches(got, want, DTYPES_OF.get(name))
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_all_reduce_of_the_row_count(n):
+    """A global example count, as TF users compute it: each replica's rows, all-summed. The
+    operand depends on shapes only; 3 rows are uneven on 2, 4 and 8 replicas."""
+    strategy, tf_strategy = both(n)
+    x, tf_x = batches(n, "float32")[2]  # 3 rows.
+    out = strategy.run(lambda x: jdist.get_replica_context().all_reduce(
+        "sum", jnp.float32(x.shape[0])), args=(x,))
+    tf_out = tf_strategy.run(lambda x: tf.distribute.get_replica_context().all_reduce(
+        "sum", tf.cast(tf.shape(x)[0], tf.float32)), args=(tf_x,))
+    assert_matches(local_results(strategy, out), local_results(tf_strategy, tf_out))
+
+
+# ---------------------------------------------------------------------------------------------
+# d. A custom training loop, as the tf.distribute tutorial writes it.
+
+GLOBAL_BATCH, LEARNING_RATE, EPOCHS = 8, 0.1, 2
+
+
+@functools.lru_cache(maxsize=None)
+def regression_data():
+    """37 noisy rows of a linear teacher (the last global batch has 5), and initial weights."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(37, 3)).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5]]) + 0.3 + 0.1 * rng.normal(size=(37, 1)))
+    w0, b0 = rng.normal(size=(3, 1)).astype(np.float32), np.float32([0.5])
+    dataset = tf.data.Dataset.from_tensor_slices((x, y.astype(np.float32))).batch(GLOBAL_BATCH)
+    return steady(dataset), w0, b0
+
+
+def train_tf(tf_strategy):
+    dataset, w0, b0 = regression_data()
+    with tf_strategy.scope():
+        w, b = tf.Variable(w0), tf.Variable(b0)
+        optimizer = tf.keras.optimizers.SGD(LEARNING_RATE)
+
+    dist = tf_strategy.experimental_distribute_dataset(dataset)
+
+    @tf.function(input_signature=dist.element_spec)  # One trace for full and partial batches.
+    def train_step(x, y):
+        def step_fn(x, y):
+            with tf.GradientTape() as tape:
+                per_example_loss = tf.reduce_sum(tf.square(x @ w + b - y), axis=1)
+                loss = tf.nn.compute_average_loss(per_example_loss,
+                                                  global_batch_size=GLOBAL_BATCH)
+            grads = tape.gradient(loss, [w, b])
+            optimizer.apply_gradients(zip(grads, [w, b]))  # All-reduces (sums) the gradients.
+            return loss
+        return tf_strategy.reduce("SUM", tf_strategy.run(step_fn, args=(x, y)), axis=None)
+
+    losses = [float(train_step(x, y)) for _ in range(EPOCHS) for x, y in dist]
+    return losses, {"w": w.numpy(), "b": b.numpy()}
+
+
+def train_jdist(strategy):
+    dataset, w0, b0 = regression_data()
+
+    def step_fn(params, x, y):
+        def loss_fn(p):
+            per_example_loss = jnp.sum(jnp.square(x @ p["w"] + p["b"] - y), axis=1)
+            return jnp.sum(per_example_loss) / GLOBAL_BATCH  # tf.nn.compute_average_loss
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        grads = jdist.get_replica_context().all_reduce("sum", grads)
+        return jax.tree.map(lambda p, g: p - LEARNING_RATE * g, params, grads), loss
+
+    params = {"w": jnp.asarray(w0), "b": jnp.asarray(b0)}
+    dist = strategy.experimental_distribute_dataset(dataset)
+    losses = []
+    for _ in range(EPOCHS):
+        for x, y in dist:
+            params, loss = strategy.run(step_fn, args=(params, x, y))
+            losses.append(float(strategy.reduce("SUM", loss, axis=None)))
+    return losses, jdist.to_host(params)
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_training_loop(n):
+    strategy, tf_strategy = both(n)
+    losses, params = train_jdist(strategy)
+    tf_losses, tf_params = train_tf(tf_strategy)
+    assert len(tf_losses) == EPOCHS * 5
+    np.testing.assert_allclose(losses, tf_losses, rtol=1e-5)
+    for name in tf_params:
+        assert params[name].shape == tf_params[name].shape
+        np.testing.assert_allclose(params[name], tf_params[name], rtol=1e-5, err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# e. experimental_distribute_values_from_function, a different shape per replica.
+
+def replica_value(dtype):
+    def value_fn(ctx):
+        """Replica r gets (r + 2) % 3 rows of 2 columns (replica 1 none), its values from r."""
+        rid = ctx.replica_id_in_sync_group
+        value = np.arange((rid + 2) % 3 * 2).reshape(-1, 2) + 10 * rid
+        return (value / 7 + 0.1).astype(dtype) if dtype == "float32" else value.astype(dtype)
+    return value_fn
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+@pytest.mark.parametrize("n", COUNTS)
+def test_values_from_function(n, dtype):
+    strategy, tf_strategy = both(n)
+    value = strategy.experimental_distribute_values_from_function(replica_value(dtype))
+    tf_value = tf_strategy.experimental_distribute_values_from_function(replica_value(dtype))
+    assert_matches(local_results(strategy, value), local_results(tf_strategy, tf_value))
+    for op in ("SUM", "MEAN"):
+        assert_matches(outcome(strategy, lambda: strategy.reduce(op, value, axis=0)),
+                       outcome(tf_strategy, lambda: tf_strategy.reduce(op, tf_value, axis=0)),
+                       known_dtypes(dtype, op))
+    assert_matches(outcome(strategy, lambda: strategy.gather(value, axis=0)),
+                   outcome(tf_strategy, lambda: tf_strategy.gather(tf_value, axis=0)))
