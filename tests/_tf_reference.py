@@ -24,10 +24,9 @@ NUM_DEVICES = 8
 def tf_devices():
     """Eight logical CPU devices for TF's own MirroredStrategy (None if TF started already).
 
-    TF's inter-op thread pool has one thread per core by default; with 8 logical devices on a
-    small machine their collectives wait for each other's threads (a step of TF's MirroredStrategy
-    over 8 devices took 4 to 40 s of wall time instead of 2 on 2 cores), so the pool gets one
-    thread per device and more.
+    TF's inter-op thread pool has one thread per core by default; on a 2-core machine the work
+    of 8 logical devices then waits for threads (12 short training runs of TF's MirroredStrategy
+    over 8 devices: 85 s of wall time for 32 s of CPU), so the pool gets two threads per device.
     """
     cpus = tf.config.list_physical_devices("CPU")
     try:

@@ -1,12 +1,15 @@
-"""Differential tests: jdist computes the numbers a real ``tf.distribute.MirroredStrategy`` computes.
+"""Differential tests: jdist computes the numbers that TF's own ``tf.distribute.MirroredStrategy``
+computes.
 
 For 1, 2, 3, 4 and 8 replicas, every test runs the same computation in TensorFlow's own
-MirroredStrategy over logical CPU devices and in ``jdist.testing.mirrored(n)``, both fed from the
-same tf.data dataset through their ``experimental_distribute_dataset``, and asserts that jdist's
-results equal TF's: float32 to rtol 1e-6, integers exactly, shapes and dtypes too. Every expected
-value is TF's; nothing is hard-coded. Where TF raises, jdist must raise too. The one difference
-SEMANTICS.md documents: a MEAN of integers is float64 in TF, the default float (float32) in jdist.
-Where jdist disagrees with TF otherwise, the case is a strict xfail that asserts TF's result.
+MirroredStrategy over logical CPU devices (`_tf_reference`) and in ``jdist.testing.mirrored(n)``,
+both fed from the same tf.data dataset through their ``experimental_distribute_dataset`` (or from
+the same value function), and asserts that jdist's results equal TF's: float32 to rtol 1e-6 (the
+training loop 1e-5), integers exactly, shapes and dtypes too. TF runs eagerly, except the training
+step and ``gather``, which run in a tf.function as TF users write them. Every expected value is
+TF's; nothing is hard-coded. Where TF raises, jdist must raise too. The one difference SEMANTICS.md
+documents: a MEAN of integers is float64 in TF, the default float (float32) in jdist. Where jdist
+disagrees with TF otherwise, the case is a strict xfail that asserts TF's result (int64 batches).
 
   a. ``strategy.reduce`` SUM / MEAN with ``axis=None`` and ``axis=0`` of per-replica batches,
      partial last batches included (trailing replicas get fewer rows or none);
@@ -276,7 +279,8 @@ def replica_context_results(n):
         out = strategy.run(JAX_REPLICA_FN, args=(x,))
         tf_out = tf_strategy.run(TF_REPLICA_FN, args=(tf_x,))
         for name in REPLICA_OUTPUTS:
-            got = jax.tree.leaves(out[name], is_leaf=lambda v: isinstance(v, jdist.DistributedValues))
+            got = jax.tree.leaves(out[name],
+                                  is_leaf=lambda v: isinstance(v, jdist.DistributedValues))
             want = tf.nest.flatten(tf_out[name])
             assert len(got) == len(want)
             results[name] += [(local_results(strategy, g), local_results(tf_strategy, w))
