@@ -88,9 +88,9 @@ class ReplicaMesh:
         """`place_replicated` of each of ``values``, the ones not yet placed in one transfer."""
         values = list(values)
         unplaced = [i for i, x in enumerate(values) if not self._is_replicated(x)]
-        for i in unplaced:
-            check_host_integers(values[i])
         if unplaced:
+            for i in unplaced:
+                check_host_integers(values[i])
             placed = jax.device_put([values[i] for i in unplaced], self.replicated_sharding)
             for i, x in zip(unplaced, placed):
                 values[i] = x

@@ -317,7 +317,7 @@ class _OneReplica(ReplicaCollectives):
 
     def all_reduce(self, op, value, options=None):
         self._require_one("all_reduce")
-        return jax.tree_util.tree_map(lambda x: collectives.replicated_reduce(op, x, None), value)
+        return value  # `ReplicaContext.all_reduce` hands back one replica's value before this.
 
     def all_gather(self, value, axis):
         self._require_one("all_gather")
