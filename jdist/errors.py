@@ -15,6 +15,7 @@ from jdist._src.errors import UnguardedTraceError
 from jdist._src.errors import UnknownDeviceError
 from jdist._src.errors import UnsupportedValueError
 from jdist._src.errors import WrongContextError
+from jdist._src.errors import X64RequiredError
 
 __all__ = (
     "ClusterMismatchError",
@@ -32,4 +33,5 @@ __all__ = (
     "UnknownDeviceError",
     "UnsupportedValueError",
     "WrongContextError",
+    "X64RequiredError",
 )

@@ -123,10 +123,10 @@ def test_strategy_reduce_axis_and_partial_batch_rules(n, impl):
     for op, axis in [(MEAN, 1), (MEAN, None), (SUM, (0, 1))]:
         np.testing.assert_allclose(s.reduce(op, w, axis=axis), reference(impl, op, even, axis),
                                    rtol=1e-5, atol=1e-5, err_msg=f"{op} axis={axis}")
-    ints = per_replica(s, components(n, shape=(4,), seed=2, dtype=np.int32))
+    ints = per_replica(s, components(n, shape=(4,), seed=2, dtype=np.int16))
     mean = s.reduce(MEAN, ints, axis=None)
-    assert mean.dtype == jnp.float32
-    np.testing.assert_allclose(mean, reference(impl, MEAN, components(n, (4,), 2, np.int32)),
+    assert mean.dtype == jnp.float32  # TF's int16 / int16 (tests/test_mean.py: every dtype).
+    np.testing.assert_allclose(mean, reference(impl, MEAN, components(n, (4,), 2, np.int16)),
                                rtol=1e-6)
 
 
@@ -137,7 +137,7 @@ def test_batch_reduce_matches_numpy(n, impl, bytes_per_pack):
     s = strategy(n, impl)
     shapes = [(3,), (2, 2), (), (5,), (0, 3), (4, 1)]
     comps = [components(n, shape, seed=i) for i, shape in enumerate(shapes)]
-    comps.append(components(n, (3,), seed=9, dtype=np.int32))
+    comps.append(components(n, (3,), seed=9, dtype=np.int16))
     values = [per_replica(s, c) for c in comps]
     destinations = [values[0], "CPU:0", values[1], jax.devices()[n - 1], values[2], values[3],
                     "CPU:1"]
@@ -156,7 +156,7 @@ def test_batch_reduce_matches_numpy(n, impl, bytes_per_pack):
                 else:
                     assert not isinstance(r, jdist.DistributedValues)
                     np.testing.assert_allclose(r, expected, rtol=1e-5, atol=1e-5)
-            assert results[-1].dtype == (jnp.float32 if op is MEAN else jnp.int32)
+            assert results[-1].dtype == (jnp.float32 if op is MEAN else jnp.int16)
 
 
 @replicas
@@ -202,11 +202,11 @@ def test_replica_all_reduce_of_a_nest(n, impl, bytes_per_pack):
     def step(x):
         ctx = jdist.get_replica_context()
         rid = ctx.replica_id_in_sync_group
-        nest = {"x": x, "pair": (x[:2] * 2, rid), "empty": x[:0]}
+        nest = {"x": x, "pair": (x[:2] * 2, jnp.asarray(rid, jnp.int16)), "empty": x[:0]}
         return ctx.all_reduce("sum", nest, options), ctx.all_reduce("mean", nest, options)
 
     sums, means = s.run(step, args=(per_replica(s, comps),))
-    rids = [np.int32(i) for i in range(n)]
+    rids = [np.int16(i) for i in range(n)]
     for op, out in ((SUM, sums), (MEAN, means)):
         assert_mirrored(out["x"], n, reference(impl, op, comps))
         assert_mirrored(out["pair"][0], n, reference(impl, op, [c[:2] * 2 for c in comps]))
@@ -379,7 +379,7 @@ def test_plain_tensors_count_as_one_replica_values(impl):
     s = mirrored(3)
     v = per_replica(s, components(3))
     assert float(ops.reduce(SUM, np.float32(3.0), "CPU:2")) == 3.0
-    mean = ops.reduce(MEAN, np.int32(3), v)
+    mean = ops.reduce(MEAN, np.int16(3), v)  # Not on v's devices: divided by 1, TF's int16 / int16.
     assert_mirrored(mean, 3, 3.0)
     assert mean.dtype == jnp.float32
     m = s.run(lambda x: jdist.get_replica_context().all_reduce("sum", x), args=(v,))

@@ -136,18 +136,6 @@ def test_mirrored_value_is_one_value_per_replica(n):
     np.testing.assert_allclose(s.reduce("mean", m, axis=0), n)
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
-def test_integer_mean_returns_default_float(n):
-    s = mirrored(n)
-    comps = [np.array([1, 2], np.int32)] * (n - 1) + [np.array([2, 4], np.int32)]
-    v = per_replica(s, comps) if n > 1 else comps[0]
-    got = s.reduce("mean", v, axis=0)
-    assert got.dtype == jnp.float32
-    assert float(got) == pytest.approx(np.mean(np.concatenate(comps)))
-    if n > 1:
-        assert s.reduce("sum", v, axis=0).dtype == jnp.int32
-
-
 def test_per_replica_of_another_strategy_is_rejected():
     v = per_replica(mirrored(2), [np.ones(1)] * 2)
     with pytest.raises(errors.InvalidArgumentError, match="replicas"):

@@ -36,14 +36,6 @@ def test_all_reduce_result_is_the_same_on_every_replica_and_mirrored(n):
     assert_local_results(s, out, [n * (n - 1) / 2] * n)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_all_reduce_integer_mean_is_float(n):
-    s = mirrored(n)
-    out = s.run(lambda: jdist.get_replica_context().all_reduce("mean", replica_id()))
-    assert out.dtype == jnp.float32
-    assert float(out) == pytest.approx((n - 1) / 2)
-
-
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(n=st.sampled_from(REPLICA_COUNTS), op=st.sampled_from(["sum", "mean"]),
                   shape=hnp.array_shapes(min_dims=0, max_dims=3, max_side=4), data=st.data())
@@ -241,12 +233,3 @@ def test_all_reduce_on_one_replica_is_the_value_itself(where, dtype, op):
     out = ONE_REPLICA[where](lambda v: jdist.get_replica_context().all_reduce(op, v), x)
     assert np.asarray(out).dtype == dtype
     np.testing.assert_array_equal(np.asarray(out), x)
-
-
-@pytest.mark.parametrize("n", [2, 3, 8])
-def test_integer_all_reduce_mean_on_several_replicas_is_float(n):
-    s = mirrored(n)
-    v = per_replica(s, [np.array([i, 2 * i], np.int32) for i in range(n)])
-    out = s.run(lambda x: jdist.get_replica_context().all_reduce("mean", x), args=(v,))
-    expected = np.mean([[i, 2 * i] for i in range(n)], axis=0)
-    assert_local_results(s, out, [expected.astype(np.float32)] * n)

@@ -4,12 +4,14 @@ computes.
 For 1, 2, 3, 4 and 8 replicas, every test runs the same computation in TensorFlow's own
 MirroredStrategy over logical CPU devices (`_tf_reference`) and in ``jdist.testing.mirrored(n)``,
 both fed from the same tf.data dataset through their ``experimental_distribute_dataset`` (or from
-the same value function), and asserts that jdist's results equal TF's: float32 to rtol 1e-6 (the
-training loop 1e-5), integers exactly, shapes and dtypes too. TF runs eagerly, except the training
-step and ``gather``, which run in a tf.function as TF users write them. Every expected value is
-TF's; nothing is hard-coded. Where TF raises, jdist must raise too. The one difference SEMANTICS.md
-documents: a MEAN of integers is float64 in TF, the default float (float32) in jdist. Where jdist
-disagrees with TF otherwise, the case is a strict xfail that asserts TF's result (int64 batches).
+the same value function), and asserts that jdist's results equal TF's bit for bit, floats included
+(the training loop, whose arithmetic is the user's ``jnp`` code, to rtol 1e-5), shapes and dtypes
+too. TF runs eagerly, except the training step and ``gather``, which run in a tf.function as TF
+users write them. Every expected value is TF's; nothing is hard-coded. Where TF raises, jdist must
+raise too. Where TF's result is float64 (a MEAN of int32 values), which JAX has only with
+``jax_enable_x64``, jdist must raise `X64RequiredError` without it and give TF's float64 with it
+(`test_integer_mean_with_x64_is_tfs_float64`). Where jdist disagrees with TF otherwise, the case is
+a strict xfail that asserts TF's result (int64 batches).
 
   a. ``strategy.reduce`` SUM / MEAN with ``axis=None`` and ``axis=0`` of per-replica batches,
      partial last batches included (trailing replicas get fewer rows or none);
@@ -71,7 +73,7 @@ def outcome(strategy, compute):
         return error
 
 
-def assert_matches(got, want, dtypes=None, rtol=1e-6):
+def assert_matches(got, want, dtypes=None, rtol=0):
     """jdist's local results (or exception) ``got`` equal TF's ``want``.
 
     ``dtypes`` maps a dtype of TF's to jdist's where they are known to differ (`known_dtypes`);
@@ -79,6 +81,10 @@ def assert_matches(got, want, dtypes=None, rtol=1e-6):
     """
     if isinstance(want, Exception):
         assert isinstance(got, Exception), f"TF raised {want!r}, jdist returned {got}"
+        return
+    if isinstance(got, errors.X64RequiredError) and not jax.config.jax_enable_x64:
+        # Loud, not wrong: allowed only where TF's result needs a 64-bit float.
+        assert any(w.dtype == np.float64 for w in want), f"jdist raised {got!r}, TF: {want}"
         return
     if isinstance(got, Exception):
         raise AssertionError(f"jdist raised, TF returned {want}") from got
@@ -101,8 +107,6 @@ def assert_matches(got, want, dtypes=None, rtol=1e-6):
 def known_dtypes(input_dtype, op="SUM"):
     """Where jdist's dtype differs from TF's, for a reduction ``op`` of ``input_dtype`` values."""
     known = {}
-    if op.upper() == "MEAN" and input_dtype != "float32":
-        known[np.dtype("float64")] = jax.dtypes.canonicalize_dtype(float)  # SEMANTICS.md
     if input_dtype == "int64":
         known[np.dtype("int64")] = None  # INT64_IS_INT32: test_int64_batches_keep_their_dtype.
     return known
@@ -244,7 +248,6 @@ REPLICA_OUTPUTS = {
         ops.vector(ctx.replica_id_in_sync_group), axis=0),
     "replica_id": lambda ops, ctx, x: ctx.replica_id_in_sync_group,
     "replica_id_sum": lambda ops, ctx, x: ctx.all_reduce("sum", ctx.replica_id_in_sync_group),
-    "replica_id_mean": lambda ops, ctx, x: ctx.all_reduce("mean", ctx.replica_id_in_sync_group),
     "merge_reduce_rows": lambda ops, ctx, x: ctx.merge_call(
         lambda s, v: s.reduce("MEAN", v, axis=0), args=(x,)),
     "merge_reduce_sums": lambda ops, ctx, x: ctx.merge_call(
@@ -252,8 +255,6 @@ REPLICA_OUTPUTS = {
     "merge_returns_per_replica": lambda ops, ctx, x: ctx.merge_call(
         lambda s, v: v, args=(weighted(ops, ctx, x),)),
 }
-# The replica id is int32; on 1 replica TF's MEAN returns it unchanged (int32), as jdist does.
-DTYPES_OF = {"replica_id_mean": known_dtypes("int32", "MEAN")}
 
 
 def replica_fn(ops):
@@ -292,7 +293,36 @@ def replica_context_results(n):
 @pytest.mark.parametrize("n", COUNTS)
 def test_replica_context(n, name):
     for got, want in replica_context_results(n)[name]:
-        assert_matches(got, want, DTYPES_OF.get(name))
+        assert_matches(got, want)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+@pytest.mark.parametrize("n", COUNTS)
+def test_all_reduce_mean_of_the_replica_ids(n, x64):
+    """The int32 ids' MEAN: TF's float64 (int32 on one replica); without x64 jdist must raise."""
+    strategy, tf_strategy = both(n)
+
+    def mean_of_ids(ops):
+        @tf.autograph.experimental.do_not_convert
+        def fn():
+            ctx = ops.get_replica_context()
+            return ctx.all_reduce("mean", ctx.replica_id_in_sync_group)
+        return fn
+    want = outcome(tf_strategy, lambda: tf_strategy.run(mean_of_ids(TF_OPS)))
+    with jax.enable_x64(x64):
+        assert_matches(outcome(strategy, lambda: strategy.run(mean_of_ids(JAX_OPS))), want)
+
+
+@pytest.mark.parametrize("axis", [None, 0])
+@pytest.mark.parametrize("n", COUNTS)
+def test_integer_mean_with_x64_is_tfs_float64(n, axis):
+    """With x64 on, a MEAN of int32 batches is TF's float64, bit for bit."""
+    strategy, tf_strategy = both(n)
+    with jax.enable_x64(True):
+        for element, tf_element in batches(n, "int32"):
+            assert_matches(
+                outcome(strategy, lambda: strategy.reduce("MEAN", element, axis=axis)),
+                outcome(tf_strategy, lambda: tf_strategy.reduce("MEAN", tf_element, axis=axis)))
 
 
 @pytest.mark.parametrize("n", COUNTS)

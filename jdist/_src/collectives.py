@@ -10,8 +10,9 @@ One rule set, three settings:
 * **inside a merge function**, where arguments are gathered views with the replica axis first,
   so reduction is a sum over that axis with no further communication (`stacked_reduce`).
 
-The rules (TF's, ``docs/semantics.md``): MEAN of integers is a float (`mean_cast`); sums keep
-the values' dtype (`local_sum`); MEAN divides by the number of values combined (`mean_count`,
+The rules (TF's, ``docs/semantics.md``): sums keep the values' dtype, integers wrap as in TF
+(`local_sum`); MEAN divides the sum as TF's ``truediv`` does, integers in float32 or float64
+(`mean_dtype`, `finish`); it divides by the number of values combined (`mean_count`,
 `finish`): with ``axis=None`` the number of replicas, with an axis the total number of elements
 along it over all replicas, padding rows excluded, so replica batches ``[5., 6.]`` and ``[7.]``
 average to 6.0; an element-wise combine of padded batches needs equal lengths and drops the
@@ -65,7 +66,12 @@ def normalize_axis(axis: Axis, ndim: int) -> Optional[Tuple[int, ...]]:
 
 # ------------------------------------------------------------------------------ the rules
 def mean_dtype(dtype) -> np.dtype:
-    """The dtype of a MEAN: floats keep theirs, integers and bools become the default float.
+    """The dtype of a MEAN, TF's ``truediv``: floats keep theirs, 8- and 16-bit integers give
+    float32, 32- and 64-bit integers float64.
+
+    Raises:
+      X64RequiredError: the MEAN is float64 and ``jax_enable_x64`` is off (JAX has no float64
+        then; a float32 result would be a number TF does not give).
 
     Example:
       >>> str(mean_dtype("int8")), str(mean_dtype("float16"))
@@ -74,21 +80,36 @@ def mean_dtype(dtype) -> np.dtype:
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.inexact):
         return dtype
-    return jnp.dtype(jnp.result_type(float))
-
-
-def mean_cast(op: ReduceOp, x):
-    """``x`` in the dtype its reduction is computed in: `mean_dtype` for MEAN, its own for SUM."""
-    if op is ReduceOp.MEAN and not jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.asarray(x).astype(mean_dtype(x.dtype))
-    return x
+    if dtype.itemsize <= 2:
+        return jnp.dtype(jnp.float32)
+    if not jax.config.jax_enable_x64:
+        raise errors.X64RequiredError(
+            f"a MEAN of {dtype} values is float64 in TF ({dtype} / {dtype} divides in float64), "
+            "and JAX has float64 only in 64-bit mode. Enable it before creating arrays "
+            "(jax.config.update('jax_enable_x64', True)), or reduce float values for a float32 "
+            "mean (x.astype(jnp.float32)), or reduce with SUM and divide.")
+    return jnp.dtype(jnp.float64)
 
 
 def finish(op: ReduceOp, total, count):
-    """The result of a reduction: the sum itself, or for MEAN the sum divided by ``count``."""
+    """The result of a reduction: the sum itself, or for MEAN TF's ``truediv`` of the sum by
+    ``count``: the count in the sum's dtype (TF casts it so), then both in `mean_dtype`.
+
+    Example:
+      >>> import numpy as np
+      >>> mean = finish(ReduceOp.MEAN, np.int8(9), 2)  # TF's int8 / int8.
+      >>> float(mean), str(mean.dtype)
+      (4.5, 'float32')
+    """
     if op is ReduceOp.SUM:
         return total
-    return total / jnp.asarray(count, total.dtype)
+    total = jnp.asarray(total)
+    dtype = mean_dtype(total.dtype)
+    count = jnp.asarray(count).astype(total.dtype).astype(dtype)
+    # XLA turns a division by a broadcast scalar into a multiplication by its reciprocal, an ulp
+    # off TF's division (146 / 9 in float32); a full-shape divisor behind a barrier stays a
+    # division, fused into the same loop.
+    return total.astype(dtype) / lax.optimization_barrier(jnp.broadcast_to(count, total.shape))
 
 
 def mean_count(shape: Sequence[int], axes: Optional[Tuple[int, ...]], num_replicas: int,
@@ -121,9 +142,8 @@ def local_sum(op: ReduceOp, x, axes: Optional[Tuple[int, ...]], valid_rows=None)
     """One replica's share of a reduction: the sum over ``axes`` of its real rows.
 
     ``valid_rows`` (an int, a traced int or None) masks padding rows along axis 0. The sum keeps
-    the dtype of the values (int8 stays int8, as in TF), in `mean_dtype` for MEAN.
+    the dtype of the values for SUM and MEAN alike (int8 stays int8 and wraps, as in TF).
     """
-    x = mean_cast(op, x)
     if axes is None:
         return x
     if valid_rows is not None and 0 in axes:
@@ -212,13 +232,16 @@ def stacked_reduce(op: ReduceOp, stacked, axes: Optional[Tuple[int, ...]], valid
 def replicated_reduce(op: ReduceOp, value, axes: Optional[Tuple[int, ...]], num_replicas: int = 1):
     """Reduces a value that every one of ``num_replicas`` replicas holds identically.
 
-    MEAN is the within-replica mean (the replicas agree); SUM adds ``num_replicas`` copies.
+    An element-wise MEAN is the value itself, dtype included (TF returns a mirrored value as it
+    is); otherwise the copies are combined as TF combines them: ``num_replicas`` times the
+    within-replica sum (in the values' dtype), MEAN divided by the count over every copy.
     """
-    value = mean_cast(op, jnp.asarray(value))
-    if op is ReduceOp.MEAN:
-        return value if axes is None else jnp.mean(value, axis=axes)
-    total = value if axes is None else jnp.sum(value, axis=axes, dtype=value.dtype)
-    return total * num_replicas if num_replicas != 1 else total
+    value = jnp.asarray(value)
+    if op is ReduceOp.MEAN and axes is None:
+        return value
+    total = local_sum(op, value, axes)
+    total = total * num_replicas if num_replicas != 1 else total
+    return finish(op, total, mean_count(value.shape, axes, num_replicas))
 
 
 def stacked_gather(stacked, axis: int):
@@ -231,10 +254,9 @@ def replica_all_reduce(axis_name: str, op: ReduceOp, value: PyTree) -> PyTree:
     n = lax.axis_size(axis_name)
 
     def reduce_leaf(x):
-        x = mean_cast(op, jnp.asarray(x))
-        if x.size == 0:  # Never a zero-size collective: the reduction of nothing is empty too.
-            return x
-        return finish(op, lax.psum(x, axis_name), n)
+        x = jnp.asarray(x)
+        # Never a zero-size collective: the reduction of nothing is empty too.
+        return finish(op, x if x.size == 0 else lax.psum(x, axis_name), n)
     return jax.tree_util.tree_map(reduce_leaf, value)
 
 

@@ -186,10 +186,19 @@ class CrossDeviceOps(abc.ABC):
             return destinations_lib.place(self._reduce_view(op, value), target)
         per_replica = replica_mesh.as_per_replica(value)
         if per_replica is None or per_replica.num_replicas == 1:
-            one = value if per_replica is None else per_replica.values[0]
-            one = one if isinstance(one, (jax.Array, np.ndarray)) else jnp.asarray(one)
-            return self.broadcast_implementation(collectives.mean_cast(op, one), target)
+            return self._reduce_one(op, value if per_replica is None else per_replica.values[0],
+                                    target)
         return self.reduce_implementation(op, per_replica, target, options)
+
+    def _reduce_one(self, op, one, target):
+        """One value (TF's shortcut): on the destinations' devices already, it is returned as it
+        is, dtype included; elsewhere it is reduced as any value is (a MEAN divides by 1). A host
+        value lies on the first CPU device, as TF's converted tensor does."""
+        one = one if isinstance(one, (jax.Array, np.ndarray)) else jnp.asarray(one)
+        here = set(one.devices()) if isinstance(one, jax.Array) else {jax.devices("cpu")[0]}
+        if here != set(target.devices):
+            one = collectives.finish(op, one, 1)
+        return self.broadcast_implementation(one, target)
 
     def _batch_reduce(self, op, pairs, options):
         placed = [(replica_mesh.as_per_replica(v), t) for v, t in pairs]
@@ -281,7 +290,6 @@ class ReductionToOneDevice(CrossDeviceOps):
     def _accumulate_fn(self, op, n):
         """A function of the ``(n, ...)`` stacked values: accumulate them, MEAN divides by n."""
         def accumulate(stacked):
-            stacked = collectives.mean_cast(op, stacked)
             return collectives.finish(op, self._accumulate([stacked[i] for i in range(n)]), n)
         return accumulate
 

@@ -18,6 +18,11 @@ class ShapeMismatchError(InvalidArgumentError):
     """Per-replica values whose shapes must agree do not."""
 
 
+class X64RequiredError(InvalidArgumentError):
+    """TF's result needs a 64-bit type (an int64 value, the float64 MEAN of int32 values) that
+    JAX has only with ``jax_enable_x64``; the message names that and the other ways out."""
+
+
 class UnknownDeviceError(InvalidArgumentError):
     """A device name or object does not name a device this process can use."""
 

@@ -298,7 +298,7 @@ def count_all_reduces(hlo_text):
 def packed_replica_all_reduce(axis_name, num_replicas, op, value, bytes_per_pack):
     """``ReplicaContext.all_reduce`` of a nest inside a replica function, packed by bytes."""
     leaves, tree = jax.tree_util.tree_flatten(value)
-    xs = [collectives.mean_cast(op, jnp.asarray(x)) for x in leaves]
+    xs = [jnp.asarray(x) for x in leaves]
     plan = plan_packs([(x.shape, x.dtype) for x in xs], bytes_per_pack=bytes_per_pack)
     out = [collectives.finish(op, o, num_replicas) for o in packed_psum(xs, plan, axis_name)]
     return jax.tree_util.tree_unflatten(tree, out)
@@ -310,7 +310,7 @@ def all_reduce_program(sharding, op, bytes_per_pack, num_packs, signature):
 
     Args:
       sharding: the arrays' ``NamedSharding`` over a 1-D mesh, replica axis first.
-      op: a `ReduceOp` (MEAN casts integers to the default float and divides by the replicas).
+      op: a `ReduceOp` (MEAN divides the sums by the replicas, `collectives.finish`).
       bytes_per_pack: ``plan_packs``' argument.
       num_packs: ``plan_packs``' argument (used when ``bytes_per_pack`` is 0).
       signature: the stacked arrays' ``(shape, dtype)`` pairs.
@@ -319,9 +319,7 @@ def all_reduce_program(sharding, op, bytes_per_pack, num_packs, signature):
       ``(program, plan)``: a jitted ``jit(shard_map)`` function of the stacked arrays returning
       the reduced arrays replicated, with one all-reduce per pack of ``plan``.
     """
-    mean = op is ReduceOp.MEAN
-    plan = plan_packs([(shape[1:], collectives.mean_dtype(dtype) if mean else dtype)
-                       for shape, dtype in signature],
+    plan = plan_packs([(shape[1:], dtype) for shape, dtype in signature],
                       bytes_per_pack=bytes_per_pack, num_packs=0 if bytes_per_pack else num_packs)
     axis, mesh = sharding.spec[0], sharding.mesh
     n = mesh.devices.size
@@ -329,9 +327,9 @@ def all_reduce_program(sharding, op, bytes_per_pack, num_packs, signature):
     grouped = {i for g in plan.groups for i in g.members}
 
     def body(*blocks):
-        out = packed_psum([collectives.mean_cast(op, b[0]) for b in blocks], plan, axis)
+        out = packed_psum([b[0] for b in blocks], plan, axis)
         # A zero-size value is in no pack: its (empty) result is built here.
-        return [collectives.finish(op, o, n) if i in grouped else jnp.zeros(o.shape, o.dtype)
+        return [collectives.finish(op, o if i in grouped else jnp.zeros(o.shape, o.dtype), n)
                 for i, o in enumerate(out)]
 
     program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axis),) * count,

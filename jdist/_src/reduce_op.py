@@ -49,8 +49,8 @@ def check_reducible(op, value):
     """Raises `UnsupportedValueError` when ``value`` (a nest) holds bools, which TF cannot reduce.
 
     TF adds the replicas' values (``add_n``), which has no bool kernel, so both SUM and MEAN of
-    bool values raise there; every other dtype is reduced in its own dtype (MEAN of integers
-    gives a float).
+    bool values raise there; every other dtype is summed in its own dtype (a MEAN of integers
+    then divides in a float dtype, `collectives.mean_dtype`).
 
     Args:
         op: the `ReduceOp`, for the message.

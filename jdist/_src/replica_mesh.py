@@ -131,7 +131,7 @@ class ReplicaMesh:
         """`collectives.finish` of a replicated ``total`` on this mesh."""
         if op is ReduceOp.SUM:
             return total
-        return self.guard.dispatch(_divide, total, np.asarray(count, total.dtype))
+        return self.guard.dispatch(_mean, total, np.asarray(count))
 
     def _with_lengths(self, stacked, lengths):
         return (stacked,) if lengths is None else (stacked, self.lengths_array(lengths))
@@ -218,8 +218,8 @@ def _take_rows(gathered, rows):
 
 
 @jax.jit
-def _divide(total, count):
-    return total / count
+def _mean(total, count):
+    return collectives.finish(ReduceOp.MEAN, total, count)
 
 
 @functools.lru_cache(maxsize=None)

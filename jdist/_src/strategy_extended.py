@@ -112,7 +112,7 @@ class StrategyExtended:
 
         Returns:
           A `base.ReplicaCollectives`. Outside a trace there is one replica: its all-reduce
-          is the value itself (MEAN of integers a float), and several replicas are an error.
+          is the value itself, dtype included, and several replicas are an error.
         """
         return _OneReplica(self._container_strategy_ref, self._num_replicas)
 
@@ -267,6 +267,8 @@ class StrategyExtended:
         n = self._num_replicas
         if isinstance(value, PerReplica):
             self._check_components(value)
+            if n == 1 and axis is None:  # TF returns one replica's value as it is (an int MEAN
+                op = ReduceOp.SUM        # stays int): the sum of one value.
             value = across_workers(self, value)
             if value.ragged:  # Sum inside each replica, combine the sums with the strategy's ops.
                 partials, count = collectives.ragged_partials(op, value.values, axis)

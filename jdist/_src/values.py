@@ -356,7 +356,7 @@ def _kind_of_dtype(dtype):
 
 
 def check_host_integers(value) -> None:
-    """Raises `InvalidArgumentError` when JAX would hold host integers as other numbers.
+    """Raises `X64RequiredError` when JAX would hold host integers as other numbers.
 
     Without ``jax_enable_x64`` JAX holds 64-bit integers in 32 bits and keeps only their low
     bits: ``np.int64(2**40 + 5)`` becomes ``5``, silently, where TF keeps int64. Every host
@@ -376,7 +376,7 @@ def check_host_integers(value) -> None:
         return
     low, high, limits = value.min(), value.max(), np.iinfo(held)
     if low < limits.min or high > limits.max:
-        raise errors.InvalidArgumentError(
+        raise errors.X64RequiredError(
             f"a host value of dtype {value.dtype} holds numbers from {low} to {high}; JAX "
             f"without 64-bit mode holds it as {held} and would wrap them to other numbers (TF "
             "keeps them). Enable 64-bit mode before creating arrays "

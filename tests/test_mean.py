@@ -1,0 +1,173 @@
+"""A MEAN is TF's ``truediv`` of the sum, at every entry point, to the last bit.
+
+A float MEAN is an IEEE division, never XLA's multiplication by a reciprocal. For integers, the sum
+keeps the values' dtype and wraps as TF's does; the division is in float32 for 8- and 16-bit
+integers and in float64 for wider ones (TF's ``_TRUEDIV_TABLE``). JAX has float64 only in 64-bit
+mode: without it such a MEAN raises `X64RequiredError` at the call. On one replica an element-wise
+MEAN is the value itself, dtype included. The values are chosen so that the sums wrap around.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdist
+from jdist import errors
+from jdist.testing import REPLICA_COUNTS, mirrored, per_replica
+
+MEAN = jdist.ReduceOp.MEAN
+# dtype -> the values of replica i: (large, small + i), so that summing the replicas wraps.
+NARROW = ("int8", "uint8", "int16")
+WIDE = ("int32",)
+
+
+def components(n, dtype, rows=lambda i: 2 - i % 3):
+    """Replica i holds ``rows(i)`` rows of ``[big, i + 1]`` (by default 2, 1, 0, 2, 1, 0, ...
+    rows); the big ones wrap when summed."""
+    big = np.iinfo(dtype).max // 2 + 3
+    return [np.array([[big, i + 1]] * rows(i), dtype).reshape(-1, 2) for i in range(n)]
+
+
+def tf_mean(comps, axis=None):
+    """NumPy, TF's arithmetic: sums in the values' dtype, then truediv in its float dtype."""
+    dtype = comps[0].dtype
+    mean = np.float32 if dtype.itemsize <= 2 else np.float64
+    if axis is None:
+        total, count = np.sum(np.stack(comps), axis=0, dtype=dtype), len(comps)
+    else:
+        total = np.sum([np.sum(c, axis=axis, dtype=dtype) for c in comps], axis=0, dtype=dtype)
+        count = sum(c.shape[axis] for c in comps)
+    return total.astype(mean) / np.asarray(count).astype(dtype).astype(mean)
+
+
+def even(n, dtype):
+    return components(n, dtype, rows=lambda i: 1)
+
+
+def in_run(s, v):
+    return s.run(lambda x: jdist.get_replica_context().all_reduce("mean", x), args=(v,))
+
+
+def in_merge_call(s, v):
+    def step(x):
+        return jdist.get_replica_context().merge_call(
+            lambda strategy, y: strategy.reduce(MEAN, y, axis=None), args=(x,))
+    return s.run(step, args=(v,))
+
+
+def cross_device(ops):
+    return lambda s, v: ops.reduce(MEAN, v, destinations=v)
+
+
+def batch_reduce_to(s, v):
+    with s.scope():
+        return s.extended.batch_reduce_to(MEAN, [(v, v), (v, "CPU:0")])[0]
+
+
+# name -> (the entry point, called with the strategy and the value); all element-wise.
+ELEMENT_WISE = {
+    "strategy.reduce": lambda s, v: s.reduce(MEAN, v, axis=None),
+    "all_reduce in run": in_run,
+    "merge_call": in_merge_call,
+    "batch_reduce_to": batch_reduce_to,
+    "ReductionToOneDevice": cross_device(jdist.ReductionToOneDevice()),
+    "NcclAllReduce unpacked": cross_device(jdist.NcclAllReduce(num_packs=0)),
+    "HierarchicalCopyAllReduce": cross_device(jdist.HierarchicalCopyAllReduce(num_packs=2)),
+}
+entry_points = pytest.mark.parametrize("entry", list(ELEMENT_WISE))
+several = pytest.mark.parametrize("n", [n for n in REPLICA_COUNTS if n > 1])
+
+
+def assert_every_result(s, got, expected):
+    results = s.experimental_local_results(got) if isinstance(got, jdist.DistributedValues) \
+        else [got]
+    for r in results:
+        assert r.dtype == expected.dtype, (r.dtype, expected.dtype)
+        np.testing.assert_array_equal(np.asarray(r), expected)
+
+
+@several
+@entry_points
+@pytest.mark.parametrize("dtype", NARROW)
+def test_narrow_integers_divide_in_float32(n, entry, dtype):
+    s = mirrored(n)
+    comps = even(n, dtype)
+    assert_every_result(s, ELEMENT_WISE[entry](s, per_replica(s, comps)), tf_mean(comps))
+
+
+@several
+@entry_points
+def test_wide_integers_divide_in_float64_with_x64(n, entry):
+    with jax.enable_x64(True):
+        s = mirrored(n)
+        comps = even(n, "int32")
+        assert_every_result(s, ELEMENT_WISE[entry](s, per_replica(s, comps)), tf_mean(comps))
+
+
+@several
+@entry_points
+def test_wide_integers_without_x64_raise_at_the_call(n, entry):
+    s = mirrored(n)
+    with pytest.raises(errors.X64RequiredError, match="jax_enable_x64"):
+        ELEMENT_WISE[entry](s, per_replica(s, even(n, "int32")))
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("dtype", NARROW + WIDE)
+def test_along_an_axis_the_count_is_every_row(n, dtype):
+    """Partial batches (replicas with 2, 1 or no rows): TF divides by every real row."""
+    s = mirrored(n)
+    comps = components(n, dtype)
+    with jax.enable_x64(True):
+        got = s.reduce(MEAN, per_replica(s, comps), axis=0)
+        assert_every_result(s, got, tf_mean(comps, axis=0))
+    if dtype in WIDE:
+        with pytest.raises(errors.X64RequiredError):
+            s.reduce(MEAN, per_replica(s, comps), axis=0)
+
+
+@pytest.mark.parametrize("entry", ["strategy.reduce", "all_reduce in run", "merge_call",
+                                   "ReductionToOneDevice", "NcclAllReduce unpacked"])
+@pytest.mark.parametrize("dtype", NARROW + WIDE)
+def test_one_replica_returns_the_value_itself(entry, dtype):
+    s = mirrored(1)
+    (value,) = even(1, dtype)
+    assert_every_result(s, ELEMENT_WISE[entry](s, per_replica(s, [value])), value)
+
+
+@pytest.mark.parametrize("device", [0, 1])
+@pytest.mark.parametrize("dtype", ["int16", "int32"])
+def test_one_value_elsewhere_is_divided_by_one(device, dtype):
+    """TF's shortcut returns a single value as it is only on the destinations' devices."""
+    one = jax.device_put(np.array([7, -3], dtype), jax.devices()[0])
+    ops = jdist.NcclAllReduce()
+    if device == 0 or dtype == "int16":
+        got = ops.reduce(MEAN, one, destinations=f"CPU:{device}")
+        expected = one if device == 0 else np.array([7, -3], np.float32)
+        assert_every_result(None, got, np.asarray(expected))
+    else:
+        with pytest.raises(errors.X64RequiredError):
+            ops.reduce(MEAN, one, destinations=f"CPU:{device}")
+        with jax.enable_x64(True):
+            got = ops.reduce(MEAN, one, destinations=f"CPU:{device}")
+            assert_every_result(None, got, np.array([7.0, -3.0]))
+
+
+def test_a_mirrored_value_keeps_its_dtype():
+    s = mirrored(3)
+    m = s.run(lambda: jnp.array([5, 6], jnp.int32))
+    assert_every_result(s, s.reduce(MEAN, m, axis=None), np.array([5, 6], np.int32))
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 7])
+@entry_points
+def test_float_mean_is_a_true_division(n, entry):
+    """Sums of small integers are exact, so only the division can differ (146 / 9 in float32 is
+    16.222221, XLA's 146 * (1 / 9) is 16.222223)."""
+    s = mirrored(n)
+    comps = [np.arange(40, dtype=np.float32).reshape(20, 2) + 7 * i for i in range(n)]
+    expected = np.sum(comps, axis=0, dtype=np.float32) / np.float32(n)
+    assert_every_result(s, ELEMENT_WISE[entry](s, per_replica(s, comps)), expected)
+    along = np.float32(np.sum(comps, dtype=np.float32)) / np.float32(40 * n)
+    assert_every_result(s, s.reduce(MEAN, per_replica(s, comps), axis=(0, 1)), along)
