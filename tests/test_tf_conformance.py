@@ -19,7 +19,10 @@ a strict xfail that asserts TF's result (int64 batches).
   c. inside ``strategy.run``: ``all_reduce``, ``all_gather`` of uneven sizes, ``merge_call``,
      values built from ``replica_id_in_sync_group``;
   d. a custom training loop: linear regression, SGD, ``tf.nn.compute_average_loss``, 2 epochs;
-  e. ``experimental_distribute_values_from_function`` with a different shape per replica.
+  e. ``experimental_distribute_values_from_function`` with a different shape per replica;
+  f. ``ReductionToOneDevice``, ``NcclAllReduce`` and ``HierarchicalCopyAllReduce`` called
+     directly: ``reduce`` / ``batch_reduce`` to a value's devices and to one device, a plain
+     tensor (TF's one-value shortcut), ``broadcast``.
 
 Skipped when TensorFlow is not importable; ``.venv-tf`` has it (``pip install -e ".[test,tf]"``).
 """
@@ -437,3 +440,88 @@ def test_values_from_function(n, dtype):
                        known_dtypes(dtype, op))
     assert_matches(outcome(strategy, lambda: strategy.gather(value, axis=0)),
                    outcome(tf_strategy, lambda: tf_strategy.gather(tf_value, axis=0)))
+
+
+# ---------------------------------------------------------------------------------------------
+# f. CrossDeviceOps called directly: reduce, batch_reduce and broadcast to values and devices.
+
+CROSS_DEVICE_OPS = {  # name -> (jdist's, TF's)
+    "ReductionToOneDevice": (jdist.ReductionToOneDevice, tf.distribute.ReductionToOneDevice),
+    "NcclAllReduce": (jdist.NcclAllReduce, tf.distribute.NcclAllReduce),
+    "HierarchicalCopyAllReduce": (lambda: jdist.HierarchicalCopyAllReduce(num_packs=2),
+                                  lambda: tf.distribute.HierarchicalCopyAllReduce(num_packs=2)),
+}
+
+
+def even_value(dtype, shape, convert=np.asarray):
+    def value_fn(ctx):
+        """Replica r's ``shape`` values from r; float32 ones with inexact sums and means."""
+        value = np.arange(np.prod(shape)).reshape(shape) + 5 * ctx.replica_id_in_sync_group
+        value = (value / 7 + 0.1) if dtype == "float32" else value
+        return convert(value.astype(dtype))
+    return value_fn
+
+
+def values_of_both(n, dtype, shape=(2, 3)):
+    """The same per-replica value in each library, and each library's name of the last device.
+
+    TF's replicas hold tensors made on their devices: a NumPy value keeps the device name
+    ``"cpu"``, which TF's one-value shortcut does not match with ``CPU:0``.
+    """
+    strategy, tf_strategy = both(n)
+    return ((strategy.experimental_distribute_values_from_function(even_value(dtype, shape)),
+             f"CPU:{n - 1}"),
+            (tf_strategy.experimental_distribute_values_from_function(
+                even_value(dtype, shape, tf.constant)), f"/device:CPU:{n - 1}"))
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+@pytest.mark.parametrize("dtype, x64", [("float32", False), ("int32", False), ("int32", True)])
+@pytest.mark.parametrize("name", list(CROSS_DEVICE_OPS))
+@pytest.mark.parametrize("n", COUNTS)
+def test_cross_device_ops(n, name, dtype, x64, op):
+    """reduce to the value's own devices and to one device, then batch_reduce of both at once
+    (an int32 MEAN is TF's float64 with x64, else X64RequiredError)."""
+    with jax.enable_x64(x64):
+        check_cross_device_ops(n, name, dtype, op)
+
+
+def check_cross_device_ops(n, name, dtype, op):
+    strategy, tf_strategy = both(n)
+    ops, tf_ops = (factory() for factory in CROSS_DEVICE_OPS[name])
+    (v, last), (tf_v, tf_last) = values_of_both(n, dtype)
+    (w, _), (tf_w, _) = values_of_both(n, dtype, shape=(4,))
+    jdist_op, tf_op = jdist.ReduceOp(op), tf.distribute.ReduceOp(op)
+    for destinations, tf_destinations in [(v, tf_v), (last, tf_last)]:
+        assert_matches(outcome(strategy, lambda: ops.reduce(jdist_op, v, destinations)),
+                       outcome(tf_strategy, lambda: tf_ops.reduce(tf_op, tf_v, tf_destinations)))
+    got = outcome(strategy, lambda: ops.batch_reduce(jdist_op, [(v, v), (w, last)]))
+    want = outcome(tf_strategy, lambda: tf_ops.batch_reduce(tf_op, [(tf_v, tf_v),
+                                                                     (tf_w, tf_last)]))
+    if isinstance(want, Exception) or isinstance(got, Exception):
+        assert_matches(got, want)
+    else:
+        for g, w_ in zip(got, want):
+            assert_matches(local_results(strategy, g), local_results(tf_strategy, w_))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+@pytest.mark.parametrize("name", list(CROSS_DEVICE_OPS))
+@pytest.mark.parametrize("n", COUNTS)
+def test_cross_device_ops_of_one_value_and_broadcast(n, name, dtype):
+    """A plain tensor is a one-replica value: on the destination's device already, TF returns it
+    as it is (an int MEAN stays int); elsewhere it is reduced (MEAN divides by one)."""
+    strategy, tf_strategy = both(n)
+    ops, tf_ops = (factory() for factory in CROSS_DEVICE_OPS[name])
+    (v, last), (tf_v, tf_last) = values_of_both(n, dtype)
+    one = jax.device_put(np.array([3, 4], dtype), jax.devices()[0])
+    with tf.device("/device:CPU:0"):
+        tf_one = tf.constant(np.array([3, 4], dtype))
+    for op in ("SUM", "MEAN"):
+        for destinations, tf_destinations in [("CPU:0", "/device:CPU:0"), (last, tf_last)]:
+            assert_matches(
+                outcome(strategy, lambda: [ops.reduce(jdist.ReduceOp(op), one, destinations)]),
+                outcome(tf_strategy, lambda: [tf_ops.reduce(tf.distribute.ReduceOp(op), tf_one,
+                                                            tf_destinations)]))
+    assert_matches(outcome(strategy, lambda: ops.broadcast(one, v)),
+                   outcome(tf_strategy, lambda: tf_ops.broadcast(tf_one, tf_v)))
