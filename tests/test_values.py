@@ -228,8 +228,9 @@ def test_ragged_value_of_several_workers_holds_only_this_workers_arrays():
 
 
 
-# ------------------------------------ 64-bit integers: exact in 32 bits, or an error (no x64)
+# ----------------------------- 64-bit numbers: exact in 32 bits, or an error (no x64)
 BIG = 2**40 + 5  # JAX without x64 would hold it as int32 5.
+INEXACT = 0.1  # JAX without x64 would hold it as float32 0.100000001.
 ENTRIES = {
     "PerReplica components": lambda s, v: per_replica(s, [v] * s.num_replicas_in_sync),
     "PerReplica": lambda s, v: jdist.PerReplica([v] * s.num_replicas_in_sync),
@@ -252,6 +253,27 @@ def test_64_bit_integers_jax_would_wrap_raise(n, entry, dtype):
     s = mirrored(n)
     with pytest.raises(errors.InvalidArgumentError, match="jax_enable_x64"):
         ENTRIES[entry](s, np.array([BIG], dtype))
+
+
+@pytest.mark.parametrize("value", [INEXACT, 1e300, 1.0 + 2.0**-30])
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_float64_values_jax_would_round_raise(n, entry, value):
+    s = mirrored(n)
+    with pytest.raises(errors.X64RequiredError, match="jax_enable_x64.*astype"):
+        ENTRIES[entry](s, np.array([value], np.float64))
+
+
+@pytest.mark.parametrize("value", [0.5, -3.0, 2.0**-20, np.inf, np.nan])
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+@pytest.mark.parametrize("n", [1, 3])
+def test_float64_values_float32_holds_keep_them(n, entry, value):
+    s = mirrored(n)
+    out = ENTRIES[entry](s, np.array([value], np.float64))
+    for local in s.experimental_local_results(out):  # Placed as float32, or kept on the host.
+        assert np.asarray(local).dtype in (np.float32, np.float64)
+        np.testing.assert_array_equal(np.asarray(local).ravel(),
+                                      value + 1 if entry == "run argument" else value)
 
 
 @pytest.mark.parametrize("entry", sorted(ENTRIES))

@@ -31,7 +31,7 @@ from jdist._src.numpy_dataset import NumpyDataset
 from jdist._src.numpy_dataset import UNKNOWN
 from jdist._src.values import DistributedValues
 from jdist._src.values import PerReplica
-from jdist._src.values import check_host_integers
+from jdist._src.values import check_host_numbers
 from jdist._src.values import pad_components
 
 
@@ -208,7 +208,7 @@ def _host_array(x):
         raise errors.InvalidArgumentError(
             f"a batch holds a value of dtype {a.dtype} ({type(x).__name__}), which cannot be "
             "placed on a device; convert strings and objects to numbers in the input pipeline.")
-    check_host_integers(a)
+    check_host_numbers(a)
     return a
 
 

@@ -32,7 +32,7 @@ from jdist._src.reduce_op import ReduceOp
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
-from jdist._src.values import check_host_integers
+from jdist._src.values import check_host_numbers
 
 
 class ReplicaMesh:
@@ -71,14 +71,14 @@ class ReplicaMesh:
             raise errors.InvalidArgumentError(
                 f"a PerReplica value with {stacked.shape[0]} components was given to a strategy "
                 f"with {self.num_replicas} replicas; create it with this strategy.")
-        check_host_integers(stacked)
+        check_host_numbers(stacked)
         return jax.device_put(stacked, self.per_replica_sharding)
 
     def place_replicated(self, value) -> jax.Array:
         """``value`` replicated on every replica's device (no copy if it already is)."""
         if self._is_replicated(value):
             return value
-        check_host_integers(value)
+        check_host_numbers(value)
         return jax.device_put(value, self.replicated_sharding)
 
     def _is_replicated(self, value) -> bool:
@@ -90,7 +90,7 @@ class ReplicaMesh:
         unplaced = [i for i, x in enumerate(values) if not self._is_replicated(x)]
         if unplaced:
             for i in unplaced:
-                check_host_integers(values[i])
+                check_host_numbers(values[i])
             placed = jax.device_put([values[i] for i in unplaced], self.replicated_sharding)
             for i, x in zip(unplaced, placed):
                 values[i] = x

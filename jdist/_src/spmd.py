@@ -41,7 +41,7 @@ from jdist._src.uneven_trace import OUTPUT
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
-from jdist._src.values import check_host_integers
+from jdist._src.values import check_host_numbers
 from jdist._src.values import is_distributed
 from jdist._src.values import mirror_at
 from jdist._src.values import ragged_components
@@ -517,7 +517,7 @@ def _classify_leaf(leaf, place):
         entry = (value.shape, value.dtype) + ((leaf.lengths is not None,) if per_replica else ())
         return (_PER_REPLICA if per_replica else _MIRRORED), value, entry, traced
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-        check_host_integers(leaf)  # The compiled call would take it in 32 bits (no x64).
+        check_host_numbers(leaf)  # The compiled call would take it in 32 bits (no x64).
         traced = isinstance(leaf, jax.core.Tracer)
         if not traced and isinstance(leaf, jax.Array) and leaf.committed and (
                 leaf.sharding != place.replicated_sharding):

@@ -25,7 +25,7 @@ from jdist._src.tf1_api import TF1Methods
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
-from jdist._src.values import check_host_integers
+from jdist._src.values import check_host_numbers
 from jdist._src.values import is_distributed
 from jdist._src.values import local_results
 
@@ -239,7 +239,7 @@ class Strategy(TF1Methods):
                 "value_fn returned different structures for different replicas: "
                 f"{trees[0]} vs {next(t for t in trees if t != trees[0])}.")
         for leaf in jax.tree_util.tree_leaves(per_replica):
-            check_host_integers(leaf)  # Before any transfer: JAX would wrap 64-bit integers.
+            check_host_numbers(leaf)  # Before any transfer: JAX would wrap 64-bit integers.
         if n == 1:  # The value itself, on the replica's device (as TF's device scope puts it).
             return jax.tree_util.tree_map(self._extended.place_one_replica_value, per_replica[0])
         columns = zip(*(jax.tree_util.tree_leaves(v) for v in per_replica))

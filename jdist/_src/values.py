@@ -232,12 +232,12 @@ class Mirrored(DistributedValues):
                 raise errors.InvalidArgumentError("Mirrored needs at least one replica value.")
             first = np.asarray(values[0])
             for v in values[1:]:
-                if not np.array_equal(np.asarray(v), first):
+                if not np.array_equal(np.asarray(v), first, equal_nan=True):
                     raise errors.InvalidArgumentError(
                         "Mirrored values must be equal on every replica; use PerReplica for "
                         "values that differ.")
             values = values[0]
-        check_host_integers(values)
+        check_host_numbers(values)
         self._value = jax.numpy.asarray(values)
 
     @classmethod
@@ -355,33 +355,54 @@ def _kind_of_dtype(dtype):
                 None)
 
 
-def check_host_integers(value) -> None:
-    """Raises `X64RequiredError` when JAX would hold host integers as other numbers.
+def check_host_numbers(value) -> None:
+    """Raises `X64RequiredError` when JAX would hold host numbers as other numbers.
 
-    Without ``jax_enable_x64`` JAX holds 64-bit integers in 32 bits and keeps only their low
-    bits: ``np.int64(2**40 + 5)`` becomes ``5``, silently, where TF keeps int64. Every host
-    array jdist places (batches, per-replica components, ``run`` arguments) passes here.
+    Without ``jax_enable_x64`` JAX holds 64-bit values in 32 bits: integers keep only their low
+    bits (``np.int64(2**40 + 5)`` becomes ``5``) and float64 values are rounded to float32
+    (``0.1`` becomes ``0.100000001``), silently, where TF keeps int64 and float64 and computes
+    with them. Values that 32 bits hold exactly pass (``np.arange(3)``, ``np.ones(2)``). Every
+    host array jdist places (batches, per-replica components, ``run`` arguments) passes here.
 
     Args:
-      value: anything; only NumPy integer arrays and scalars are checked.
+      value: anything; only NumPy arrays and scalars of 64-bit dtypes are checked.
 
     Example:
       >>> import numpy as np
-      >>> check_host_integers(np.arange(3))  # int64 values that fit in 32 bits: fine.
+      >>> check_host_numbers(np.arange(3))  # int64 values that fit in 32 bits: fine.
+      >>> check_host_numbers(np.array([0.5, 2.0]))  # float64 values float32 holds: fine.
     """
-    if not isinstance(value, (np.ndarray, np.generic)) or value.dtype.kind not in "iu":
+    if not isinstance(value, (np.ndarray, np.generic)) or value.dtype.kind not in "iufc":
         return
     held = jax.dtypes.canonicalize_dtype(value.dtype)
     if held == value.dtype or not value.size:
         return
-    low, high, limits = value.min(), value.max(), np.iinfo(held)
-    if low < limits.min or high > limits.max:
-        raise errors.X64RequiredError(
-            f"a host value of dtype {value.dtype} holds numbers from {low} to {high}; JAX "
-            f"without 64-bit mode holds it as {held} and would wrap them to other numbers (TF "
-            "keeps them). Enable 64-bit mode before creating arrays "
-            "(jax.config.update('jax_enable_x64', True)), or bring the values into range in "
-            "the input pipeline (e.g. ids modulo a table size).")
+    if value.dtype.kind in "iu":
+        low, high, limits = value.min(), value.max(), np.iinfo(held)
+        if low >= limits.min and high <= limits.max:
+            return
+        found = f"numbers from {low} to {high}; JAX without 64-bit mode holds it as {held} " \
+                "and would wrap them to other numbers"
+        fix = "bring the values into range in the input pipeline (e.g. ids modulo a table size)"
+    else:
+        with np.errstate(over="ignore"):
+            if np.array_equal(value.astype(held), value, equal_nan=True):
+                return
+        found = f"numbers that {held} does not (JAX without 64-bit mode would round them: " \
+                f"{_first_rounded(value, held)})"
+        fix = (f"cast to {held} where the data is made (x.astype(np.{held}); tf.cast in a "
+               "tf.data pipeline, as a Keras layer casts its inputs)")
+    raise errors.X64RequiredError(
+        f"a host value of dtype {value.dtype} holds {found}, where TF keeps {value.dtype}. Enable "
+        "64-bit mode before creating arrays (jax.config.update('jax_enable_x64', True)), or "
+        f"{fix}.")
+
+
+def _first_rounded(value, held):
+    flat = np.ravel(value)
+    with np.errstate(over="ignore"):
+        i = int(np.flatnonzero(flat.astype(held) != flat)[0])
+        return f"{flat[i].item()!r} becomes {flat[i].astype(held).item()!r}"
 
 
 def _components(values):
@@ -398,7 +419,7 @@ def _components(values):
             arrays.append(v)
         elif isinstance(v, (np.ndarray, np.generic, bool, int, float, complex)):
             arrays.append(np.asarray(v))
-            check_host_integers(arrays[-1])
+            check_host_numbers(arrays[-1])
         else:
             raise errors.UnsupportedValueError(
                 f"PerReplica component {i} is a {type(v).__name__}; each replica's value must "
