@@ -525,3 +525,42 @@ def test_cross_device_ops_of_one_value_and_broadcast(n, name, dtype):
                                                             tf_destinations)]))
     assert_matches(outcome(strategy, lambda: ops.broadcast(one, v)),
                    outcome(tf_strategy, lambda: tf_ops.broadcast(tf_one, tf_v)))
+
+
+# ---------------------------------------------------------------------------------------------
+# g. The order of float sums: random float32 values over 3, 5 and 8 replicas.
+
+@functools.lru_cache(maxsize=None)
+def reduction_to_one_device(n):
+    """TF's MirroredStrategy over ``n`` devices with ``ReductionToOneDevice`` (add_n)."""
+    tf.distribute.MirroredStrategy._collective_key_base += 100000
+    return tf.distribute.MirroredStrategy(
+        [f"/device:CPU:{i}" for i in range(n)],
+        cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+@pytest.mark.parametrize("n", [3, 5, 8])
+def test_float_sums_add_the_replicas_in_order(n, op):
+    """Random float32 values whose sums round differently in another order: jdist adds the
+    replicas in replica order, bit for bit TF's ``ReductionToOneDevice`` (``add_n``), in
+    ``strategy.reduce``, ``all_reduce`` and the cross-device ops. (TF's collective and NCCL
+    all-reduces add in ring order, which gives other last bits: docs/design.md section 9.)"""
+    strategy, _ = both(n)
+    tf_strategy = reduction_to_one_device(n)
+    rng = np.random.default_rng(n)
+    comps = [(rng.normal(size=500) * 10.0 ** rng.integers(-3, 3, size=500)).astype(np.float32)
+             for _ in range(n)]
+    v = strategy.experimental_distribute_values_from_function(
+        lambda ctx: comps[ctx.replica_id_in_sync_group])
+    tf_v = tf_strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(comps[ctx.replica_id_in_sync_group]))
+    want = outcome(tf_strategy, lambda: tf_strategy.reduce(op, tf_v, axis=None))
+    assert_matches(outcome(strategy, lambda: strategy.reduce(op, v, axis=None)), want)
+    assert_matches(outcome(strategy, lambda: strategy.run(
+        lambda x: jdist.get_replica_context().all_reduce(op, x), args=(v,))),
+        outcome(tf_strategy, lambda: tf_strategy.run(
+            lambda x: tf.distribute.get_replica_context().all_reduce(op, x), args=(tf_v,))))
+    for ops in (jdist.ReductionToOneDevice(), jdist.NcclAllReduce()):
+        assert_matches(outcome(strategy, lambda: ops.reduce(jdist.ReduceOp(op), v, "CPU:0")),
+                       want)
