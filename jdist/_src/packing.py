@@ -300,7 +300,9 @@ def packed_replica_all_reduce(axis_name, num_replicas, op, value, bytes_per_pack
     leaves, tree = jax.tree_util.tree_flatten(value)
     xs = [jnp.asarray(x) for x in leaves]
     plan = plan_packs([(x.shape, x.dtype) for x in xs], bytes_per_pack=bytes_per_pack)
-    out = [collectives.finish(op, o, num_replicas) for o in packed_psum(xs, plan, axis_name)]
+    divisors = {}
+    out = [collectives.finish(op, o, num_replicas, divisors)
+           for o in packed_psum(xs, plan, axis_name)]
     return jax.tree_util.tree_unflatten(tree, out)
 
 
@@ -329,8 +331,9 @@ def all_reduce_program(sharding, op, bytes_per_pack, num_packs, signature):
     def body(*blocks):
         out = packed_psum([b[0] for b in blocks], plan, axis)
         # A zero-size value is in no pack: its (empty) result is built here.
-        return [collectives.finish(op, o if i in grouped else jnp.zeros(o.shape, o.dtype), n)
-                for i, o in enumerate(out)]
+        divisors = {}
+        return [collectives.finish(op, o if i in grouped else jnp.zeros(o.shape, o.dtype), n,
+                                   divisors) for i, o in enumerate(out)]
 
     program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axis),) * count,
                                     out_specs=[P()] * count))
