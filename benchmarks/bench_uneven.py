@@ -87,7 +87,7 @@ def main():
         ratio = median[name] / base
         print(f"  {name:15s} {median[name] * 1e3:8.1f} ms/epoch  {ratio:5.2f}x drop_remainder; "
               f"first epoch (compiles included) {first[name]:.2f} s")
-        common.record("bench_uneven", f"epoch time, {name} / drop_remainder", ratio, "x",
+        common.record("uneven", f"epoch time, {name} / drop_remainder", ratio, "x",
                       detail=f"{median[name] * 1e3:.1f} ms/epoch; first epoch {first[name]:.2f} s")
     np.testing.assert_allclose(  # Exact and masked padded training compute the same numbers.
         np.asarray(state["exact"][0]["w0"]), np.asarray(state["padded"][0]["w0"]), atol=1e-4)
