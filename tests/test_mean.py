@@ -171,3 +171,41 @@ def test_float_mean_is_a_true_division(n, entry):
     assert_every_result(s, ELEMENT_WISE[entry](s, per_replica(s, comps)), expected)
     along = np.float32(np.sum(comps, dtype=np.float32)) / np.float32(40 * n)
     assert_every_result(s, s.reduce(MEAN, per_replica(s, comps), axis=(0, 1)), along)
+
+
+@several
+@pytest.mark.parametrize("dtype", NARROW + WIDE)
+def test_uneven_steps_follow_the_same_rule(n, dtype):
+    """Replicas with 2, 1 or no rows (the exact uneven plan): each all-reduces its row sums."""
+    s = mirrored(n)
+    comps = components(n, dtype)
+    sums = [np.sum(c, axis=0, dtype=dtype) for c in comps]
+
+    def step(x):
+        return jdist.get_replica_context().all_reduce("mean", jnp.sum(x, axis=0, dtype=x.dtype))
+    with jax.enable_x64(True):
+        assert_every_result(s, s.run(step, args=(per_replica(s, comps),)), tf_mean(sums))
+    if dtype in WIDE:
+        with pytest.raises(errors.X64RequiredError):
+            s.run(step, args=(per_replica(s, comps),))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_step_keeps_one_program_per_x64_mode(n):
+    """A program traced in 64-bit mode computes in other dtypes: the mode selects it, as in
+    ``jax.jit``."""
+    s = mirrored(n)
+    v = per_replica(s, even(n, "int32"))
+
+    def step(x):
+        return jdist.get_replica_context().all_reduce("mean", x), x.astype(jnp.float32) / 3
+
+    with jax.enable_x64(True):
+        mean, third = s.run(step, args=(v,))
+    assert s.experimental_local_results(third)[0].dtype == np.float32
+    assert s.experimental_local_results(mean)[0].dtype == (np.int32 if n == 1 else np.float64)
+    if n > 1:
+        with pytest.raises(errors.X64RequiredError):
+            s.run(step, args=(v,))
+    else:  # One replica's MEAN is the value itself: no float64 needed.
+        assert s.experimental_local_results(s.run(step, args=(v,))[0])[0].dtype == np.int32

@@ -277,7 +277,7 @@ class ReplicatedRunner:
         return _Call(tuple(kinds), dynamic, tuple(signature), lengths, rows, tracing)
 
     def _program(self, cache, in_tree, kinds, signature, leaves, has_lengths, padded):
-        key = (in_tree, kinds, signature)  # The shapes in `signature` determine `padded`.
+        key = _program_key(in_tree, kinds, signature)  # `signature`'s shapes fix `padded`.
         program = cache.programs.get(key)
         if program is None:
             self._strategy.extended.check_host_arguments(in_tree, leaves)
@@ -427,7 +427,7 @@ class ReplicatedRunner:
                 "strategy.run got a padded batch together with ragged per-replica values; "
                 "pass values of one input mode.")
         kinds, dynamic = call.kinds, call.dynamic
-        key = (in_tree, kinds, call.signature)
+        key = _program_key(in_tree, kinds, call.signature)
         # Several workers: each compares its view of every replica's shapes with the others'
         # before any collective of the step runs (one key-value exchange per call).
         self._strategy.extended.agree_uneven_step(call.signature)
@@ -561,6 +561,12 @@ def _waited_outputs(cache, outputs):
     (number, arrays), = outputs.items()
     index = cache.plans[number].token_index
     return () if index is None else (arrays[index],)
+
+
+def _program_key(in_tree, kinds, signature):
+    """What selects a function's program: its arguments, and whether 64-bit mode is on (a
+    program traced in ``jax.enable_x64()`` computes in other dtypes, as ``jax.jit`` keys)."""
+    return in_tree, kinds, signature, jax.config.jax_enable_x64
 
 
 def _abstract(leaf, kind, replica=None):
