@@ -147,11 +147,11 @@ def mean_count(shape: Sequence[int], axes: Optional[Tuple[int, ...]], num_replic
     return per_row * (total_rows if with_rows else num_replicas)
 
 
-def local_sum(op: ReduceOp, x, axes: Optional[Tuple[int, ...]], valid_rows=None):
+def local_sum(x, axes: Optional[Tuple[int, ...]], valid_rows=None):
     """One replica's share of a reduction: the sum over ``axes`` of its real rows.
 
     ``valid_rows`` (an int, a traced int or None) masks padding rows along axis 0. The sum keeps
-    the dtype of the values for SUM and MEAN alike (int8 stays int8 and wraps, as in TF).
+    the dtype of the values, for SUM and MEAN alike (int8 stays int8 and wraps, as in TF).
     """
     if axes is None:
         return x
@@ -230,9 +230,9 @@ def stacked_reduce(op: ReduceOp, stacked, axes: Optional[Tuple[int, ...]], valid
       The reduced array.
     """
     if valid_rows is None:
-        total = jax.vmap(lambda x: local_sum(op, x, axes))(stacked)
+        total = jax.vmap(lambda x: local_sum(x, axes))(stacked)
     else:
-        total = jax.vmap(lambda x, n: local_sum(op, x, axes, n))(stacked, valid_rows)
+        total = jax.vmap(lambda x, n: local_sum(x, axes, n))(stacked, valid_rows)
     total = jnp.sum(total, axis=0, dtype=total.dtype)
     rows = None if valid_rows is None else jnp.sum(valid_rows)
     return finish(op, total, mean_count(stacked.shape[1:], axes, stacked.shape[0], rows))
@@ -248,7 +248,7 @@ def replicated_reduce(op: ReduceOp, value, axes: Optional[Tuple[int, ...]], num_
     value = jnp.asarray(value)
     if op is ReduceOp.MEAN and axes is None:
         return value
-    total = local_sum(op, value, axes)
+    total = local_sum(value, axes)
     total = total * num_replicas if num_replicas != 1 else total
     return finish(op, total, mean_count(value.shape, axes, num_replicas))
 
@@ -298,7 +298,7 @@ def replica_all_gather(axis_name: str, value: PyTree, axis: int, valid_rows=None
 
 
 # ------------------------------------------------------------------ ragged values (TF's rules)
-def ragged_partials(op: ReduceOp, components: Sequence, axis: Axis):
+def ragged_partials(components: Sequence, axis: Axis):
     """Each replica's share of reducing a ragged value along ``axis`` (TF's rule).
 
     Element-wise (``axis=None``) needs one shape, so it raises; with an axis each replica sums
@@ -319,7 +319,7 @@ def ragged_partials(op: ReduceOp, components: Sequence, axis: Axis):
             f"different shapes ({_shapes(components)}); reduce along the batch axis "
             "(axis=0) to combine batches of different sizes.")
     axes = normalize_axis(axis, ndim)
-    partials = [local_sum(op, jnp.asarray(c), axes) for c in components]
+    partials = [local_sum(jnp.asarray(c), axes) for c in components]
     return partials, sum(mean_count(s, axes, 1) for s in _shapes(components))
 
 

@@ -151,7 +151,7 @@ class CrossDeviceOps(abc.ABC):
         if axes is None:
             return self.reduce_implementation(op, PerReplica._from_stacked(stacked), here,
                                               as_options(None)).value
-        partials = mesh.local_sums(op, stacked, axes, lengths)
+        partials = mesh.local_sums(stacked, axes, lengths)
         total = self.reduce_implementation(ReduceOp.SUM, PerReplica._from_stacked(partials), here,
                                            as_options(None)).value
         rows = None if lengths is None else sum(lengths)
@@ -195,7 +195,8 @@ class CrossDeviceOps(abc.ABC):
         is, dtype included; elsewhere it is reduced as any value is (a MEAN divides by 1). A host
         value lies on the first CPU device, as TF's converted tensor does."""
         one = one if isinstance(one, (jax.Array, np.ndarray)) else jnp.asarray(one)
-        here = set(one.devices()) if isinstance(one, jax.Array) else {jax.devices("cpu")[0]}
+        here = (set(one.devices()) if isinstance(one, jax.Array)
+                else {jax.local_devices(backend="cpu")[0]})
         if here != set(target.devices):
             one = collectives.finish(op, one, 1)
         return self.broadcast_implementation(one, target)

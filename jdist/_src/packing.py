@@ -33,7 +33,6 @@ from jax.sharding import PartitionSpec as P
 
 from jdist._src import collectives
 from jdist._src import errors
-from jdist._src.reduce_op import ReduceOp
 
 
 class CommunicationImplementation(enum.Enum):

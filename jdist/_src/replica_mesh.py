@@ -121,10 +121,10 @@ class ReplicaMesh:
         program = self._reduce_program(op, axes, lengths is not None)
         return self.guard.dispatch(program, *self._with_lengths(stacked, lengths))
 
-    def local_sums(self, op: ReduceOp, stacked, axes, lengths: Lengths = None) -> jax.Array:
+    def local_sums(self, stacked, axes, lengths: Lengths = None) -> jax.Array:
         """Each replica's sum over ``axes`` of its real rows, stacked over the replicas (no
         communication); ``stacked`` is on this mesh and its padding stripped as `reduce` does."""
-        program = self._local_sums_program(op, axes, lengths is not None)
+        program = self._local_sums_program(axes, lengths is not None)
         return self.guard.dispatch(program, *self._with_lengths(stacked, lengths))
 
     def finish(self, op: ReduceOp, total, count) -> jax.Array:
@@ -142,7 +142,7 @@ class ReplicaMesh:
 
         def body(block, valid=None):
             valid_rows = None if valid is None else valid[0]
-            total = lax.psum(collectives.local_sum(op, block[0], axes, valid_rows), axis)
+            total = lax.psum(collectives.local_sum(block[0], axes, valid_rows), axis)
             rows = None if valid is None else lax.psum(valid_rows, axis)
             return collectives.finish(op, total,
                                       collectives.mean_count(block.shape[1:], axes, n, rows))
@@ -151,10 +151,10 @@ class ReplicaMesh:
                                      out_specs=P()))
 
     @functools.lru_cache(maxsize=None)
-    def _local_sums_program(self, op, axes, has_lengths):
+    def _local_sums_program(self, axes, has_lengths):
         def body(block, valid=None):
             rows = None if valid is None else valid[0]
-            return collectives.local_sum(op, block[0], axes, rows)[None]
+            return collectives.local_sum(block[0], axes, rows)[None]
 
         return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=self._specs(has_lengths),
                                      out_specs=P(self.axis_name)))

@@ -271,7 +271,7 @@ class StrategyExtended:
                 op = ReduceOp.SUM        # stays int): the sum of one value.
             value = across_workers(self, value)
             if value.ragged:  # Sum inside each replica, combine the sums with the strategy's ops.
-                partials, count = collectives.ragged_partials(op, value.values, axis)
+                partials, count = collectives.ragged_partials(value.values, axis)
                 total = self._reduce_value(ReduceOp.SUM, PerReplica._from_components(partials),
                                            None)
                 return collectives.finish(op, total, count)
