@@ -85,7 +85,7 @@ class InputOptions:
         step (the bounded prefetch buffer; 0 prepares each element on request, no thread).
         None (default): jdist chooses. Data already in memory (a `NumpyDataset`, a list or
         tuple of batches) is prepared on request, since a batch is a view plus one transfer
-        and handing it over from a thread costs more than it saves; anything that may block
+        that a thread does not hide where the step keeps the cores busy; anything that may block
         (a generator, a loader, tf.data) gets a thread with a buffer of 1, as in TF.
       pad_partial_batches: jdist's opt-in padded mode. False (default, TF's behaviour): a
         partial batch gives each replica its true rows, and ``strategy.run`` computes on them
