@@ -566,3 +566,30 @@ def test_float_sums_add_the_replicas_in_order(n, op, dtype):
     for ops in (jdist.ReductionToOneDevice(), jdist.NcclAllReduce()):
         assert_matches(outcome(strategy, lambda: ops.reduce(jdist.ReduceOp(op), v, "CPU:0")),
                        want)
+
+
+SHARED_MEAN = ("TF's run returns a PerReplica of equal values, whose MEAN is their add_n sum / N "
+               "(not the value in the last bits); jdist's run returns a Mirrored, whose MEAN is "
+               "the value itself, as TF's Mirrored's is. Telling the two apart needs a Mirrored "
+               "that knows it came from run (issue 12's closing note).")
+
+
+@pytest.mark.parametrize("op", ["SUM", pytest.param(
+    "MEAN", marks=pytest.mark.xfail(strict=True, reason=SHARED_MEAN))])
+@pytest.mark.parametrize("n", [3, 6, 8])
+def test_reduce_of_a_value_every_replica_shares(n, op):
+    """A step's all-reduced output (TF: a PerReplica of equal values; jdist: a Mirrored), then
+    reduced across replicas: TF adds the copies one at a time (``7x + x`` is not ``8x``)."""
+    strategy, _ = both(n)
+    tf_strategy = reduction_to_one_device(n)
+    rng = np.random.default_rng(n)
+    comps = [rng.normal(size=500).astype(np.float32) for _ in range(n)]
+    v = strategy.experimental_distribute_values_from_function(
+        lambda ctx: comps[ctx.replica_id_in_sync_group])
+    tf_v = tf_strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(comps[ctx.replica_id_in_sync_group]))
+    shared = strategy.run(lambda x: jdist.get_replica_context().all_reduce("sum", x), args=(v,))
+    tf_shared = tf_strategy.run(
+        lambda x: tf.distribute.get_replica_context().all_reduce("sum", x), args=(tf_v,))
+    assert_matches(outcome(strategy, lambda: strategy.reduce(op, shared, axis=None)),
+                   outcome(tf_strategy, lambda: tf_strategy.reduce(op, tf_shared, axis=None)))

@@ -20,7 +20,9 @@ padding (`strip_padding`); zero-size values never reach a collective (`reduce_em
 `empty_gather`).
 """
 
+import functools
 import math
+import operator
 from typing import Callable, Optional, Sequence, Tuple
 
 import jax
@@ -242,14 +244,15 @@ def replicated_reduce(op: ReduceOp, value, axes: Optional[Tuple[int, ...]], num_
     """Reduces a value that every one of ``num_replicas`` replicas holds identically.
 
     An element-wise MEAN is the value itself, dtype included (TF returns a mirrored value as it
-    is); otherwise the copies are combined as TF combines them: ``num_replicas`` times the
-    within-replica sum (in the values' dtype), MEAN divided by the count over every copy.
+    is); otherwise the copies are combined as TF combines them: the within-replica sums (in the
+    values' dtype) added one copy at a time, in replica order as ``add_n`` adds (``7x + x`` is
+    not ``8x`` in floats), MEAN divided by the count over every copy.
     """
     value = jnp.asarray(value)
     if op is ReduceOp.MEAN and axes is None:
         return value
-    total = local_sum(value, axes)
-    total = total * num_replicas if num_replicas != 1 else total
+    partial = local_sum(value, axes)
+    total = functools.reduce(operator.add, [partial] * num_replicas)
     return finish(op, total, mean_count(value.shape, axes, num_replicas))
 
 
