@@ -154,10 +154,18 @@ def test_one_value_elsewhere_is_divided_by_one(device, dtype):
             assert_every_result(None, got, np.array([7.0, -3.0]))
 
 
-def test_a_mirrored_value_keeps_its_dtype():
+def test_a_mirrored_value_keeps_its_dtype_a_step_output_does_not():
+    """TF's Mirrored's MEAN is itself; what TF's run returns for a value every replica computes
+    alike is a PerReplica of equal values, whose MEAN divides their sum (tests/
+    test_tf_conformance.py checks both against TF)."""
     s = mirrored(3)
-    m = s.run(lambda: jnp.array([5, 6], jnp.int32))
-    assert_every_result(s, s.reduce(MEAN, m, axis=None), np.array([5, 6], np.int32))
+    declared = jdist.Mirrored([np.array([5, 6], np.int32)] * 3)
+    assert_every_result(s, s.reduce(MEAN, declared, axis=None), np.array([5, 6], np.int32))
+    step_output = s.run(lambda: jnp.array([5, 6], jnp.int32))
+    with pytest.raises(errors.X64RequiredError):
+        s.reduce(MEAN, step_output, axis=None)
+    with jax.enable_x64(True):
+        assert_every_result(s, s.reduce(MEAN, step_output, axis=None), np.array([5.0, 6.0]))
 
 
 @pytest.mark.parametrize("n", [3, 5, 6, 7])

@@ -568,18 +568,13 @@ def test_float_sums_add_the_replicas_in_order(n, op, dtype):
                        want)
 
 
-SHARED_MEAN = ("TF's run returns a PerReplica of equal values, whose MEAN is their add_n sum / N "
-               "(not the value in the last bits); jdist's run returns a Mirrored, whose MEAN is "
-               "the value itself, as TF's Mirrored's is. Telling the two apart needs a Mirrored "
-               "that knows it came from run (issue 12's closing note).")
-
-
-@pytest.mark.parametrize("op", ["SUM", pytest.param(
-    "MEAN", marks=pytest.mark.xfail(strict=True, reason=SHARED_MEAN))])
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
 @pytest.mark.parametrize("n", [3, 6, 8])
 def test_reduce_of_a_value_every_replica_shares(n, op):
-    """A step's all-reduced output (TF: a PerReplica of equal values; jdist: a Mirrored), then
-    reduced across replicas: TF adds the copies one at a time (``7x + x`` is not ``8x``)."""
+    """A step's all-reduced output (TF: a PerReplica of equal values; jdist: a Mirrored that
+    knows it came from run), then reduced across replicas: TF adds the copies one at a time
+    (``7x + x`` is not ``8x``), and its MEAN divides that sum by N (not the value itself, as a
+    Mirrored of TF's own is: `test_cross_device_ops`)."""
     strategy, _ = both(n)
     tf_strategy = reduction_to_one_device(n)
     rng = np.random.default_rng(n)
@@ -593,3 +588,22 @@ def test_reduce_of_a_value_every_replica_shares(n, op):
         lambda x: tf.distribute.get_replica_context().all_reduce("sum", x), args=(tf_v,))
     assert_matches(outcome(strategy, lambda: strategy.reduce(op, shared, axis=None)),
                    outcome(tf_strategy, lambda: tf_strategy.reduce(op, tf_shared, axis=None)))
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_reduce_of_a_mirrored_value(n, op):
+    """A Mirrored of TF's own (a cross-device reduce to a value's devices): its MEAN is itself;
+    TF refuses to SUM it on several replicas, and so does jdist."""
+    strategy, _ = both(n)
+    tf_strategy = reduction_to_one_device(n) if n > 1 else both(n)[1]
+    rng = np.random.default_rng(n)
+    comps = [rng.normal(size=500).astype(np.float32) for _ in range(n)]
+    v = strategy.experimental_distribute_values_from_function(
+        lambda ctx: comps[ctx.replica_id_in_sync_group])
+    tf_v = tf_strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(comps[ctx.replica_id_in_sync_group]))
+    m = jdist.ReductionToOneDevice().reduce(jdist.ReduceOp.SUM, v, v)
+    tf_m = tf.distribute.ReductionToOneDevice().reduce(tf.distribute.ReduceOp.SUM, tf_v, tf_v)
+    assert_matches(outcome(strategy, lambda: strategy.reduce(op, m, axis=None)),
+                   outcome(tf_strategy, lambda: tf_strategy.reduce(op, tf_m, axis=None)))

@@ -1,5 +1,8 @@
 """DistributedValues: PerReplica and Mirrored as thin wrappers over sharded arrays."""
 
+import copy
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +10,7 @@ import pytest
 
 import jdist
 from jdist import errors
+from jdist._src import values
 from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, per_replica, padded_per_replica
 
 
@@ -285,3 +289,18 @@ def test_64_bit_integers_that_fit_keep_their_values(n, entry):
     expected = value + 1 if entry == "run argument" else value
     for local in s.experimental_local_results(out):
         np.testing.assert_array_equal(np.asarray(local).ravel(), expected.ravel()[:local.size])
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_a_mirrored_knows_whether_run_returned_it(n):
+    """TF's run returns a value every replica computed alike as a PerReplica of equal values,
+    which reduce treats apart from a Mirrored (`values.is_step_output`); the mark survives what
+    keeps the value."""
+    s = mirrored(n)
+    step_output = s.run(lambda: jnp.ones(2))
+    declared = jdist.Mirrored([np.ones(2, np.float32)] * n)
+    keep = [lambda m: m, lambda m: pickle.loads(pickle.dumps(m)), copy.deepcopy,
+            lambda m: jax.tree_util.tree_map(lambda x: x, m)]
+    for value, expected in ((step_output, True), (declared, False)):
+        assert isinstance(value, jdist.Mirrored) and value.num_replicas == n
+        assert [values.is_step_output(k(value)) for k in keep] == [expected] * 4

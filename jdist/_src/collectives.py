@@ -240,16 +240,18 @@ def stacked_reduce(op: ReduceOp, stacked, axes: Optional[Tuple[int, ...]], valid
     return finish(op, total, mean_count(stacked.shape[1:], axes, stacked.shape[0], rows))
 
 
-def replicated_reduce(op: ReduceOp, value, axes: Optional[Tuple[int, ...]], num_replicas: int = 1):
+def replicated_reduce(op: ReduceOp, value, axes: Optional[Tuple[int, ...]],
+                      num_replicas: int = 1, mean_is_value: bool = True):
     """Reduces a value that every one of ``num_replicas`` replicas holds identically.
 
-    An element-wise MEAN is the value itself, dtype included (TF returns a mirrored value as it
-    is); otherwise the copies are combined as TF combines them: the within-replica sums (in the
-    values' dtype) added one copy at a time, in replica order as ``add_n`` adds (``7x + x`` is
-    not ``8x`` in floats), MEAN divided by the count over every copy.
+    The copies are combined as TF combines them: the within-replica sums (in the values' dtype)
+    added one copy at a time, in replica order as ``add_n`` adds (``7x + x`` is not ``8x`` in
+    floats), MEAN divided by the count over every copy. With ``mean_is_value`` (TF's
+    ``Mirrored``; not a step's output, `values.is_step_output`) an element-wise MEAN is the
+    value itself, dtype included, as TF returns a mirrored value.
     """
     value = jnp.asarray(value)
-    if op is ReduceOp.MEAN and axes is None:
+    if op is ReduceOp.MEAN and axes is None and (mean_is_value or num_replicas == 1):
         return value
     partial = local_sum(value, axes)
     total = functools.reduce(operator.add, [partial] * num_replicas)

@@ -43,6 +43,7 @@ from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import check_host_numbers
 from jdist._src.values import is_distributed
+from jdist._src.values import is_step_output
 from jdist._src.values import mirror_at
 from jdist._src.values import ragged_components
 
@@ -553,7 +554,8 @@ def _placed(leaf, place):
         stacked = place.place_per_replica(leaf.stacked)
         return leaf if stacked is leaf.stacked else PerReplica._from_stacked(stacked)
     value = place.place_replicated(leaf.value)
-    return leaf if value is leaf.value else Mirrored._from_value(value, leaf.num_replicas)
+    return leaf if value is leaf.value else Mirrored._from_value(
+        value, leaf.num_replicas, is_step_output(leaf))
 
 
 def _waited_outputs(cache, outputs):

@@ -33,6 +33,7 @@ from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
+from jdist._src.values import is_step_output
 from jdist._src.values import local_results
 from jdist._src.values import spans_workers
 
@@ -279,7 +280,14 @@ class StrategyExtended:
             if isinstance(value.stacked, jax.core.Tracer):  # A merge_call view.
                 return collectives.stacked_reduce(op, value.stacked, axes, value._view_valid_rows)
             return self._reduce_per_replica(op, value, axes)
+        step_output = is_step_output(value)
         if isinstance(value, Mirrored):
+            if op is ReduceOp.SUM and axis is None and n > 1 and not step_output:
+                raise errors.InvalidArgumentError(
+                    "A Mirrored value (a reduce_to or broadcast_to result, a jdist.Mirrored) "
+                    "cannot be reduced with ReduceOp.SUM, as in TF: it is one value, not one per "
+                    "replica. Reduce it with MEAN (the value itself), or multiply it by "
+                    "strategy.num_replicas_in_sync.")
             value = value.value
         elif axis is None and n > 1:
             if op is ReduceOp.SUM:
@@ -293,7 +301,7 @@ class StrategyExtended:
         # The same value on every replica (TF runs the within-replica reduce on each of them).
         value = jnp.asarray(value)
         axes = collectives.normalize_axis(axis, value.ndim)
-        return collectives.replicated_reduce(op, value, axes, n)
+        return collectives.replicated_reduce(op, value, axes, n, mean_is_value=not step_output)
 
 
 def across_workers(extended, value):

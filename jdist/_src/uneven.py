@@ -305,7 +305,7 @@ class _Plan:
             return PerReplica._from_components(tuple(values))
         if kind == MIRRORED:
             return Mirrored._from_value(jax.make_array_from_single_device_arrays(
-                values[0].shape, self.programs.replicated_sharding, values), n)
+                values[0].shape, self.programs.replicated_sharding, values), n, step_output=True)
         return PerReplica._from_stacked(jax.make_array_from_single_device_arrays(
             (n,) + values[0].shape[1:], self.programs.per_replica_sharding, values))
 

@@ -210,15 +210,17 @@ class Mirrored(DistributedValues):
     """
 
     # The replica count is the class's, not the instance's: a `Mirrored` of N replicas is an
-    # instance of `_mirrored_class(N)`. JAX compares a pytree node's metadata on every jitted
-    # call, and a metadata field made each `Mirrored` parameter cost 0.18 us more per call.
+    # instance of `_mirrored_class(N, ...)`. JAX compares a pytree node's metadata on every
+    # jitted call, and a metadata field made each `Mirrored` parameter cost 0.18 us more per call.
+    # So is whether `run` returned it (see `is_step_output`).
     __slots__ = ("_value",)
     _num_replicas = 1
+    _step_output = False
 
     def __new__(cls, values=None, *, _value=_UNSET):
         if cls is Mirrored:
             cls = _mirrored_class(len(values) if isinstance(values, (tuple, list)) and values
-                                  else 1)
+                                  else 1, False)
         return object.__new__(cls)
 
     def __init__(self, values=None, *, _value=_UNSET):
@@ -241,13 +243,13 @@ class Mirrored(DistributedValues):
         self._value = jax.numpy.asarray(values)
 
     @classmethod
-    def _from_value(cls, value, num_replicas):
-        self = object.__new__(_mirrored_class(num_replicas))
+    def _from_value(cls, value, num_replicas, step_output=False):
+        self = object.__new__(_mirrored_class(num_replicas, step_output))
         self._value = value
         return self
 
     def __reduce__(self):
-        return Mirrored._from_value, (self._value, self._num_replicas)
+        return Mirrored._from_value, (self._value, self._num_replicas, self._step_output)
 
     @property
     def value(self):
@@ -516,23 +518,35 @@ jax.tree_util.register_pytree_node(PerReplica, _flatten_per_replica, _unflatten_
 
 
 @functools.lru_cache(maxsize=None)
-def _mirrored_class(num_replicas):
-    """The class of `Mirrored` values over ``num_replicas`` replicas: a dataclass pytree node
-    whose only field is the value, so JAX's C++ flattening reads it with no Python call and no
-    metadata to compare."""
+def _mirrored_class(num_replicas, step_output):
+    """The class of `Mirrored` values over ``num_replicas`` replicas (``step_output``: those
+    `run` returns): a dataclass pytree node whose only field is the value, so JAX's C++
+    flattening reads it with no Python call and no metadata to compare. (Positional arguments
+    only: the cache is keyed on how they are passed.)"""
     cls = type("Mirrored", (Mirrored,), {"__slots__": (), "_num_replicas": num_replicas,
+                                         "_step_output": step_output,
                                          "__module__": Mirrored.__module__,
                                          "__qualname__": Mirrored.__qualname__})
     jax.tree_util.register_dataclass(cls, data_fields=["_value"], meta_fields=[])
     return cls
 
 
+def is_step_output(value) -> bool:
+    """Whether ``value`` is a `Mirrored` that ``run`` returned: a value every replica computed
+    alike, which TF's ``run`` returns as a `PerReplica` of equal values (its ``reduce`` adds
+    the copies; a MEAN divides that sum by N, which is not the value in the last bits). Every
+    other `Mirrored` is TF's ``Mirrored`` (``reduce_to`` results, mirrored variables), whose
+    MEAN is itself."""
+    return isinstance(value, Mirrored) and value._step_output
+
+
 def mirror_at(leaves, indices, num_replicas):
     """Replaces ``leaves[i]`` by a `Mirrored` of it for each ``i`` in ``indices``, in place.
 
-    The wrapping loop of `run`'s outputs, one Python frame for all of them.
+    The wrapping loop of `run`'s outputs (step outputs, `is_step_output`), one Python frame for
+    all of them.
     """
-    new, cls = object.__new__, _mirrored_class(num_replicas)
+    new, cls = object.__new__, _mirrored_class(num_replicas, True)
     for i in indices:
         m = new(cls)
         m._value = leaves[i]
