@@ -539,6 +539,22 @@ def reduction_to_one_device(n):
         cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
+def random_values_of_both(n, dtype="float32", spread=0):
+    """Random values (magnitudes over ``10**-spread`` to ``10**spread``) as a per-replica value
+    of jdist's strategy and of TF's with ``ReductionToOneDevice`` (TF's own strategy on one
+    replica), and the two strategies."""
+    strategy, tf_strategy = both(n)
+    tf_strategy = reduction_to_one_device(n) if n > 1 else tf_strategy
+    rng = np.random.default_rng(n)
+    comps = [(rng.normal(size=500) * 10.0 ** rng.integers(-spread, spread + 1, size=500)
+              ).astype(dtype) for _ in range(n)]
+    v = strategy.experimental_distribute_values_from_function(
+        lambda ctx: comps[ctx.replica_id_in_sync_group])
+    tf_v = tf_strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(comps[ctx.replica_id_in_sync_group]))
+    return strategy, tf_strategy, v, tf_v
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("op", ["SUM", "MEAN"])
 @pytest.mark.parametrize("n", [3, 5, 8])
@@ -548,15 +564,7 @@ def test_float_sums_add_the_replicas_in_order(n, op, dtype):
     ``strategy.reduce``, ``all_reduce`` and the cross-device ops. (TF's collective and NCCL
     all-reduces add in ring order, which gives other last bits; bfloat16 sums keep float32
     partial sums in XLA: docs/design.md section 9.)"""
-    strategy, _ = both(n)
-    tf_strategy = reduction_to_one_device(n)
-    rng = np.random.default_rng(n)
-    comps = [(rng.normal(size=500) * 10.0 ** rng.integers(-2, 2, size=500)).astype(dtype)
-             for _ in range(n)]
-    v = strategy.experimental_distribute_values_from_function(
-        lambda ctx: comps[ctx.replica_id_in_sync_group])
-    tf_v = tf_strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.constant(comps[ctx.replica_id_in_sync_group]))
+    strategy, tf_strategy, v, tf_v = random_values_of_both(n, dtype, spread=2)
     want = outcome(tf_strategy, lambda: tf_strategy.reduce(op, tf_v, axis=None))
     assert_matches(outcome(strategy, lambda: strategy.reduce(op, v, axis=None)), want)
     assert_matches(outcome(strategy, lambda: strategy.run(
@@ -574,15 +582,8 @@ def test_reduce_of_a_value_every_replica_shares(n, op):
     """A step's all-reduced output (TF: a PerReplica of equal values; jdist: a Mirrored that
     knows it came from run), then reduced across replicas: TF adds the copies one at a time
     (``7x + x`` is not ``8x``), and its MEAN divides that sum by N (not the value itself, as a
-    Mirrored of TF's own is: `test_cross_device_ops`)."""
-    strategy, _ = both(n)
-    tf_strategy = reduction_to_one_device(n)
-    rng = np.random.default_rng(n)
-    comps = [rng.normal(size=500).astype(np.float32) for _ in range(n)]
-    v = strategy.experimental_distribute_values_from_function(
-        lambda ctx: comps[ctx.replica_id_in_sync_group])
-    tf_v = tf_strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.constant(comps[ctx.replica_id_in_sync_group]))
+    Mirrored of TF's own is: `test_reduce_of_a_mirrored_value`)."""
+    strategy, tf_strategy, v, tf_v = random_values_of_both(n)
     shared = strategy.run(lambda x: jdist.get_replica_context().all_reduce("sum", x), args=(v,))
     tf_shared = tf_strategy.run(
         lambda x: tf.distribute.get_replica_context().all_reduce("sum", x), args=(tf_v,))
@@ -595,14 +596,7 @@ def test_reduce_of_a_value_every_replica_shares(n, op):
 def test_reduce_of_a_mirrored_value(n, op):
     """A Mirrored of TF's own (a cross-device reduce to a value's devices): its MEAN is itself;
     TF refuses to SUM it on several replicas, and so does jdist."""
-    strategy, _ = both(n)
-    tf_strategy = reduction_to_one_device(n) if n > 1 else both(n)[1]
-    rng = np.random.default_rng(n)
-    comps = [rng.normal(size=500).astype(np.float32) for _ in range(n)]
-    v = strategy.experimental_distribute_values_from_function(
-        lambda ctx: comps[ctx.replica_id_in_sync_group])
-    tf_v = tf_strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.constant(comps[ctx.replica_id_in_sync_group]))
+    strategy, tf_strategy, v, tf_v = random_values_of_both(n)
     m = jdist.ReductionToOneDevice().reduce(jdist.ReduceOp.SUM, v, v)
     tf_m = tf.distribute.ReductionToOneDevice().reduce(tf.distribute.ReduceOp.SUM, tf_v, tf_v)
     assert_matches(outcome(strategy, lambda: strategy.reduce(op, m, axis=None)),
