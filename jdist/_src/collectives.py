@@ -251,7 +251,7 @@ def replicated_reduce(op: ReduceOp, value, axes: Optional[Tuple[int, ...]],
     value itself, dtype included, as TF returns a mirrored value.
     """
     value = jnp.asarray(value)
-    if op is ReduceOp.MEAN and axes is None and (mean_is_value or num_replicas == 1):
+    if op is ReduceOp.MEAN and axes is None and mean_is_value:
         return value
     partial = local_sum(value, axes)
     total = functools.reduce(operator.add, [partial] * num_replicas)

@@ -266,10 +266,10 @@ class StrategyExtended:
     def _reduce_value(self, op: ReduceOp, value: PyTree, axis: Axis):
         """The reduce rules of ``docs/semantics.md`` for one value (not a nest)."""
         n = self._num_replicas
+        if n == 1 and axis is None:  # TF returns one replica's value as it is (an int MEAN
+            op = ReduceOp.SUM        # stays int): the sum of one value.
         if isinstance(value, PerReplica):
             self._check_components(value)
-            if n == 1 and axis is None:  # TF returns one replica's value as it is (an int MEAN
-                op = ReduceOp.SUM        # stays int): the sum of one value.
             value = across_workers(self, value)
             if value.ragged:  # Sum inside each replica, combine the sums with the strategy's ops.
                 partials, count = collectives.ragged_partials(value.values, axis)
