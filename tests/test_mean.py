@@ -217,3 +217,27 @@ def test_a_step_keeps_one_program_per_x64_mode(n):
             s.run(step, args=(v,))
     else:  # One replica's MEAN is the value itself: no float64 needed.
         assert s.experimental_local_results(s.run(step, args=(v,))[0])[0].dtype == np.int32
+
+
+def in_merge_call_along_rows(s, v):
+    def step(x):
+        return jdist.get_replica_context().merge_call(
+            lambda strategy, y: strategy.reduce(MEAN, y, axis=0), args=(x,))
+    return s.run(step, args=(v,))
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("entry", [lambda s, v: s.reduce(MEAN, v, axis=0),
+                                   in_merge_call_along_rows], ids=["reduce", "merge_call"])
+def test_along_rows_each_replica_sums_its_rows_first(n, entry):
+    """TF sums each replica's rows, then adds the replicas' sums in order, then divides; traced,
+    XLA must not fold the two sums into one in another order (replicas of 2 rows, so that each
+    replica's own sum has one order)."""
+    s = mirrored(n)
+    rng = np.random.default_rng(n)
+    comps = [rng.normal(size=(2, 256)).astype(np.float32) for _ in range(n)]
+    sums = [c[0] + c[1] for c in comps]
+    total = sums[0]
+    for partial in sums[1:]:
+        total = total + partial
+    assert_every_result(s, entry(s, per_replica(s, comps)), total / np.float32(2 * n))

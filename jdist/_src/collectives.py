@@ -231,11 +231,11 @@ def stacked_reduce(op: ReduceOp, stacked, axes: Optional[Tuple[int, ...]], valid
     Returns:
       The reduced array.
     """
-    if valid_rows is None:
-        total = jax.vmap(lambda x: local_sum(x, axes))(stacked)
-    else:
-        total = jax.vmap(lambda x, n: local_sum(x, axes, n))(stacked, valid_rows)
-    total = jnp.sum(total, axis=0, dtype=total.dtype)
+    # Each replica's sum, then the sums added in replica order, as TF adds them: one add per
+    # replica, since XLA fuses a sum of sums (traced, in a merge function) into another order.
+    total = functools.reduce(operator.add, [
+        local_sum(stacked[i], axes, None if valid_rows is None else valid_rows[i])
+        for i in range(stacked.shape[0])])
     rows = None if valid_rows is None else jnp.sum(valid_rows)
     return finish(op, total, mean_count(stacked.shape[1:], axes, stacked.shape[0], rows))
 
