@@ -105,11 +105,6 @@ class _GlobalPlan:
         self.placer = _placer(strategy, options)
         self.full_rows = source.static_rows()
 
-    @property
-    def in_memory(self):
-        """Whether the batches come from memory (no read that may block)."""
-        return self.source.in_memory
-
     def open(self):
         splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows)
         return self.source.open(), splitter, None
@@ -136,11 +131,6 @@ class _DealtPlan:
         self.placer = None  # Set by the caller (needs the options).
         rows = {s.static_rows() for s in sources}
         self.full_rows = rows.pop() if len(rows) == 1 else None
-
-    @property
-    def in_memory(self):
-        """Whether the batches come from memory (no read that may block)."""
-        return all(s.in_memory for s in self.sources)
 
     def open(self):
         """``(source, transform, finish)``: ``finish`` (or None) runs on the consumer's thread."""
@@ -334,8 +324,8 @@ class DistributedIterator:
     def _start(self):
         source, transform, self._step = self._dataset._plan.open()
         size = self._dataset._options.experimental_per_replica_buffer_size
-        if size is None:  # jdist's choice (see `InputOptions`).
-            size = 0 if self._dataset._plan.in_memory else 1
+        if size is None:  # jdist's default (see `InputOptions`): one element ahead, as TF.
+            size = 1
         if size == 0:
             feed = _SyncFeed(source, transform, _close_source)
         else:

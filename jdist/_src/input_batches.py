@@ -74,11 +74,6 @@ class Source:
         self._stash = []  # A one-shot source's batch read early by `first`.
 
     @property
-    def in_memory(self):
-        """Whether the batches are in memory already (a `NumpyDataset`, a list or tuple)."""
-        return isinstance(self._obj, (NumpyDataset, list, tuple))
-
-    @property
     def dataset(self):
         """What the user passed (a ``tf.data.Dataset``, a `NumpyDataset`, an iterable, ...)."""
         return self._obj

@@ -83,10 +83,8 @@ class InputOptions:
         ``PER_REPLICA`` mode and ``experimental_fetch_to_device=False``, as in TF.
       experimental_per_replica_buffer_size: how many prepared elements may wait ahead of the
         step (the bounded prefetch buffer; 0 prepares each element on request, no thread).
-        None (default): jdist chooses. Data already in memory (a `NumpyDataset`, a list or
-        tuple of batches) is prepared on request, since a batch is a view plus one transfer
-        that a thread does not hide where the step keeps the cores busy; anything that may block
-        (a generator, a loader, tf.data) gets a thread with a buffer of 1, as in TF.
+        None (default): a thread with a buffer of 1 for every source, as TF prefetches (for
+        data in memory it measured 2-4% faster than feeding inline on a dispatch-bound step).
       pad_partial_batches: jdist's opt-in padded mode. False (default, TF's behaviour): a
         partial batch gives each replica its true rows, and ``strategy.run`` computes on them
         exactly (one more compiled step per distinct split). True: every replica's rows are
