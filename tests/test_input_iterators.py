@@ -164,7 +164,8 @@ def test_input_options_defaults_and_validation():
     assert o.experimental_fetch_to_device is True
     assert o.experimental_replication_mode is jdist.InputReplicationMode.PER_WORKER
     assert o.experimental_place_dataset_on_device is False
-    assert o.experimental_per_replica_buffer_size is None  # jdist's default: a thread.
+    assert o.experimental_per_replica_buffer_size == 1  # TF's default: a thread.
+    assert jdist.InputOptions(experimental_per_replica_buffer_size=None) == o
     assert jdist.InputOptions(experimental_replication_mode="per_replica") == jdist.InputOptions(
         experimental_replication_mode=jdist.InputReplicationMode.PER_REPLICA)
     with pytest.raises(ValueError):

@@ -7,6 +7,9 @@ mode: without it such a MEAN raises `X64RequiredError` at the call. On one repli
 MEAN is the value itself, dtype included. The values are chosen so that the sums wrap around.
 """
 
+import functools
+import operator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,10 +52,10 @@ def in_run(s, v):
     return s.run(lambda x: jdist.get_replica_context().all_reduce("mean", x), args=(v,))
 
 
-def in_merge_call(s, v):
+def in_merge_call(s, v, axis=None):
     def step(x):
         return jdist.get_replica_context().merge_call(
-            lambda strategy, y: strategy.reduce(MEAN, y, axis=None), args=(x,))
+            lambda strategy, y: strategy.reduce(MEAN, y, axis=axis), args=(x,))
     return s.run(step, args=(v,))
 
 
@@ -219,16 +222,10 @@ def test_a_step_keeps_one_program_per_x64_mode(n):
         assert s.experimental_local_results(s.run(step, args=(v,))[0])[0].dtype == np.int32
 
 
-def in_merge_call_along_rows(s, v):
-    def step(x):
-        return jdist.get_replica_context().merge_call(
-            lambda strategy, y: strategy.reduce(MEAN, y, axis=0), args=(x,))
-    return s.run(step, args=(v,))
-
-
 @pytest.mark.parametrize("n", REPLICA_COUNTS)
 @pytest.mark.parametrize("entry", [lambda s, v: s.reduce(MEAN, v, axis=0),
-                                   in_merge_call_along_rows], ids=["reduce", "merge_call"])
+                                   lambda s, v: in_merge_call(s, v, axis=0)],
+                         ids=["reduce", "merge_call"])
 def test_along_rows_each_replica_sums_its_rows_first(n, entry):
     """TF sums each replica's rows, then adds the replicas' sums in order, then divides; traced,
     XLA must not fold the two sums into one in another order (replicas of 2 rows, so that each
@@ -236,8 +233,5 @@ def test_along_rows_each_replica_sums_its_rows_first(n, entry):
     s = mirrored(n)
     rng = np.random.default_rng(n)
     comps = [rng.normal(size=(2, 256)).astype(np.float32) for _ in range(n)]
-    sums = [c[0] + c[1] for c in comps]
-    total = sums[0]
-    for partial in sums[1:]:
-        total = total + partial
+    total = functools.reduce(operator.add, [c[0] + c[1] for c in comps])  # In replica order.
     assert_every_result(s, entry(s, per_replica(s, comps)), total / np.float32(2 * n))

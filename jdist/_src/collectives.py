@@ -219,6 +219,15 @@ def empty_gather(shape: Sequence[int], dtype, axis: int, rows: int):
 
 
 # ------------------------------------------------------------------- where they are applied
+def add_in_order(values: Sequence):
+    """The values added one at a time, in replica order, as TF's ``add_n`` adds them.
+
+    XLA keeps float adds in the order written, but may fuse a reduction over a stacked axis (or a
+    sum of sums) into an order of its own, so every cross-replica sum goes through here.
+    """
+    return functools.reduce(operator.add, values)
+
+
 def stacked_reduce(op: ReduceOp, stacked, axes: Optional[Tuple[int, ...]], valid_rows=None):
     """Reduces a value whose leading axis holds the replicas (no communication needed).
 
@@ -231,9 +240,7 @@ def stacked_reduce(op: ReduceOp, stacked, axes: Optional[Tuple[int, ...]], valid
     Returns:
       The reduced array.
     """
-    # Each replica's sum, then the sums added in replica order, as TF adds them: one add per
-    # replica, since XLA fuses a sum of sums (traced, in a merge function) into another order.
-    total = functools.reduce(operator.add, [
+    total = add_in_order([  # Each replica's own sum first, as TF's replicas compute them.
         local_sum(stacked[i], axes, None if valid_rows is None else valid_rows[i])
         for i in range(stacked.shape[0])])
     rows = None if valid_rows is None else jnp.sum(valid_rows)
@@ -254,7 +261,7 @@ def replicated_reduce(op: ReduceOp, value, axes: Optional[Tuple[int, ...]],
     if op is ReduceOp.MEAN and axes is None and mean_is_value:
         return value
     partial = local_sum(value, axes)
-    total = functools.reduce(operator.add, [partial] * num_replicas)
+    total = add_in_order([partial] * num_replicas)
     return finish(op, total, mean_count(value.shape, axes, num_replicas))
 
 

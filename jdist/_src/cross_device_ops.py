@@ -15,8 +15,6 @@ and ``ReplicaContext.all_reduce`` inside ``run`` use the strategy's ops.
 """
 
 import abc
-import functools
-import operator
 from typing import Any, List, Optional, Sequence, Tuple
 
 import jax
@@ -280,7 +278,7 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     def _accumulate(self, values):
         if self.accumulation_fn is None:
-            return functools.reduce(operator.add, values)
+            return collectives.add_in_order(values)
         return self.accumulation_fn(list(values))
 
     def _device(self, destinations):

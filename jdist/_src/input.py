@@ -324,8 +324,6 @@ class DistributedIterator:
     def _start(self):
         source, transform, self._step = self._dataset._plan.open()
         size = self._dataset._options.experimental_per_replica_buffer_size
-        if size is None:  # jdist's default (see `InputOptions`): one element ahead, as TF.
-            size = 1
         if size == 0:
             feed = _SyncFeed(source, transform, _close_source)
         else:
