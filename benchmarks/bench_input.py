@@ -7,9 +7,10 @@ from other processes hits both alike), on simulated CPU devices:
   decoding) feeds ``experimental_distribute_dataset``; its background thread splits and
   transfers while the step runs. Target >= 0.8 (the slower of loading and step, not their sum).
 * ``numpy dataset / on-device``: ``experimental_make_numpy_dataset(...).batch(...)`` with default
-  options (a prefetch thread, as for every source) feeds a dispatch-bound step, against the
-  same batches distributed beforehand; also shown: the same fed inline (buffer size 0), and the
-  hand-written loop (one ``jax.device_put`` per batch).
+  options (a prefetch thread, as for every source; full batches placed in blocks) feeds a
+  dispatch-bound step, against the same batches placed on the devices beforehand, one array
+  per leaf; also shown: the same fed inline (buffer size 0), and the hand-written loop (one
+  ``jax.device_put`` per batch).
   Target >= 0.95: feeding costs the step nothing.
 * ``dataset alone / one device_put``: the per-batch cost of iterating the distributed dataset
   fed inline (global batch 1024, 8 replicas) against one ``jax.device_put`` of the same global
@@ -127,17 +128,18 @@ def bench_numpy_dataset(strategy):
     data = make_data(STEPS, GLOBAL_BATCH, SMALL_LAYERS[0])
     dataset = strategy.experimental_make_numpy_dataset(data).batch(GLOBAL_BATCH)
     params = strategy.run(lambda: common.init_mlp(jax.random.key(0), SMALL_LAYERS))
-    on_device = list(strategy.experimental_distribute_dataset(dataset))
     inline = jdist.InputOptions(experimental_per_replica_buffer_size=0)  # No thread.
     sharding = jax.sharding.NamedSharding(strategy.extended.mesh, jax.sharding.PartitionSpec(
         strategy.extended.replica_axis))
 
-    def hand_written():  # What a JAX loop does: one device_put per batch, then the step.
-        def batch(i):
-            rows = {k: v[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH] for k, v in data.items()}
-            placed = jax.device_put({k: v.reshape((REPLICAS, -1) + v.shape[1:])
-                                    for k, v in rows.items()}, sharding)
-            return {k: jdist.PerReplica._from_stacked(v) for k, v in placed.items()}
+    def batch(i):  # What a JAX loop does: one device_put per batch.
+        rows = {k: v[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH] for k, v in data.items()}
+        placed = jax.device_put({k: v.reshape((REPLICAS, -1) + v.shape[1:])
+                                for k, v in rows.items()}, sharding)
+        return {k: jdist.PerReplica._from_stacked(v) for k, v in placed.items()}
+    on_device = [batch(i) for i in range(STEPS)]  # Placed beforehand, one by one.
+
+    def hand_written():
         return timed_loop(strategy, params, (batch(i) for i in range(STEPS)))
     loops = {"on_device": lambda: timed_loop(strategy, params, on_device),
              "dataset": lambda: timed_loop(

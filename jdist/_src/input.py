@@ -18,11 +18,15 @@ Batches are prepared (split, padded, transferred) on a background thread ahead o
 wait ready (0 prepares each batch when asked, without a thread).
 """
 
+import collections
+import math
 import weakref
 
 import jax
+import numpy as np
 
 from jdist._src import auto_shard
+from jdist._src import batch_blocks
 from jdist._src import context
 from jdist._src import errors
 from jdist._src import input_batches
@@ -104,9 +108,12 @@ class _GlobalPlan:
         self.source = source
         self.placer = _placer(strategy, options)
         self.full_rows = source.static_rows()
+        self.blocks = _block_feed(strategy, source, options, self.placer)
 
     def open(self):
         splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows)
+        if self.blocks is not None:
+            return self.blocks(self.source.open(), splitter), _unchanged, None
         return self.source.open(), splitter, None
 
     def spec(self):
@@ -319,6 +326,7 @@ class DistributedIterator:
         self._feed = None
         self._step = None  # A multi-worker PER_WORKER dataset's consumer-side step.
         self._finalizer = None
+        self._ready = collections.deque()  # Elements handed over with an earlier one.
         self._start()
 
     def _start(self):
@@ -339,7 +347,10 @@ class DistributedIterator:
         if self._finished:
             raise StopIteration
         try:
-            element = self._feed.get()
+            element = self._ready.popleft() if self._ready else self._feed.get()
+            if isinstance(element, batch_blocks.Elements):  # A block's: handed over at once.
+                self._ready.extend(element[1:])
+                element = element[0]
             if self._step is not None and element is not prefetch.END:
                 element = self._step(element)
         except BaseException:
@@ -353,6 +364,7 @@ class DistributedIterator:
 
     def _finish(self):
         self._finished = True
+        self._ready.clear()
         self._finalizer()  # Stops and joins the worker (at most once).
 
     def get_next(self):
@@ -472,6 +484,28 @@ def _placer(strategy, options):
         return input_batches.Placer(strategy, options.experimental_fetch_to_device,
                                     options.pad_partial_batches)
     return placer
+
+
+def _block_feed(strategy, source, options, placer):
+    """A `batch_blocks.BlockFeed` where blocks serve: a batched `NumpyDataset` (in memory, one
+    shape for every full batch) placed by the default placer on several replicas, with full
+    batches that split evenly and small enough for two or more to a block; else None."""
+    rows, n = source.static_rows(), placer.n
+    if (not isinstance(source.dataset, NumpyDataset) or rows is None or n < 2 or rows % n
+            or placer.plain or not placer.fetch
+            or strategy.extended.input_placer(strategy, options) is not None):
+        return None
+    spec = jax.tree_util.tree_leaves(source.first())
+    size = batch_blocks.block_size(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
+                                       for s in spec))
+    if size < 2:
+        return None
+    extended = strategy.extended
+    return batch_blocks.BlockFeed(extended.mesh, extended.replica_axis, rows, size)
+
+
+def _unchanged(element):
+    return element
 
 
 def _options(options):

@@ -26,6 +26,7 @@ import collections.abc
 import jax
 import numpy as np
 
+from jdist._src import batch_blocks
 from jdist._src import errors
 from jdist._src.numpy_dataset import NumpyDataset
 from jdist._src.numpy_dataset import UNKNOWN
@@ -414,7 +415,8 @@ def spec_of_element(element):
         if isinstance(x, PerReplica) and x.ragged:
             return _struct(x.values[0].shape, x.values[0].dtype)
         if isinstance(x, PerReplica):  # From the stacked array's shape: nothing is read.
-            return _struct(x.stacked.shape[1:], x.stacked.dtype)
+            struct = batch_blocks.replica_struct(x)
+            return _struct(struct.shape, struct.dtype)
         dtype = getattr(x, "dtype", None)
         return _struct(np.shape(x), np.asarray(x).dtype if dtype is None else dtype)
     return jax.tree_util.tree_map(leaf_spec, element,

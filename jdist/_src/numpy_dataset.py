@@ -139,10 +139,17 @@ class NumpyDataset:
 
 def _rows(item):
     """An index for ``array[index]``: consecutive rows as a slice (a view, no copy)."""
+    if isinstance(item, slice):
+        return item
     if isinstance(item, np.ndarray) and item.ndim == 1 and item.size > 1 and (
             item[-1] - item[0] == item.size - 1 and bool(np.all(np.diff(item) == 1))):
         return slice(int(item[0]), int(item[-1]) + 1)
     return item
+
+
+def _row_indices(item):
+    """The rows an item of a batched dataset reads, as an array (for batching it again)."""
+    return np.arange(item.start, item.stop) if isinstance(item, slice) else item
 
 
 def _read_only(array):
@@ -172,9 +179,9 @@ class _Batch:
         self.size, self.drop = size, drop_remainder
 
     def of_rows(self, size):
-        """The batches of rows ``0 .. size - 1`` in order, each one ``np.arange``."""
+        """The batches of rows ``0 .. size - 1`` in order, each one ``slice`` (read as a view)."""
         stop = size - size % self.size if self.drop else size
-        return lambda: (np.arange(start, min(start + self.size, size))
+        return lambda: (slice(start, min(start + self.size, size))
                         for start in range(0, stop, self.size))
 
     def wrap(self, upstream):
@@ -188,7 +195,7 @@ class _Batch:
                 if isinstance(first, int):  # Row indices: read into one array in C, no list.
                     chunk = np.fromiter(itertools.chain((first,), rest), np.intp)
                 else:
-                    chunk = [first, *rest]
+                    chunk = [_row_indices(x) for x in (first, *rest)]
                 if self.drop and len(chunk) < self.size:
                     return
                 yield chunk if isinstance(first, int) else _stack(chunk)

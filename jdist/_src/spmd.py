@@ -2,11 +2,8 @@
 
 ``strategy.run(fn, args)`` becomes ``jax.jit(jax.shard_map(body, mesh, in_specs, out_specs,
 check_vma=True))`` where ``body`` unpacks per-replica arguments, enters the replica context and
-calls ``fn`` with per-replica shapes (as ``pmap`` would). Why ``jit(shard_map)`` and not ``pmap``
-is in ``docs/design.md``; in short: ``pmap`` rejects functions without a mapped argument, types
-every value as replicated (so it cannot tell Mirrored from PerReplica outputs), and reduces over
-local devices only when traced inside ``jit`` in a multi-process job. In jax 0.10 ``pmap`` is
-``jit(shard_map(check_vma=False))`` anyway.
+calls ``fn`` with per-replica shapes (as ``pmap`` would; ``docs/design.md`` says why not
+``pmap`` itself, which in jax 0.10 is ``jit(shard_map(check_vma=False))`` anyway).
 
 The program is built with ``check_vma=False``, as ``pmap`` builds it, because that gives TF's
 per-replica gradient semantics (`jdist._src.invariance` explains the alternative's silent
@@ -29,6 +26,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jdist._src import batch_blocks
 from jdist._src import batch_rows
 from jdist._src import context
 from jdist._src import dispatch
@@ -159,7 +157,7 @@ class ReplicatedRunner:
         call = (args, kwargs)
         if not cache.flatten_first:
             try:
-                outputs = self._guard.launch(cache.direct, call, cache.token)
+                outputs = self._launch_direct(cache, call)
             except (_NotCanonical, TypeError, ValueError) as refused:
                 cache.flatten_first = cache.direct_missed  # Two in a row: not a one-off.
                 cache.direct_missed = True
@@ -174,9 +172,13 @@ class ReplicatedRunner:
         if not changed:  # Arguments the direct program takes as they come: try it again.
             cache.flatten_first = False
         try:
-            return self._wrap_direct(cache, self._guard.launch(cache.direct, call, cache.token))
+            return self._wrap_direct(cache, self._launch_direct(cache, call))
         except (TypeError, ValueError):
             return None
+
+    def _launch_direct(self, cache, call):
+        # Blocked dataset elements enter as (block, position): the step indexes the block.
+        return batch_blocks.reading_blocks(self._guard.launch, cache.direct, call, cache.token)
 
     def _wrap_direct(self, cache, outputs):
         (number, arrays), = outputs.items()
@@ -291,6 +293,7 @@ class ReplicatedRunner:
         """Traced by the direct program (`_run_fast`): the general path on tracers, for
         canonical arguments only; raises `_NotCanonical` for the others, before any trace of
         the function, so the direct program never compiles them."""
+        batch_blocks.blocks_read()  # The step itself sees blocked values as they are.
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
         if not all(self._is_canonical(leaf) for leaf in leaves):
             raise _NotCanonical()
@@ -550,6 +553,8 @@ class _NotCanonical(Exception):
 
 def _placed(leaf, place):
     """A distributed argument whose array is on ``place``'s mesh (``leaf`` itself if it is)."""
+    if batch_blocks.in_block(leaf):  # Its block is on a mesh (the call checks which): kept.
+        return leaf
     if isinstance(leaf, PerReplica):
         stacked = place.place_per_replica(leaf.stacked)
         return leaf if stacked is leaf.stacked else PerReplica._from_stacked(stacked)

@@ -1,0 +1,201 @@
+"""Batch blocks: a numpy dataset's full batches placed several at a time (`batch_blocks`).
+
+An element held in a block must be, for every reader, the batch TF's split gives: the same
+values per replica, the same results from `run`, one compile per loop.
+"""
+
+import copy
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdist
+from jdist._src import batch_blocks
+from jdist.testing import count_compiles, mirrored
+
+BLOCKED_REPLICAS = (2, 3, 4, 8)
+
+
+def tf_split(batch, n):
+    """TF's rule: consecutive chunks of ceil(B / n) rows, trailing replicas short or empty."""
+    per = -(-len(batch) // n)
+    return [batch[min(i * per, len(batch)):min((i + 1) * per, len(batch))] for i in range(n)]
+
+
+def data(rows, features=3):
+    return {"x": np.arange(rows * features, dtype=np.float32).reshape(rows, features),
+            "y": np.arange(rows, dtype=np.int32)}
+
+
+def batches(d, batch, order=None):
+    order = np.arange(len(d["y"])) if order is None else order
+    return [{k: v[order[i:i + batch]] for k, v in d.items()}
+            for i in range(0, len(order), batch)]
+
+
+def elements(strategy, dataset, **options):
+    return list(strategy.experimental_distribute_dataset(dataset, jdist.InputOptions(**options)))
+
+
+@pytest.mark.parametrize("n", BLOCKED_REPLICAS)
+@pytest.mark.parametrize("rows,batch", [(96, 24), (100, 24), (24 * 40, 24)])
+@pytest.mark.parametrize("buffer", [0, 1])
+def test_each_element_holds_tf_split_of_its_batch(n, rows, batch, buffer):
+    # 96 rows: whole blocks only; 100: a partial last batch after them; 960: blocks of the
+    # block size and a last block padded with positions nobody reads.
+    s, d = mirrored(n), data(rows)
+    batch = batch // n * n
+    got = elements(s, s.experimental_make_numpy_dataset(d).batch(batch),
+                   experimental_per_replica_buffer_size=buffer)
+    want = batches(d, batch)
+    assert len(got) == len(want)
+    for element, host in zip(got, want):
+        full = len(host["y"]) == batch
+        assert batch_blocks.in_block(element["x"]) == full
+        for key in host:
+            for value, chunk in zip(element[key].values, tf_split(host[key], n)):
+                np.testing.assert_array_equal(np.asarray(value), chunk)
+
+
+@pytest.mark.parametrize("n", BLOCKED_REPLICAS)
+def test_shuffled_elements_hold_the_shuffled_batches(n):
+    s, d = mirrored(n), data(64)
+    dataset = s.experimental_make_numpy_dataset(d).shuffle(64, seed=3).batch(2 * n)
+    plain = [b for b in dataset]  # The same seed and epoch give the same order.
+    dataset = s.experimental_make_numpy_dataset(d).shuffle(64, seed=3).batch(2 * n)
+    for element, host in zip(elements(s, dataset), plain):
+        np.testing.assert_array_equal(np.concatenate([np.asarray(v) for v in element["y"].values]),
+                                      host["y"])
+
+
+@pytest.mark.parametrize("n", BLOCKED_REPLICAS)
+def test_a_training_loop_on_blocks_computes_tf_numbers_and_compiles_once(n):
+    # Three epochs with a partial last batch: one program for the full (blocked) batches,
+    # the exact plan's fixed number for the partial one, nothing compiled after epoch 1.
+    s, d = mirrored(n), data(10 * 4 * n + n + 1)
+    dist = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(4 * n))
+
+    def step(w, batch):
+        ctx = jdist.get_replica_context()
+        local = jnp.sum(batch["x"] * w) + jnp.sum(batch["y"])
+        return w + ctx.all_reduce("sum", local) * 1e-6, local
+    w, w_ref, compiles = jnp.float32(1), np.float32(1), []
+    for _ in range(3):
+        with count_compiles() as epoch:
+            for element, host in zip(dist, batches(d, 4 * n)):
+                want = [np.sum(x * w_ref) + np.sum(y) for x, y in
+                        zip(tf_split(host["x"], n), tf_split(host["y"], n))]
+                w, local = s.run(step, args=(w, element))
+                w_ref = np.float32(w_ref + np.float32(np.sum(want)) * np.float32(1e-6))
+                np.testing.assert_allclose([np.asarray(v) for v in local.values], want,
+                                           rtol=1e-6)
+                np.testing.assert_allclose(np.asarray(w.values[0]), w_ref, rtol=1e-6)
+            jax.block_until_ready(w)
+        compiles.append(len(epoch))
+    assert compiles[1:] == [0, 0]
+
+
+@pytest.mark.parametrize("n", (2, 8))
+def test_the_step_traces_once_for_blocked_and_plain_batches(n):
+    s, d = mirrored(n), data(8 * n)
+    element = elements(s, s.experimental_make_numpy_dataset(d).batch(4 * n))[0]
+    plain = jdist.PerReplica([np.asarray(v) for v in element["x"].values])
+    traces = []
+
+    def step(x):
+        traces.append(1)
+        return jnp.sum(x) * 2
+    for x in (element["x"], plain, element["x"], plain):
+        out = s.run(step, args=(x,))
+        np.testing.assert_array_equal(
+            [np.asarray(v) for v in out.values],
+            [2 * np.sum(c) for c in tf_split(d["x"][:4 * n], n)])
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("n", BLOCKED_REPLICAS)
+def test_a_blocked_element_reads_as_the_plain_value_everywhere(n):
+    s, d = mirrored(n), data(16 * n)
+    element = elements(s, s.experimental_make_numpy_dataset(d).batch(2 * n))[3]
+    chunks = tf_split(d["x"][6 * n:8 * n], n)
+    x = element["x"]
+    assert isinstance(x, jdist.PerReplica) and x.num_replicas == n and not x.ragged
+
+    def same(value):
+        np.testing.assert_array_equal(np.asarray(value), np.stack(chunks))
+    same(x.stacked)
+    same(jax.device_get(x).stacked)
+    same(jax.tree_util.tree_leaves(x)[0])
+    same(jax.tree_util.tree_map(lambda a: a + 0, x).stacked)
+    same(pickle.loads(pickle.dumps(x)).stacked)
+    same(copy.deepcopy(x).stacked)
+    same(np.stack(s.experimental_local_results(x)))
+    np.testing.assert_array_equal(np.asarray(s.gather(x, axis=0)), np.concatenate(chunks))
+    np.testing.assert_allclose(np.asarray(s.reduce("SUM", x, axis=None)), sum(chunks))
+
+
+@pytest.mark.parametrize("n", (2, 4))
+def test_a_step_closing_over_a_blocked_element_sees_its_values(n):
+    # While run flattens its arguments a blocked element flattens to (block, position); the
+    # step's own pytree work on an element it captured must see the plain value.
+    s, d = mirrored(n), data(8 * n)
+    first, second = elements(s, s.experimental_make_numpy_dataset(d).batch(4 * n))
+    captured = second["y"]
+    assert batch_blocks.in_block(captured)
+
+    def step(x):
+        doubled = jax.tree_util.tree_map(lambda a: a * 2, captured)
+        return jnp.sum(x) + jnp.sum(doubled.stacked)
+    out = s.run(step, args=(first["y"],))
+    want = [np.sum(c) for c in tf_split(d["y"][:4 * n], n)]
+    np.testing.assert_array_equal([np.asarray(v) for v in out.values],
+                                  np.array(want) + 2 * np.sum(d["y"][4 * n:]))
+
+
+def test_reading_an_element_inside_a_trace_keeps_it_concrete():
+    s, d = mirrored(2), data(8)
+    element = elements(s, s.experimental_make_numpy_dataset(d).batch(4))[1]
+    traced = jax.jit(lambda: element["x"].stacked * 2)()
+    np.testing.assert_array_equal(np.asarray(traced), 2 * np.stack(tf_split(d["x"][4:], 2)))
+    np.testing.assert_array_equal(np.asarray(element["x"].values[1]), d["x"][6:8])
+
+
+@pytest.mark.parametrize("batch_bytes,size", [
+    (1, batch_blocks.MAX_BATCHES), (batch_blocks.BLOCK_BYTES // 5, 5),
+    (batch_blocks.BLOCK_BYTES // 2 + 1, 1), (batch_blocks.BLOCK_BYTES * 3, 1)])
+def test_a_block_holds_at_most_its_bytes_and_count(batch_bytes, size):
+    assert batch_blocks.block_size(batch_bytes) == size
+
+
+@pytest.mark.parametrize("options", [
+    {"experimental_fetch_to_device": False}, {"experimental_per_replica_buffer_size": 0}])
+def test_blocks_only_where_they_serve(options):
+    s = mirrored(4)
+    fetched = options.get("experimental_fetch_to_device", True)
+    dataset = s.experimental_make_numpy_dataset(data(32)).batch(8)
+    assert batch_blocks.in_block(elements(s, dataset, **options)[0]["x"]) == fetched
+    uneven = s.experimental_make_numpy_dataset(data(30)).batch(6)  # 6 rows over 4 replicas.
+    listed = batches(data(32), 8)  # A list: its batches may differ in shape.
+    for source in (uneven, listed):
+        assert not batch_blocks.in_block(elements(s, source)[0]["x"])
+    one = mirrored(1)
+    assert not batch_blocks.in_block(elements(one, dataset)[0]["x"])
+
+
+@pytest.mark.parametrize("n", (2, 8))
+def test_run_reads_blocked_batches_inside_its_program(n):
+    # The point of blocks: a loop's steps take no row out of a block on the host.
+    s, d = mirrored(n), data(40 * n)
+    dist = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(4 * n))
+
+    def step(w, batch):
+        return w + jdist.get_replica_context().all_reduce("sum", jnp.sum(batch["y"]))
+    w, seen = jdist.Mirrored([np.float32(0)] * n), []
+    for element in dist:
+        w = s.run(step, args=(w, element))
+        seen.append(element["y"])
+    assert all(batch_blocks.in_block(y) and y._taken is None for y in seen)
+    np.testing.assert_array_equal(np.asarray(w.values[0]), np.sum(d["y"]))
