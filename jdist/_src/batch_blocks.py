@@ -19,6 +19,7 @@ Blocks are used where a dataset's data is already in memory and its full batches
 (a batched `NumpyDataset`), so waiting for ``K`` batches costs no loading latency.
 """
 
+import math
 import threading
 
 import jax
@@ -29,6 +30,7 @@ from jdist._src.values import PerReplica
 
 BLOCK_BYTES = 4 << 20  # A block holds at most this many bytes of batches...
 MAX_BATCHES = 32  # ...and at most this many batches.
+ALIGNMENT = 64  # Bytes: what XLA's CPU buffers need to alias host memory.
 
 
 class _Reading(threading.local):
@@ -74,7 +76,7 @@ def replica_struct(value: PerReplica) -> jax.ShapeDtypeStruct:
 
 @jax.jit
 def _take(block, position):
-    return lax.dynamic_index_in_dim(block, position, 0, keepdims=False)
+    return lax.dynamic_index_in_dim(block, position, 1, keepdims=False)
 
 
 class BlockedPerReplica(PerReplica):
@@ -98,7 +100,7 @@ class BlockedPerReplica(PerReplica):
 
     @property
     def num_replicas(self):
-        return self._block.shape[1]
+        return self._block.shape[0]
 
     def __reduce__(self):  # Pickled and copied as the plain value it is.
         return PerReplica._from_stacked, (self._stacked,)
@@ -123,7 +125,7 @@ jax.tree_util.register_pytree_node(BlockedPerReplica, _flatten, _unflatten)
 
 
 class BlockFeed:
-    """Turns host batches into elements, placing full batches in blocks (see the module doc).
+    """Turns a dataset's blocks of full batches into elements (see the module doc).
 
     Args:
       mesh: the strategy's mesh; ``axis``: its replica axis.
@@ -133,51 +135,46 @@ class BlockFeed:
 
     def __init__(self, mesh, axis, full_rows, size):
         spec = jax.sharding.PartitionSpec
-        self._sharding = jax.sharding.NamedSharding(mesh, spec(None, axis))
-        self._n = mesh.devices.size
-        self._rows = full_rows // self._n
-        self._full_rows, self._size = full_rows, size
+        self._sharding = jax.sharding.NamedSharding(mesh, spec(axis))
+        self._split = (mesh.devices.size, full_rows // mesh.devices.size)
+        self.size = size
         self._positions = jax.device_put(  # Placed once: the elements' positions in a block.
             [np.int32(i) for i in range(size)], jax.sharding.NamedSharding(mesh, spec()))
 
-    def __call__(self, batches, split):
-        """Yields the elements of the host batches ``batches`` in order: `Elements` of a block,
-        or one element made by ``split`` (a batch that is not full); closes ``batches``."""
-        pending, tree = [], None
+    def __call__(self, blocks, split):
+        """Yields the elements of ``blocks`` (`NumpyDataset.blocks`' pairs) in order: `Elements`
+        of a block of full batches, or one element made by ``split`` (a batch that is not full);
+        closes ``blocks`` at the end."""
         try:
-            for batch in batches:
-                leaves, structure = jax.tree_util.tree_flatten(batch)
-                full = all(a.ndim >= 1 and a.shape[0] == self._full_rows for a in leaves)
-                if pending and (not full or structure != tree):
-                    yield self._place(pending, tree)
-                    pending = []
-                if not full:
-                    yield split(batch)
-                    continue
-                pending.append(leaves)
-                tree = structure
-                if len(pending) == self._size:
-                    yield self._place(pending, tree)
-                    pending = []
-            if pending:
-                yield self._place(pending, tree)
+            for number, nest in blocks:
+                yield split(nest) if number is None else self._place(number, nest)
         finally:
-            batches.close()
+            blocks.close()
 
-    def _place(self, pending, tree):
-        """`Elements` of ``pending`` (lists of leaves), placed as one block padded to size."""
+    def _place(self, number, nest):
+        """`Elements` of ``number`` full batches, read one after another in ``nest``'s arrays,
+        placed as one block (padded to the block's size: positions nobody reads)."""
+        leaves, tree = jax.tree_util.tree_flatten(nest)
         blocks = []
-        for j, first in enumerate(pending[0]):
-            inner = (self._n, self._rows) + first.shape[1:]
-            block = np.empty((self._size,) + inner, first.dtype)
-            for i, leaves in enumerate(pending):
-                block[i] = leaves[j].reshape(inner)
-            block[len(pending):] = 0  # The last block of the data: positions nobody reads.
+        for leaf in leaves:
+            batches = leaf.reshape((number,) + self._split + leaf.shape[1:])
+            block = _aligned_empty((self._split[0], self.size) + batches.shape[2:], leaf.dtype)
+            np.copyto(block[:, :number], np.swapaxes(batches, 0, 1))
+            block[:, number:] = 0  # The data's last block: positions nobody reads.
             blocks.append(block)
         blocks = jax.device_put(blocks, self._sharding)
         return Elements(jax.tree_util.tree_unflatten(
             tree, [BlockedPerReplica._at(b, self._positions[i]) for b in blocks])
-            for i in range(len(pending)))
+            for i in range(number))
+
+
+def _aligned_empty(shape, dtype):
+    """An uninitialised host array at an address ``ALIGNMENT`` divides: JAX's CPU client then
+    uses its memory as the device buffers (no copy), where an unaligned one is copied again."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(math.prod(shape) * dtype.itemsize + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
 
 class Elements(tuple):

@@ -113,7 +113,8 @@ class _GlobalPlan:
     def open(self):
         splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows)
         if self.blocks is not None:
-            return self.blocks(self.source.open(), splitter), _unchanged, None
+            blocks = self.source.open_blocks(self.blocks.size)
+            return self.blocks(blocks, splitter), _unchanged, None
         return self.source.open(), splitter, None
 
     def spec(self):
@@ -344,11 +345,13 @@ class DistributedIterator:
 
     def __next__(self):
         _check_not_in_replica("next(iterator)")
+        if self._ready:  # A block's later elements, handed over with its first.
+            return self._ready.popleft()
         if self._finished:
             raise StopIteration
         try:
-            element = self._ready.popleft() if self._ready else self._feed.get()
-            if isinstance(element, batch_blocks.Elements):  # A block's: handed over at once.
+            element = self._feed.get()
+            if isinstance(element, batch_blocks.Elements):
                 self._ready.extend(element[1:])
                 element = element[0]
             if self._step is not None and element is not prefetch.END:

@@ -100,6 +100,11 @@ class Source:
             return _host_batches(iter(self._obj()), ())
         return _host_batches(iter(self._obj), ())
 
+    def open_blocks(self, count):
+        """A batched `NumpyDataset`'s `NumpyDataset.blocks` (its arrays' dtypes checked once)."""
+        to_host(self._obj._data)
+        return self._obj.blocks(count)
+
     def first(self):
         """The first batch as a NumPy nest (None if there is none), without losing it.
 

@@ -93,9 +93,42 @@ class NumpyDataset:
         return self
 
     def __iter__(self):
-        data = self._data
         for item in self._indices()():
-            yield jax.tree_util.tree_map(lambda a, rows=_rows(item): _read_only(a[rows]), data)
+            yield self._read(_rows(item))
+
+    def blocks(self, count):
+        """The elements in order, consecutive full ones read together (for `batch_blocks`).
+
+        Args:
+          count: the most full elements one block holds.
+
+        Yields:
+          ``(number, nest)``: ``number`` full elements one after another along the first axis
+          (read with one index per array: a view when their rows are consecutive), or
+          ``(None, element)`` for an element that is not a full batch of rows.
+
+        Example:
+          >>> import numpy as np
+          >>> [(k, b.tolist()) for k, b in NumpyDataset(np.arange(5)).batch(2).blocks(4)]
+          [(2, [0, 1, 2, 3]), (None, [4])]
+        """
+        rows, group = self.batch_rows, []
+        for item in self._indices()():
+            if _is_rows(item) and _length(item) == rows:
+                group.append(item)
+                if len(group) == count:
+                    yield count, self._read(_joined(group))
+                    group = []
+                continue
+            if group:
+                yield len(group), self._read(_joined(group))
+                group = []
+            yield None, self._read(_rows(item))
+        if group:
+            yield len(group), self._read(_joined(group))
+
+    def _read(self, index):
+        return jax.tree_util.tree_map(lambda a: _read_only(a[index]), self._data)
 
     def _indices(self):
         ops = self._ops
@@ -145,6 +178,23 @@ def _rows(item):
             item[-1] - item[0] == item.size - 1 and bool(np.all(np.diff(item) == 1))):
         return slice(int(item[0]), int(item[-1]) + 1)
     return item
+
+
+def _is_rows(item):
+    """Whether an item reads rows of the data (a slice or a 1-D index), not a nested batch."""
+    return isinstance(item, slice) or (isinstance(item, np.ndarray) and item.ndim == 1)
+
+
+def _length(item):
+    return item.stop - item.start if isinstance(item, slice) else len(item)
+
+
+def _joined(items):
+    """One index reading ``items``' rows one after another (a slice when they are consecutive)."""
+    if all(isinstance(x, slice) for x in items) and all(
+            a.stop == b.start for a, b in zip(items, items[1:])):
+        return slice(items[0].start, items[-1].stop)
+    return _rows(np.concatenate([_row_indices(x) for x in items]))
 
 
 def _row_indices(item):
