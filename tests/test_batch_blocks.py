@@ -199,3 +199,29 @@ def test_run_reads_blocked_batches_inside_its_program(n):
         seen.append(element["y"])
     assert all(batch_blocks.in_block(y) and y._taken is None for y in seen)
     np.testing.assert_array_equal(np.asarray(w.values[0]), np.sum(d["y"]))
+
+
+@pytest.mark.parametrize("pipeline", [
+    lambda d: d.batch(4), lambda d: d.batch(4, drop_remainder=True), lambda d: d.batch(3),
+    lambda d: d.shuffle(30, seed=1, reshuffle_each_iteration=False).batch(4),
+    lambda d: d.batch(4).shuffle(8, seed=2, reshuffle_each_iteration=False),
+    lambda d: d.batch(4).take(5).repeat(2), lambda d: d.batch(4).skip(1).shard(2, 1),
+    lambda d: d.batch(2).batch(2)], ids=["batch", "drop", "uneven", "shuffled-rows",
+                                         "shuffled-batches", "take-repeat", "skip-shard", "nested"])
+@pytest.mark.parametrize("count", [1, 2, 3, 32])
+def test_numpy_blocks_are_the_elements_in_order(pipeline, count):
+    dataset = pipeline(jdist.NumpyDataset({"a": np.arange(30), "b": np.arange(60).reshape(30, 2)}))
+    want = list(dataset)
+    got = []
+    for number, nest in dataset.blocks(count):
+        if number is None:
+            assert len(nest["a"]) != dataset.batch_rows or nest["a"].ndim > 1
+            got.append(nest)
+            continue
+        assert 1 <= number <= count
+        got.extend({k: v.reshape((number, -1) + v.shape[1:])[i] for k, v in nest.items()}
+                   for i in range(number))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        for key in w:
+            np.testing.assert_array_equal(g[key], w[key])
