@@ -11,7 +11,7 @@ batches already on the devices, blocks of 16 at 0.95, of 32 at 0.97.
 An element is a `BlockedPerReplica`: a `PerReplica` in every respect (``values``, ``stacked``,
 pytree utilities, pickling), whose array is taken out of the block by a small program the first
 time anything reads it, and kept. Only `strategy.run`'s direct call reads the block itself:
-while it calls its program (`reading_blocks`), the element flattens to ``(block, position)`` and
+while it calls its program (`reading`), the element flattens to ``(block, position)`` and
 unflattens to the row the position selects, so the step receives the same values, indexed
 inside the compiled step where the index is free.
 
@@ -34,10 +34,12 @@ ALIGNMENT = 64  # Bytes: what XLA's CPU buffers need to alias host memory.
 
 
 class _Reading(threading.local):
-    active = False  # True while this thread's `run` calls its direct program.
+    """Whether this thread's `strategy.run` is calling its direct program: set around that
+    call (inline, as it is on every step's path), cleared as the program's trace begins."""
+    active = False
 
 
-_reading = _Reading()
+reading = _Reading()
 _IN_BLOCK = "in_block"  # The pytree metadata of an element flattened to (block, position).
 
 
@@ -46,20 +48,10 @@ def block_size(batch_bytes: int) -> int:
     return max(1, min(MAX_BATCHES, BLOCK_BYTES // max(1, int(batch_bytes))))
 
 
-def reading_blocks(launch, *args):
-    """``launch(*args)`` with blocked elements flattening to ``(block, position)``: what
-    `strategy.run`'s direct program takes, so that the step indexes the block itself."""
-    _reading.active = True
-    try:
-        return launch(*args)
-    finally:
-        _reading.active = False
-
-
 def blocks_read():
     """Called as the direct program's trace begins: JAX has flattened its arguments, so any
     other flattening (of a blocked value the step captured, say) gives the plain value."""
-    _reading.active = False
+    reading.active = False
 
 
 def in_block(value) -> bool:
@@ -107,7 +99,7 @@ class BlockedPerReplica(PerReplica):
 
 
 def _flatten(value):
-    if _reading.active:
+    if reading.active:
         return (value._block, value._position), _IN_BLOCK
     return (value._stacked,), None
 

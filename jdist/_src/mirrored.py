@@ -44,6 +44,7 @@ class MirroredExtended(StrategyExtended):
         self._guard = dispatch.guard_for(self._platform, len(self._devices))
         self._programs = self._mesh_class(self._mesh, REPLICA_AXIS, self._guard)
         self._runner = spmd.ReplicatedRunner(container_strategy, self._programs)
+        self._run = self._runner.run  # `run`'s path on every step: one Python frame fewer.
         # None picks the backend's all-reduce; the strategy's mesh serves ops on its devices.
         self._cross_device_ops = cross_device_ops_lib.resolve(cross_device_ops, self._devices)
         # TF's default all-reduces batch_reduce_to results onto every replica device.
@@ -60,9 +61,6 @@ class MirroredExtended(StrategyExtended):
     def replica_axis(self):
         """The name of the mesh axis the replicas are laid along (``"replica"``)."""
         return REPLICA_AXIS
-
-    def _run(self, fn, args, kwargs):
-        return self._runner.run(fn, args, kwargs)
 
     def replica_collectives(self, binding):
         if binding is None:

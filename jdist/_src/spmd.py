@@ -154,10 +154,11 @@ class ReplicatedRunner:
         if cache.direct is None:
             cache.direct = jax.jit(functools.partial(self._direct_body, cache))
             cache.token = functools.partial(_waited_outputs, cache)
-        call = (args, kwargs)
+        call, reading = (args, kwargs), batch_blocks.reading
         if not cache.flatten_first:
+            reading.active = True  # Blocked dataset elements enter as (block, position).
             try:
-                outputs = self._launch_direct(cache, call)
+                outputs = self._guard.launch(cache.direct, call, cache.token)
             except (_NotCanonical, TypeError, ValueError) as refused:
                 cache.flatten_first = cache.direct_missed  # Two in a row: not a one-off.
                 cache.direct_missed = True
@@ -166,19 +167,20 @@ class ReplicatedRunner:
             else:
                 cache.direct_missed = False
                 return self._wrap_direct(cache, outputs)
+            finally:
+                reading.active = False
         call, changed = self._canonical(call)
         if call is None:
             return None
         if not changed:  # Arguments the direct program takes as they come: try it again.
             cache.flatten_first = False
+        reading.active = True
         try:
-            return self._wrap_direct(cache, self._launch_direct(cache, call))
+            return self._wrap_direct(cache, self._guard.launch(cache.direct, call, cache.token))
         except (TypeError, ValueError):
             return None
-
-    def _launch_direct(self, cache, call):
-        # Blocked dataset elements enter as (block, position): the step indexes the block.
-        return batch_blocks.reading_blocks(self._guard.launch, cache.direct, call, cache.token)
+        finally:
+            reading.active = False
 
     def _wrap_direct(self, cache, outputs):
         (number, arrays), = outputs.items()
