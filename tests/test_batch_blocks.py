@@ -225,3 +225,25 @@ def test_numpy_blocks_are_the_elements_in_order(pipeline, count):
     for g, w in zip(got, want):
         for key in w:
             np.testing.assert_array_equal(g[key], w[key])
+
+
+@pytest.mark.parametrize("n", (2, 8))
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_function_wrapped_step_indexes_blocks_in_its_program(n, donate):
+    # The TF idiom: @tf.function def train_step(batch): return strategy.run(step, (batch,)).
+    s, d = mirrored(n), data(40 * n + 1)
+    dist = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(4 * n))
+
+    @jdist.function(donate_argnums=(1,) if donate else ())
+    def train_step(w, batch):
+        def step(w, batch):
+            return w + jdist.get_replica_context().all_reduce("sum", jnp.sum(batch["y"]))
+        return s.run(step, args=(w, batch))
+    w, seen = jdist.Mirrored([np.float32(0)] * n), []
+    for _ in range(2):
+        for element in dist:
+            if batch_blocks.in_block(element["y"]):
+                w = train_step(w, element)
+                seen.append(element["y"])
+    assert all(y._taken is None for y in seen) != donate  # Donated: taken, then donated.
+    np.testing.assert_array_equal(np.asarray(w.values[0]), 2 * np.sum(d["y"][:40 * n]))

@@ -19,6 +19,7 @@ Blocks are used where a dataset's data is already in memory and its full batches
 (a batched `NumpyDataset`), so waiting for ``K`` batches costs no loading latency.
 """
 
+import contextlib
 import math
 import threading
 
@@ -46,6 +47,17 @@ _IN_BLOCK = "in_block"  # The pytree metadata of an element flattened to (block,
 def block_size(batch_bytes: int) -> int:
     """How many full batches of ``batch_bytes`` bytes one block holds (1: no blocks)."""
     return max(1, min(MAX_BATCHES, BLOCK_BYTES // max(1, int(batch_bytes))))
+
+
+@contextlib.contextmanager
+def reading_blocks(active: bool = True):
+    """Blocked values flatten to ``(block, position)`` inside the block (when ``active``): for
+    `jdist.function`, whose program then indexes the block as `strategy.run`'s does."""
+    reading.active = active
+    try:
+        yield
+    finally:
+        reading.active = False
 
 
 def blocks_read():

@@ -15,11 +15,13 @@ On GPU and TPU the guard is off, so dispatch stays asynchronous.
 """
 
 import contextlib
+import functools
 import threading
 
 import jax
 from jax.extend import core
 
+from jdist._src import batch_blocks
 from jdist._src import context
 from jdist._src import errors
 
@@ -182,15 +184,23 @@ def function(fun=None, **jit_kwargs):
     """
     if fun is None:
         return lambda f: function(f, **jit_kwargs)
-    jitted = jax.jit(fun, **jit_kwargs)
+
+    @functools.wraps(fun)
+    def traced(*args, **kwargs):
+        batch_blocks.blocks_read()  # Arguments flattened: what ``fun`` captures reads plainly.
+        return fun(*args, **kwargs)
+    jitted = jax.jit(traced, **jit_kwargs)
     guard = guard_for(jax.default_backend(), jax.local_device_count())
+    # Dataset elements held in blocks enter as (block, position), indexed inside the program;
+    # not when arguments are donated: a block and its positions serve other elements too.
+    blocks = not (jit_kwargs.get("donate_argnums") or jit_kwargs.get("donate_argnames"))
 
     def call(*args, **kwargs):
-        with _inside_function():
+        with _inside_function(), batch_blocks.reading_blocks(blocks):
             return guard.dispatch(lambda: jitted(*args, **kwargs), spans_all_devices=False)
 
     def lower(*args, **kwargs):
-        with _inside_function():
+        with _inside_function(), batch_blocks.reading_blocks(blocks):
             return jitted.lower(*args, **kwargs)
 
     call.jitted = jitted
