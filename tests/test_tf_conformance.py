@@ -349,17 +349,19 @@ GLOBAL_BATCH, LEARNING_RATE, EPOCHS = 8, 0.1, 2
 
 @functools.lru_cache(maxsize=None)
 def regression_data():
-    """37 noisy rows of a linear teacher (the last global batch has 5), and initial weights."""
+    """37 noisy rows of a linear teacher (the last global batch has 5) as a tf.data dataset and
+    as arrays, and initial weights."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(37, 3)).astype(np.float32)
     y = (x @ np.array([[1.0], [-2.0], [0.5]]) + 0.3 + 0.1 * rng.normal(size=(37, 1)))
     w0, b0 = rng.normal(size=(3, 1)).astype(np.float32), np.float32([0.5])
-    dataset = tf.data.Dataset.from_tensor_slices((x, y.astype(np.float32))).batch(GLOBAL_BATCH)
-    return steady(dataset), w0, b0
+    rows = (x, y.astype(np.float32))
+    dataset = tf.data.Dataset.from_tensor_slices(rows).batch(GLOBAL_BATCH)
+    return steady(dataset), rows, w0, b0
 
 
 def train_tf(tf_strategy):
-    dataset, w0, b0 = regression_data()
+    dataset, _, w0, b0 = regression_data()
     with tf_strategy.scope():
         w, b = tf.Variable(w0), tf.Variable(b0)
         optimizer = tf.keras.optimizers.SGD(LEARNING_RATE)
@@ -382,8 +384,10 @@ def train_tf(tf_strategy):
     return losses, {"w": w.numpy(), "b": b.numpy()}
 
 
-def train_jdist(strategy):
-    dataset, w0, b0 = regression_data()
+def train_jdist(strategy, source):
+    dataset, rows, w0, b0 = regression_data()
+    if source == "numpy":  # Full batches placed in blocks (where they split evenly).
+        dataset = strategy.experimental_make_numpy_dataset(rows).batch(GLOBAL_BATCH)
 
     def step_fn(params, x, y):
         def loss_fn(p):
@@ -403,10 +407,11 @@ def train_jdist(strategy):
     return losses, jdist.to_host(params)
 
 
+@pytest.mark.parametrize("source", ["tf.data", "numpy"])
 @pytest.mark.parametrize("n", COUNTS)
-def test_training_loop(n):
+def test_training_loop(n, source):
     strategy, tf_strategy = both(n)
-    losses, params = train_jdist(strategy)
+    losses, params = train_jdist(strategy, source)
     tf_losses, tf_params = train_tf(tf_strategy)
     assert len(tf_losses) == EPOCHS * 5
     np.testing.assert_allclose(losses, tf_losses, rtol=1e-5)

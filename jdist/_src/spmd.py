@@ -1,18 +1,15 @@
 """Compiling a replica function into one SPMD program over the strategy's devices.
 
 ``strategy.run(fn, args)`` becomes ``jax.jit(jax.shard_map(body, mesh, in_specs, out_specs,
-check_vma=True))`` where ``body`` unpacks per-replica arguments, enters the replica context and
-calls ``fn`` with per-replica shapes (as ``pmap`` would; ``docs/design.md`` says why not
-``pmap`` itself, which in jax 0.10 is ``jit(shard_map(check_vma=False))`` anyway).
-
-The program is built with ``check_vma=False``, as ``pmap`` builds it, because that gives TF's
-per-replica gradient semantics (`jdist._src.invariance` explains the alternative's silent
-factor of ``num_replicas``). ``fn`` is traced once into a jaxpr; a dataflow analysis of it
-(`invariance.same_outputs`) finds the outputs that are provably equal on every replica (an
-all-reduce result, an update of mirrored parameters by it): those leave as `Mirrored` with
-``out_specs=P()``, the rest as `PerReplica` with ``P(axis)``; the traced body is then compiled
-with those specs (``fn`` is not traced again). Programs are cached per (fn, argument structure,
-shapes, dtypes, static leaves).
+check_vma=False))`` where ``body`` unpacks per-replica arguments, enters the replica context and
+calls ``fn`` with per-replica shapes, as ``pmap`` builds it (``docs/design.md`` says why not
+``pmap`` itself). ``check_vma=False`` gives TF's per-replica gradients (`jdist._src.invariance`
+explains the alternative's silent factor of ``num_replicas``). ``fn`` is traced once into a
+jaxpr; a dataflow analysis of it (`invariance.same_outputs`) finds the outputs provably equal on
+every replica (an all-reduce result, an update of mirrored parameters by it): those leave as
+`Mirrored` with ``out_specs=P()``, the rest as `PerReplica` with ``P(axis)``; the traced body is
+then compiled with those specs (``fn`` is not traced again). Programs are cached per (fn,
+argument structure, shapes, dtypes, static leaves).
 """
 
 import dataclasses
@@ -174,13 +171,11 @@ class ReplicatedRunner:
             return None
         if not changed:  # Arguments the direct program takes as they come: try it again.
             cache.flatten_first = False
-        reading.active = True
         try:
-            return self._wrap_direct(cache, self._guard.launch(cache.direct, call, cache.token))
+            with batch_blocks.reading_blocks():
+                return self._wrap_direct(cache, self._guard.launch(cache.direct, call, cache.token))
         except (TypeError, ValueError):
             return None
-        finally:
-            reading.active = False
 
     def _wrap_direct(self, cache, outputs):
         (number, arrays), = outputs.items()
