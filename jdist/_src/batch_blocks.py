@@ -2,11 +2,11 @@
 
 Placing a small batch on several devices costs mostly per-buffer work (one buffer per leaf and
 device: about 110 us for a 64 KiB batch of two leaves on 8 CPU devices), not its bytes. A block
-stacks ``K`` consecutive full batches, ``(K, num_replicas, rows, *inner)`` sharded over the
-replica axis, and is placed in one call with as many buffers as ONE batch; each element then
-names its position in the block. Measured with a dispatch-bound step on 8 CPU devices
-(``docs/design.md``, section 6): one placement per batch runs at 0.77-0.80 of the speed of
-batches already on the devices, blocks of 16 at 0.95, of 32 at 0.97.
+holds ``K`` consecutive full batches replica-major, ``(num_replicas, K, rows, *inner)`` sharded
+over the replica axis, and is placed in one call with as many buffers as ONE batch; each element
+then names its position in the block. Measured with a dispatch-bound step on 8 CPU devices
+(``docs/design.md``, "Batch blocks"): one placement per batch runs at 0.73-0.79 of the speed of
+batches already on the devices, blocks of 32 at 0.94-0.96.
 
 An element is a `BlockedPerReplica`: a `PerReplica` in every respect (``values``, ``stacked``,
 pytree utilities, pickling), whose array is taken out of the block by a small program the first

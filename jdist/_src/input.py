@@ -108,7 +108,7 @@ class _GlobalPlan:
         self.source = source
         self.placer = _placer(strategy, options)
         self.full_rows = source.static_rows()
-        self.blocks = _block_feed(strategy, source, options, self.placer)
+        self.blocks = _block_feed(strategy, source, self.placer)
 
     def open(self):
         splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows)
@@ -489,14 +489,13 @@ def _placer(strategy, options):
     return placer
 
 
-def _block_feed(strategy, source, options, placer):
+def _block_feed(strategy, source, placer):
     """A `batch_blocks.BlockFeed` where blocks serve: a batched `NumpyDataset` (in memory, one
-    shape for every full batch) placed by the default placer on several replicas, with full
-    batches that split evenly and small enough for two or more to a block; else None."""
+    shape for every full batch) placed whole on this process's devices, over several replicas,
+    with full batches that split evenly and small enough for two or more to a block; else None."""
     rows, n = source.static_rows(), placer.n
     if (not isinstance(source.dataset, NumpyDataset) or rows is None or n < 2 or rows % n
-            or placer.plain or not placer.fetch
-            or strategy.extended.input_placer(strategy, options) is not None):
+            or placer.plain or not placer.fetch or not placer.whole_batches_here):
         return None
     spec = jax.tree_util.tree_leaves(source.first())
     size = batch_blocks.block_size(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize

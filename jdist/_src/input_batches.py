@@ -232,6 +232,8 @@ class Placer:
       pad: the opt-in padded mode: chunks of different sizes are zero-padded to one size.
     """
 
+    whole_batches_here = True  # Every row of a global batch goes to this process's devices.
+
     def __init__(self, strategy, fetch_to_device=True, pad=False):
         extended = strategy.extended
         self.n = strategy.num_replicas_in_sync

@@ -44,6 +44,8 @@ class LocalRowsPlacer(input_batches.Placer):
       pad: the opt-in padded mode.
     """
 
+    whole_batches_here = False
+
     def __init__(self, strategy, fetch_to_device=True, pad=False):
         super().__init__(strategy, fetch_to_device, pad)
         ids = strategy.extended.local_replica_ids()
