@@ -209,7 +209,8 @@ def _check_exact(one):
     # merge_fn saw every replica's value (4 of them) in full and partial steps alike.
     assert all(v % 100 == 4 for key in ("exact0_0_correct", "exact0_2_correct",
                                         "per_worker_exact1_correct")
-               for v in one[key]["replicas"].values())
+               for v in one[key]["global"])
+    assert one["exact0_0_correct"]["kind"] == "ArrayImpl"  # TF: the merge's one tensor.
     assert len(one["per_worker_exact1_x"]["global"]) == 3  # Rows 2, 1, 0, 0.
     assert one["per_worker_exact_steps"]["global"] == 2
     assert one["exact_errors"]["replicas"]["0"] == {

@@ -121,7 +121,7 @@ def test_merge_call_sees_per_replica_values_in_cross_replica_context(n):
     out = s.run(fn)
     assert seen["cross"]
     assert seen["type"] is jdist.PerReplica or n == 1
-    assert_local_results(s, out, [n * (n + 1)] * n)
+    assert_local_results(s, out, [n * (n + 1)])  # TF: the merge's one tensor, returned as is.
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -138,7 +138,36 @@ def test_merge_call_per_replica_result_is_unpacked_per_replica(n):
             merge_fn, args=(jnp.full((2,), replica_id(), jnp.float32),))
     mine, mean = s.run(fn)
     assert_local_results(s, mine, [[10. * i] * 2 for i in range(n)])
-    assert_local_results(s, mean, [(n - 1) / 2] * n)
+    assert not isinstance(mean, jdist.DistributedValues)  # TF: the merge's tensor itself.
+    assert_local_results(s, mean, [(n - 1) / 2])
+
+
+def _total_of_ids(strategy, ids):
+    return strategy.reduce("SUM", ids, axis=None)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_a_plain_merge_result_returned_as_it_is_is_tfs_one_tensor(n, uneven):
+    # TF's run returns the merge_fn's tensor itself (every replica returned the same object):
+    # one local result, MEAN is the tensor, SUM raises. Computed on, it is each replica's.
+    s = mirrored(n)
+    rows = [np.ones((r % 2 + 1 if uneven else 2,), np.float32) for r in range(n)]
+    batch = per_replica(s, rows)
+
+    def fn(x):
+        ctx = jdist.get_replica_context()
+        total = ctx.merge_call(_total_of_ids, args=(jnp.float32(replica_id()) + 0 * jnp.sum(x),))
+        return total, total * 1.0
+    total, computed = s.run(fn, args=(batch,))
+    want = sum(range(n))
+    assert not isinstance(total, jdist.DistributedValues)
+    assert_local_results(s, total, [want])
+    np.testing.assert_array_equal(np.asarray(s.reduce("MEAN", total, axis=None)), want)
+    with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
+        s.reduce("SUM", total, axis=None)
+    assert_local_results(s, computed, [want] * n)
+    np.testing.assert_array_equal(np.asarray(s.reduce("SUM", computed, axis=None)), n * want)
 
 
 def test_merge_call_args_must_be_a_sequence():

@@ -91,11 +91,7 @@ def assert_matches(got, want, dtypes=None, rtol=0):
         return
     if isinstance(got, Exception):
         raise AssertionError(f"jdist raised, TF returned {want}") from got
-    if len(want) == 1 < len(got):
-        # TF's run returns one plain tensor when every replica returned the same tensor object
-        # (a merge_fn's non-distributed result): that value is every replica's.
-        want = want * len(got)
-    assert len(got) == len(want)
+    assert len(got) == len(want), f"{len(got)} local results, TF's {len(want)}"
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape, f"replica {i}: shape {g.shape}, TF's {w.shape}"
         expected_dtype = (dtypes or {}).get(w.dtype, w.dtype)
@@ -297,6 +293,22 @@ def replica_context_results(n):
 def test_replica_context(n, name):
     for got, want in replica_context_results(n)[name]:
         assert_matches(got, want)
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+@pytest.mark.parametrize("n", COUNTS)
+def test_reduce_of_what_the_replica_function_returned(n, op):
+    # A merge_fn's plain result, returned as it is, is one tensor in TF: SUM of it raises and
+    # MEAN is the tensor. Its per-replica and all-reduced results reduce as PerReplica values.
+    strategy, tf_strategy = both(n)
+    for x, tf_x in [batches(n, "float32")[i] for i in (0, 2)]:  # Even, then uneven.
+        out = strategy.run(JAX_REPLICA_FN, args=(x,))
+        tf_out = tf_strategy.run(TF_REPLICA_FN, args=(tf_x,))
+        for name in ("merge_reduce_sums", "merge_returns_per_replica", "all_reduce_mean",
+                     "replica_id_sum"):
+            assert_matches(outcome(strategy, lambda: strategy.reduce(op, out[name], axis=None)),
+                           outcome(tf_strategy,
+                                   lambda: tf_strategy.reduce(op, tf_out[name], axis=None)))
 
 
 @pytest.mark.parametrize("x64", [False, True])

@@ -166,8 +166,8 @@ def test_merge_call_runs_once_on_the_true_values():
         return mean, back
     mean, back = s.run(step, args=(per_replica(s, comps),))
     assert len(calls) == 1
-    assert_local_results(s, mean, [12.0] * 3)
-    assert isinstance(mean, jdist.Mirrored)
+    assert_local_results(s, mean, [12.0])  # TF: the merge's one tensor, returned as it is.
+    assert not isinstance(mean, jdist.DistributedValues)
     assert_local_results(s, back, comps)
 
 

@@ -272,6 +272,18 @@ class _Binding:
     # While one replica of an uneven step is traced (`jdist._src.uneven`): its merge_call and
     # all_gather become steps of their own, run across replicas between the traced pieces.
     exact: Any = None
+    # The plain arrays merge_call handed to the replica as they are (by id): TF's run returns
+    # such a value unwrapped, the same tensor object on every replica.
+    merged: dict = dataclasses.field(default_factory=dict)
+
+    def hand_over(self, value):
+        """``value``, a plain array a merge_fn returned, given to the replica (and recorded)."""
+        self.merged[id(value)] = value
+        return value
+
+    def handed_over(self, value) -> bool:
+        """Whether ``value`` is itself an array `hand_over` gave the replica."""
+        return self.merged.get(id(value)) is value
 
 
 class ReplicaContext:

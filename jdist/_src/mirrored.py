@@ -136,7 +136,7 @@ class _ReplicaAxisCollectives(ReplicaCollectives):
 
     def merge_call(self, merge_fn, args, kwargs):
         if self._binding.exact is not None:
-            return self._binding.exact.merge_call(merge_fn, args, kwargs)
+            return self._binding.exact.merge_call(merge_fn, args, kwargs, self._binding)
         return self._runner.merge_call(self._binding, merge_fn, args, kwargs)
 
 

@@ -66,13 +66,12 @@ class _Program:
     out_varying: tuple  # Per output array: whether it differs between replicas.
     out_inherits_lengths: tuple  # Per output array: whether it is a padded batch (design.md).
     out_statics: tuple  # Per output leaf: a Python object returned as it is, or `OUTPUT`.
-    out_plain: tuple  # Per output array: computed from Python numbers only (TF: a Python value).
+    out_plain: tuple  # Per output array: one tensor in TF (from Python numbers, a merge's).
     num_replicas: int
     token_index: Optional[int]  # The output the CPU guard waits on (the fast path's).
 
     def __post_init__(self):
-        # What wrapping the outputs takes, worked out once: most outputs of a training step are
-        # `Mirrored` parameters, wrapped in one loop (`values.mirror_at`).
+        # How the outputs are wrapped, worked out once (`Mirrored` ones in `values.mirror_at`).
         kinds = list(zip(self.out_varying, self.out_inherits_lengths, self.out_plain))
         self.mirrored_at = tuple(i for i, (v, inh, plain) in enumerate(kinds)
                                  if not (v or inh or plain) and self.num_replicas > 1)
@@ -143,10 +142,9 @@ class ReplicatedRunner:
 
         The direct program is one ``jax.jit`` taking ``(args, kwargs)`` as they are, so its C++
         dispatch flattens, checks and looks up the call, with no per-leaf work in Python. It
-        accepts canonical arguments only: every value on the mesh, and replicated ones as
-        `Mirrored` (as `run` returns them). Anything else (a loop's first parameters, host
-        arrays) is made canonical here first, so plain and `Mirrored` parameters share one
-        compile. A function whose calls keep needing that skips the direct attempt.
+        takes canonical arguments only (every value on the mesh, replicated ones as `Mirrored`);
+        others (a loop's first parameters, host arrays) are made canonical here first, so both
+        share one compile. A function whose calls keep needing that skips the direct attempt.
         """
         if cache.direct is None:
             cache.direct = jax.jit(functools.partial(self._direct_body, cache))
@@ -346,6 +344,7 @@ class ReplicatedRunner:
         python_in = [isinstance(leaf, _SCALARS) for leaf, k in zip(leaves, kinds) if k != _STATIC]
         by_var = dict(zip(traced.jaxpr.invars, python_in + [False] * has_lengths))
         plain = invariance.python_outputs(inner, [by_var.get(v, False) for v in eqn.invars])
+        plain = [p or merged for p, merged in zip(plain, record["merged"])]
         # The CPU guard waits on the smallest output (every output of a device is ready at
         # once), picked out after the call: returning it twice would cost a copy.
         sizes = [math.prod(shape) * (1 if s else n) for s, shape in zip(same, record["shapes"])]
@@ -394,8 +393,9 @@ class ReplicatedRunner:
                 binding.active = False
             out_leaves, record["tree"] = jax.tree_util.tree_flatten(out, is_leaf=is_distributed)
             record["statics"] = tuple(_output_static(x) for x in out_leaves)
-            arrays = [jnp.asarray(x) for x, st in zip(out_leaves, record["statics"])
-                      if st is OUTPUT]
+            returned = [x for x, st in zip(out_leaves, record["statics"]) if st is OUTPUT]
+            record["merged"] = tuple(binding.handed_over(x) for x in returned)
+            arrays = [jnp.asarray(x) for x in returned]
             record["shapes"] = tuple(x.shape for x in arrays)
             return [x[None] for x in arrays]
 
@@ -492,12 +492,13 @@ class ReplicatedRunner:
             result = merge_fn(self._strategy, *m_args, **m_kwargs)
         replica = lax.axis_index(axis)
 
-        def unpack(x):
+        def unpack(x):  # Distributed results per replica, as TF's select_replica unpacks them.
             if isinstance(x, PerReplica):
                 return x.stacked[replica]
             if isinstance(x, Mirrored):
                 return x.value
-            return x
+            # A plain array: if the replica returns it as it is, TF's run returns it unwrapped.
+            return binding.hand_over(x) if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
         return jax.tree_util.tree_map(unpack, result, is_leaf=is_distributed)
 
 

@@ -66,7 +66,8 @@ def plan(runner, fn, in_tree, kinds, statics, dynamic, abstract):
 
 
 # ------------------------------------------------------------------------ pieces and steps
-MIRRORED, STACKED, RAGGED = "mirrored", "stacked", "ragged"
+# How an output leaves an exact step (UNWRAPPED: a plain merge result the replicas returned).
+MIRRORED, STACKED, RAGGED, UNWRAPPED = "mirrored", "stacked", "ragged", "unwrapped"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +233,7 @@ class _Plan:
     replica_consts: dict  # Per local replica: per body input, its constant on its device.
     replica_ids: dict  # Per local replica: its id as an int32 on its device.
     steps: tuple  # Per cut: a `_CollectiveStep` or a `_MergeStep`.
-    out_kinds: tuple  # Per output: MIRRORED, STACKED or RAGGED.
+    out_kinds: tuple  # Per output: MIRRORED, STACKED, RAGGED or UNWRAPPED.
     out_tree: Any
     out_statics: tuple  # Per output leaf: a Python object returned as it is, or `OUTPUT`.
     ragged_args: frozenset
@@ -248,9 +249,10 @@ class _Plan:
             forms = uneven_trace.output_forms(distinct)
             same = [s and len({f[j] for f in forms}) == 1 for j, s in enumerate(same)]
         shapes = [[tuple(v.aval.shape) for v in t.jaxpr.outvars] for t in traces]
+        merged = [all(col) for col in zip(*(t.out_merged for t in traces))]
         out_kinds = tuple(
-            (MIRRORED if s and n > 1 else STACKED) if len({sh[j] for sh in shapes}) == 1
-            else RAGGED for j, s in enumerate(same))
+            (UNWRAPPED if merged[j] and n > 1 else MIRRORED if s and n > 1 else STACKED)
+            if len({sh[j] for sh in shapes}) == 1 else RAGGED for j, s in enumerate(same))
         ragged_args = frozenset(i for i, x in enumerate(dynamic)
                                 if isinstance(x, PerReplica) and x.ragged)
         forms = [PLAIN if kind == STACKED else SQUEEZE for kind in out_kinds]
@@ -303,9 +305,10 @@ class _Plan:
                                       for p in self.replica_programs)])
         if kind == RAGGED:
             return PerReplica._from_components(tuple(values))
-        if kind == MIRRORED:
-            return Mirrored._from_value(jax.make_array_from_single_device_arrays(
-                values[0].shape, self.programs.replicated_sharding, values), n, step_output=True)
+        if kind in (MIRRORED, UNWRAPPED):
+            value = jax.make_array_from_single_device_arrays(
+                values[0].shape, self.programs.replicated_sharding, values)
+            return value if kind == UNWRAPPED else Mirrored._from_value(value, n, True)
         return PerReplica._from_stacked(jax.make_array_from_single_device_arrays(
             (n,) + values[0].shape[1:], self.programs.per_replica_sharding, values))
 

@@ -65,6 +65,7 @@ class Merge:
     out_tree: Any
     out_statics: tuple  # Per output leaf: a Python object, or `_OPERAND` for an array.
     out_same: tuple  # Per array output: whether every replica receives the same value.
+    out_plain: tuple  # Per array output: a plain array merge_fn returned (not distributed).
     replica_avals: tuple  # Per replica: the avals of its array outputs.
     replica_outputs: tuple  # Per replica: indices of its array outputs among `run`'s results.
     run: Any  # Jitted: every replica's operand blocks, replica by replica -> result blocks.
@@ -83,7 +84,9 @@ class _ReplicaTrace:
         self._replica = replica
         self._count = 0
 
-    def merge_call(self, merge_fn, args, kwargs):
+    def merge_call(self, merge_fn, args, kwargs, binding=None):
+        """The replica's result of a merge_call; ``binding`` (the replica context's) records
+        the plain arrays merge_fn returned, as the even step's merge_call does."""
         index, self._count = self._count, self._count + 1
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
         operands = [leaf for leaf in leaves if _is_array(leaf)]
@@ -94,6 +97,8 @@ class _ReplicaTrace:
             raise _Suspend(index, _MergeRequest(merge_fn, tree, statics, avals))
         outs = merge_p.bind(*operands, index=index, out_avals=merge.replica_avals[self._replica],
                             out_same=merge.out_same)
+        if binding is not None:
+            outs = [binding.hand_over(x) if plain else x for x, plain in zip(outs, merge.out_plain)]
         return merge.rebuild(outs)
 
     def all_gather(self, value, axis):
@@ -120,6 +125,7 @@ class Trace:
     replicated_in: tuple  # Per body input: whether it is the same on every replica.
     out_tree: Any
     out_statics: tuple  # Per output leaf: a Python object the replica returned, or `OUTPUT`.
+    out_merged: tuple  # Per output array: a plain merge result returned as it is (TF: unwrapped).
 
     @functools.cached_property
     def cuts(self):
@@ -189,7 +195,7 @@ def _sources(traced, eqn, outer_sources=None):
     return tuple(out)
 
 
-def _flat_trace(traced, eqn, mesh, out_tree, out_statics):
+def _flat_trace(traced, eqn, mesh, out_tree, out_statics, out_merged):
     """The `Trace` of a traced body, re-traced with cut-holding calls inlined if it has any."""
     sources = _sources(traced, eqn)
     inner = eqn.params["jaxpr"]
@@ -215,7 +221,7 @@ def _flat_trace(traced, eqn, mesh, out_tree, out_statics):
                 "drop_remainder=True, or opt into padded batches with "
                 "jdist.InputOptions(pad_partial_batches=True) and mask with row_mask().")
     replicated = tuple(all(a is None for a in spec) for spec in eqn.params["in_specs"])
-    return Trace(inner, sources, replicated, out_tree, out_statics)
+    return Trace(inner, sources, replicated, out_tree, out_statics, out_merged)
 
 
 def _resolve_merge(strategy, requests):
@@ -271,7 +277,7 @@ def _merge_outputs(out_leaves, n):
 
 
 def _merge_from(closed, out_tree, out_leaves, n):
-    statics, same, outputs = [], [], [[] for _ in range(n)]
+    statics, same, plain, outputs = [], [], [], [[] for _ in range(n)]
     position = 0
     for leaf in out_leaves:
         if isinstance(leaf, PerReplica):
@@ -279,17 +285,19 @@ def _merge_from(closed, out_tree, out_leaves, n):
                 outputs[r].append(position + r)
             position += n
             same.append(False)
+            plain.append(False)
         elif isinstance(leaf, Mirrored) or _is_array(leaf):
             for r in range(n):
                 outputs[r].append(position)
             position += 1
             same.append(True)
+            plain.append(not isinstance(leaf, Mirrored))
         else:
             statics.append(leaf)
             continue
         statics.append(_OPERAND)
     out_avals = [jax.core.ShapedArray(a.shape[1:], a.dtype) for a in closed.out_avals]
-    return Merge(out_tree, tuple(statics), tuple(same),
+    return Merge(out_tree, tuple(statics), tuple(same), tuple(plain),
                   tuple(tuple(out_avals[i] for i in outs) for outs in outputs),
                   tuple(tuple(outs) for outs in outputs),
                   jax.jit(core.jaxpr_as_fun(closed)))
@@ -333,7 +341,7 @@ def trace_replicas(runner, fn, in_tree, kinds, statics, per_replica):
                 suspended[key] = stop
                 continue
             traces[key] = _flat_trace(traced, eqn, runner.programs.mesh, record["tree"],
-                                      record["statics"])
+                                      record["statics"], record["merged"])
         if not suspended:
             return [traces[key] for key in keys], resolved
         if traces or len({s.index for s in suspended.values()}) != 1:
