@@ -142,6 +142,20 @@ def test_merge_call_per_replica_result_is_unpacked_per_replica(n):
     assert_local_results(s, mean, [(n - 1) / 2])
 
 
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_an_array_the_step_captured_comes_back_as_that_one_array(n, uneven):
+    # Every replica returns the same tensor object in TF, so run returns it as it is.
+    s, captured = mirrored(n), jnp.arange(3, dtype=jnp.float32)
+    batch = per_replica(s, [np.ones((r % 2 + 1 if uneven else 2,), np.float32) for r in range(n)])
+    kept, computed = s.run(lambda x: (captured, captured + 0 * jnp.sum(x[:1])), args=(batch,))
+    assert kept is captured or not isinstance(kept, jdist.DistributedValues)
+    assert_local_results(s, kept, [[0, 1, 2]])
+    with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
+        s.reduce("SUM", kept, axis=None)
+    assert_local_results(s, computed, [[0, 1, 2]] * n)
+
+
 def _total_of_ids(strategy, ids):
     return strategy.reduce("SUM", ids, axis=None)
 

@@ -259,10 +259,13 @@ REPLICA_OUTPUTS = {
 def replica_fn(ops):
     """The replica function: every output of `REPLICA_OUTPUTS`, with ``ops`` (a closure: jdist
     takes a partial's arguments as run's arguments, which must be arrays or hashable)."""
+    captured = ops.vector(7)  # Made outside: every replica returns this one tensor object.
+
     @tf.autograph.experimental.do_not_convert  # Autograph cannot parse the lambdas.
     def fn(x):
         ctx = ops.get_replica_context()
-        return {name: output(ops, ctx, x) for name, output in REPLICA_OUTPUTS.items()}
+        outputs = {name: output(ops, ctx, x) for name, output in REPLICA_OUTPUTS.items()}
+        return {**outputs, "captured": captured}
     return fn
 
 
@@ -298,14 +301,15 @@ def test_replica_context(n, name):
 @pytest.mark.parametrize("op", ["SUM", "MEAN"])
 @pytest.mark.parametrize("n", COUNTS)
 def test_reduce_of_what_the_replica_function_returned(n, op):
-    # A merge_fn's plain result, returned as it is, is one tensor in TF: SUM of it raises and
-    # MEAN is the tensor. Its per-replica and all-reduced results reduce as PerReplica values.
+    # A merge_fn's plain result, or a tensor the function captured, returned as it is, is one
+    # tensor in TF: SUM of it raises and MEAN is the tensor. Per-replica and all-reduced
+    # results reduce as PerReplica values.
     strategy, tf_strategy = both(n)
     for x, tf_x in [batches(n, "float32")[i] for i in (0, 2)]:  # Even, then uneven.
         out = strategy.run(JAX_REPLICA_FN, args=(x,))
         tf_out = tf_strategy.run(TF_REPLICA_FN, args=(tf_x,))
         for name in ("merge_reduce_sums", "merge_returns_per_replica", "all_reduce_mean",
-                     "replica_id_sum"):
+                     "replica_id_sum", "captured"):
             assert_matches(outcome(strategy, lambda: strategy.reduce(op, out[name], axis=None)),
                            outcome(tf_strategy,
                                    lambda: tf_strategy.reduce(op, tf_out[name], axis=None)))

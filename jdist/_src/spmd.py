@@ -30,6 +30,7 @@ from jdist._src import dispatch
 from jdist._src import errors
 from jdist._src import fn_cache
 from jdist._src import invariance
+from jdist._src import merge
 from jdist._src import staged_outputs
 from jdist._src import uneven
 from jdist._src.uneven_trace import OUTPUT
@@ -66,7 +67,7 @@ class _Program:
     out_varying: tuple  # Per output array: whether it differs between replicas.
     out_inherits_lengths: tuple  # Per output array: whether it is a padded batch (design.md).
     out_statics: tuple  # Per output leaf: a Python object returned as it is, or `OUTPUT`.
-    out_plain: tuple  # Per output array: one tensor in TF (from Python numbers, a merge's).
+    out_plain: tuple  # Per output array: one tensor in TF (Python numbers', a merge's, captured).
     num_replicas: int
     token_index: Optional[int]  # The output the CPU guard waits on (the fast path's).
 
@@ -344,7 +345,7 @@ class ReplicatedRunner:
         python_in = [isinstance(leaf, _SCALARS) for leaf, k in zip(leaves, kinds) if k != _STATIC]
         by_var = dict(zip(traced.jaxpr.invars, python_in + [False] * has_lengths))
         plain = invariance.python_outputs(inner, [by_var.get(v, False) for v in eqn.invars])
-        plain = [p or merged for p, merged in zip(plain, record["merged"])]
+        plain = [p or one for p, one in zip(plain, record["unwrapped"])]
         # The CPU guard waits on the smallest output (every output of a device is ready at
         # once), picked out after the call: returning it twice would cost a copy.
         sizes = [math.prod(shape) * (1 if s else n) for s, shape in zip(same, record["shapes"])]
@@ -356,8 +357,8 @@ class ReplicatedRunner:
               staged=False):
         """Traces ``fn`` once as the body of a ``shard_map`` over the replica axis.
 
-        The body unpacks per-replica blocks, enters the replica context and calls ``fn``; it is
-        traced with ``check_vma=False`` (TF's per-replica gradients, see `invariance`).
+        The body unpacks per-replica blocks, enters the replica context and calls ``fn``
+        (``check_vma=False``: TF's per-replica gradients, see `invariance`).
 
         Args:
           fn, in_tree, kinds, statics: the replica function and its flattened arguments.
@@ -366,14 +367,14 @@ class ReplicatedRunner:
           has_lengths: whether a padded batch's lengths are the last argument.
           padded: the per-replica batch size the replica context reports (or None).
           exact: the `uneven` trace state when tracing one replica of an uneven step.
-          staged: trace ``jit(shard_map)`` instead, and keep that closed jaxpr (one ``jit``
-            equation) in ``record["staged"]``: the program can then be built from it without
-            evaluating the body again.
+          staged: trace ``jit(shard_map)`` instead and keep that closed jaxpr (one ``jit``
+            equation) in ``record["staged"]``, to build the program without tracing again.
 
         Returns:
           ``(traced, eqn, record)``: the closed jaxpr, its single ``shard_map`` equation, and
           the outputs' ``record["tree"]``, ``record["statics"]`` (Python objects returned as
-          they are, TF's regroup; `OUTPUT` for arrays) and ``record["shapes"]`` (the arrays').
+          they are, TF's regroup; `OUTPUT` for arrays), and per array ``record["shapes"]`` and
+          ``record["unwrapped"]`` (one tensor in TF, the same object on every replica).
         """
         axis, record = self._axis, {}
 
@@ -394,7 +395,9 @@ class ReplicatedRunner:
             out_leaves, record["tree"] = jax.tree_util.tree_flatten(out, is_leaf=is_distributed)
             record["statics"] = tuple(_output_static(x) for x in out_leaves)
             returned = [x for x, st in zip(out_leaves, record["statics"]) if st is OUTPUT]
-            record["merged"] = tuple(binding.handed_over(x) for x in returned)
+            # A plain array merge_call handed over, or one captured (concrete: made outside).
+            record["unwrapped"] = tuple(binding.handed_over(x) or (
+                isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)) for x in returned)
             arrays = [jnp.asarray(x) for x in returned]
             record["shapes"] = tuple(x.shape for x in arrays)
             return [x[None] for x in arrays]
@@ -474,32 +477,8 @@ class ReplicatedRunner:
 
     # ------------------------------------------------------------------ replica context
     def merge_call(self, binding, merge_fn, args, kwargs):
-        axis = self._axis
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
-        views = []
-        for leaf in leaves:
-            if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or self._n == 1:
-                views.append(leaf)  # Python objects pass as they are; so does one replica's value.
-                continue
-            # Every replica gets every replica's value: merge_fn runs SPMD on the same inputs.
-            view = PerReplica._from_stacked(lax.all_gather(jnp.asarray(leaf), axis))
-            if (binding.valid_rows is not None and view.stacked.ndim >= 2
-                    and view.stacked.shape[1] == binding.padded_rows):
-                view._view_valid_rows = lax.all_gather(binding.valid_rows, axis)
-            views.append(view)
-        m_args, m_kwargs = jax.tree_util.tree_unflatten(tree, views)
-        with context.cross_replica_scope(self._strategy, in_merge=True):
-            result = merge_fn(self._strategy, *m_args, **m_kwargs)
-        replica = lax.axis_index(axis)
-
-        def unpack(x):  # Distributed results per replica, as TF's select_replica unpacks them.
-            if isinstance(x, PerReplica):
-                return x.stacked[replica]
-            if isinstance(x, Mirrored):
-                return x.value
-            # A plain array: if the replica returns it as it is, TF's run returns it unwrapped.
-            return binding.hand_over(x) if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
-        return jax.tree_util.tree_map(unpack, result, is_leaf=is_distributed)
+        """A replica context's ``merge_call`` while its function is traced (`merge`)."""
+        return merge.merge_call(self._strategy, self._n, binding, merge_fn, args, kwargs)
 
 
 def _classify_leaf(leaf, place):

@@ -66,7 +66,7 @@ def plan(runner, fn, in_tree, kinds, statics, dynamic, abstract):
 
 
 # ------------------------------------------------------------------------ pieces and steps
-# How an output leaves an exact step (UNWRAPPED: a plain merge result the replicas returned).
+# How an output leaves an exact step (UNWRAPPED: one tensor in TF, see `spmd.trace`).
 MIRRORED, STACKED, RAGGED, UNWRAPPED = "mirrored", "stacked", "ragged", "unwrapped"
 
 
@@ -249,9 +249,9 @@ class _Plan:
             forms = uneven_trace.output_forms(distinct)
             same = [s and len({f[j] for f in forms}) == 1 for j, s in enumerate(same)]
         shapes = [[tuple(v.aval.shape) for v in t.jaxpr.outvars] for t in traces]
-        merged = [all(col) for col in zip(*(t.out_merged for t in traces))]
+        unwrapped = [all(col) for col in zip(*(t.out_unwrapped for t in traces))]
         out_kinds = tuple(
-            (UNWRAPPED if merged[j] and n > 1 else MIRRORED if s and n > 1 else STACKED)
+            (UNWRAPPED if unwrapped[j] and n > 1 else MIRRORED if s and n > 1 else STACKED)
             if len({sh[j] for sh in shapes}) == 1 else RAGGED for j, s in enumerate(same))
         ragged_args = frozenset(i for i, x in enumerate(dynamic)
                                 if isinstance(x, PerReplica) and x.ragged)

@@ -125,7 +125,7 @@ class Trace:
     replicated_in: tuple  # Per body input: whether it is the same on every replica.
     out_tree: Any
     out_statics: tuple  # Per output leaf: a Python object the replica returned, or `OUTPUT`.
-    out_merged: tuple  # Per output array: a plain merge result returned as it is (TF: unwrapped).
+    out_unwrapped: tuple  # Per output array: one tensor in TF (`spmd.trace`'s "unwrapped").
 
     @functools.cached_property
     def cuts(self):
@@ -195,7 +195,7 @@ def _sources(traced, eqn, outer_sources=None):
     return tuple(out)
 
 
-def _flat_trace(traced, eqn, mesh, out_tree, out_statics, out_merged):
+def _flat_trace(traced, eqn, mesh, out_tree, out_statics, out_unwrapped):
     """The `Trace` of a traced body, re-traced with cut-holding calls inlined if it has any."""
     sources = _sources(traced, eqn)
     inner = eqn.params["jaxpr"]
@@ -221,7 +221,7 @@ def _flat_trace(traced, eqn, mesh, out_tree, out_statics, out_merged):
                 "drop_remainder=True, or opt into padded batches with "
                 "jdist.InputOptions(pad_partial_batches=True) and mask with row_mask().")
     replicated = tuple(all(a is None for a in spec) for spec in eqn.params["in_specs"])
-    return Trace(inner, sources, replicated, out_tree, out_statics, out_merged)
+    return Trace(inner, sources, replicated, out_tree, out_statics, out_unwrapped)
 
 
 def _resolve_merge(strategy, requests):
@@ -341,7 +341,7 @@ def trace_replicas(runner, fn, in_tree, kinds, statics, per_replica):
                 suspended[key] = stop
                 continue
             traces[key] = _flat_trace(traced, eqn, runner.programs.mesh, record["tree"],
-                                      record["statics"], record["merged"])
+                                      record["statics"], record["unwrapped"])
         if not suspended:
             return [traces[key] for key in keys], resolved
         if traces or len({s.index for s in suspended.values()}) != 1:

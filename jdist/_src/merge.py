@@ -1,0 +1,60 @@
+"""``merge_call`` inside a traced step: ``merge_fn`` runs SPMD on every replica's gathered values.
+
+TF runs ``merge_fn`` once, on the host, between two halves of the replica function. A jdist step
+is one compiled program, so ``merge_fn`` runs inside it on every device, on the same all-gathered
+inputs (``docs/design.md``, section 6). Exact uneven steps merge differently (`uneven_trace`).
+"""
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jdist._src import context
+from jdist._src.values import Mirrored
+from jdist._src.values import PerReplica
+from jdist._src.values import is_distributed
+
+
+def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
+    """``merge_fn(strategy, *args, **kwargs)`` inside a traced even step, as TF's merge_call.
+
+    Every array argument is all-gathered into a `PerReplica` view that every device holds, so
+    ``merge_fn`` runs SPMD on the same inputs in a cross-replica context; its result reaches
+    each replica with `PerReplica` and `Mirrored` values unpacked (TF's ``select_replica``).
+
+    Args:
+      strategy: the strategy whose replica function is traced.
+      num_replicas: its replica count.
+      binding: the replica context's `context._Binding` (axis name, rows, handed-over arrays).
+      merge_fn, args, kwargs: as given to ``ReplicaContext.merge_call``.
+
+    Returns:
+      This replica's view of ``merge_fn``'s result.
+    """
+    axis = binding.axis_name
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
+    views = []
+    for leaf in leaves:
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or num_replicas == 1:
+            views.append(leaf)  # Python objects pass as they are; so does one replica's value.
+            continue
+        # Every replica gets every replica's value: merge_fn runs SPMD on the same inputs.
+        view = PerReplica._from_stacked(lax.all_gather(jnp.asarray(leaf), axis))
+        if (binding.valid_rows is not None and view.stacked.ndim >= 2
+                and view.stacked.shape[1] == binding.padded_rows):
+            view._view_valid_rows = lax.all_gather(binding.valid_rows, axis)
+        views.append(view)
+    m_args, m_kwargs = jax.tree_util.tree_unflatten(tree, views)
+    with context.cross_replica_scope(strategy, in_merge=True):
+        result = merge_fn(strategy, *m_args, **m_kwargs)
+    replica = lax.axis_index(axis)
+
+    def unpack(x):  # Distributed results per replica, as TF's select_replica unpacks them.
+        if isinstance(x, PerReplica):
+            return x.stacked[replica]
+        if isinstance(x, Mirrored):
+            return x.value
+        # A plain array: if the replica returns it as it is, TF's run returns it unwrapped.
+        return binding.hand_over(x) if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
+    return jax.tree_util.tree_map(unpack, result, is_leaf=is_distributed)
