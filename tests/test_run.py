@@ -201,10 +201,14 @@ def test_padded_mode_partial_batch_does_not_recompile():
 
 # ------------------------------------------------------- what run returns (TF's regroup)
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_a_result_of_python_numbers_alone_is_one_plain_value(n):
-    """TF: x * 2 on a Python int every replica got is the int 4, not a distributed value."""
+@pytest.mark.parametrize("uneven", [False, True])
+def test_a_result_of_python_numbers_alone_is_one_plain_value(n, uneven):
+    """TF: x * 2 on a Python int every replica got is the int 4, not a distributed value (in
+    an exact uneven step too)."""
     s = mirrored(n)
-    out = s.run(lambda x: x * 2, args=(2,))
+    batch = per_replica(s, [np.ones(r % 2 + 1 if uneven else 2) for r in range(n)])
+    out, rows = s.run(lambda x, b: (x * 2, b.shape[0]), args=(2, batch))
+    assert rows == 2 or isinstance(rows, jdist.PerReplica)
     assert int(out) == 4 and len(s.experimental_local_results(out)) == 1
     with pytest.raises(ValueError):
         s.reduce("sum", out, axis=None)  # A non-distributed value cannot be SUM-reduced.

@@ -249,7 +249,7 @@ class _Plan:
             forms = uneven_trace.output_forms(distinct)
             same = [s and len({f[j] for f in forms}) == 1 for j, s in enumerate(same)]
         shapes = [[tuple(v.aval.shape) for v in t.jaxpr.outvars] for t in traces]
-        unwrapped = [all(col) for col in zip(*(t.out_unwrapped for t in traces))]
+        unwrapped = [all(col) for col in zip(*(_one_tensor(t, dynamic) for t in traces))]
         out_kinds = tuple(
             (UNWRAPPED if unwrapped[j] and n > 1 else MIRRORED if s and n > 1 else STACKED)
             if len({sh[j] for sh in shapes}) == 1 else RAGGED for j, s in enumerate(same))
@@ -311,6 +311,15 @@ class _Plan:
             return value if kind == UNWRAPPED else Mirrored._from_value(value, n, True)
         return PerReplica._from_stacked(jax.make_array_from_single_device_arrays(
             (n,) + values[0].shape[1:], self.programs.per_replica_sharding, values))
+
+
+def _one_tensor(trace, dynamic):
+    """Per output of ``trace``: whether TF's run returns it as one tensor, as the even step's
+    program decides (`spmd.trace`'s "unwrapped", and results of Python numbers alone)."""
+    python = [kind == "arg" and isinstance(dynamic[i], (bool, int, float, complex))
+              for kind, i in trace.sources]
+    return [u or p for u, p in zip(trace.out_unwrapped,
+                                   invariance.python_outputs(trace.jaxpr, python))]
 
 
 def _regroup(programs, traces):
