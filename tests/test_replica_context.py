@@ -156,6 +156,24 @@ def test_an_array_the_step_captured_comes_back_as_that_one_array(n, uneven):
     assert_local_results(s, computed, [[0, 1, 2]] * n)
 
 
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_a_plain_argument_returned_as_it_is_comes_back_as_that_one_array(n, uneven):
+    # TF hands every replica the same tensor object; returned unchanged, run returns it. A
+    # Mirrored argument is unpacked per replica in TF, so it comes back as run's Mirrored.
+    s, w = mirrored(n), np.float32([1.5, 2.0])
+    batch = per_replica(s, [np.ones((r % 2 + 1 if uneven else 2,), np.float32) for r in range(n)])
+    kept, _ = s.run(lambda w, x: (w, jnp.sum(x)), args=(w, batch))
+    assert not isinstance(kept, jdist.DistributedValues)
+    assert_local_results(s, kept, [w])
+    with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
+        s.reduce("SUM", kept, axis=None)
+    step_output = s.run(lambda w: w * 1, args=(w,))
+    again, _ = s.run(lambda w, x: (w, jnp.sum(x)), args=(step_output, batch))
+    assert isinstance(again, jdist.Mirrored)
+    np.testing.assert_array_equal(np.asarray(s.reduce("SUM", again, axis=None)), n * w)
+
+
 def _total_of_ids(strategy, ids):
     return strategy.reduce("SUM", ids, axis=None)
 

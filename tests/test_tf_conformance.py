@@ -315,6 +315,24 @@ def test_reduce_of_what_the_replica_function_returned(n, op):
                                    lambda: tf_strategy.reduce(op, tf_out[name], axis=None)))
 
 
+@tf.autograph.experimental.do_not_convert
+def first_argument(w, x):
+    return w
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+@pytest.mark.parametrize("n", COUNTS)
+def test_an_argument_returned_as_it_is(n, op):
+    # A plain tensor argument is the same object on every replica: TF's run returns it.
+    strategy, tf_strategy = both(n)
+    for x, tf_x in [batches(n, "float32")[i] for i in (0, 2)]:  # Even, then uneven.
+        out = strategy.run(first_argument, args=(np.float32([3.0, 0.5]), x))
+        tf_out = tf_strategy.run(first_argument, args=(tf.constant([3.0, 0.5]), tf_x))
+        assert_matches(local_results(strategy, out), local_results(tf_strategy, tf_out))
+        assert_matches(outcome(strategy, lambda: strategy.reduce(op, out, axis=None)),
+                       outcome(tf_strategy, lambda: tf_strategy.reduce(op, tf_out, axis=None)))
+
+
 @pytest.mark.parametrize("x64", [False, True])
 @pytest.mark.parametrize("n", COUNTS)
 def test_all_reduce_mean_of_the_replica_ids(n, x64):

@@ -68,6 +68,7 @@ class _Program:
     out_inherits_lengths: tuple  # Per output array: whether it is a padded batch (design.md).
     out_statics: tuple  # Per output leaf: a Python object returned as it is, or `OUTPUT`.
     out_plain: tuple  # Per output array: one tensor in TF (Python numbers', a merge's, captured).
+    out_passed: tuple  # Per output array: the argument leaf it returns as it is, or None.
     num_replicas: int
     token_index: Optional[int]  # The output the CPU guard waits on (the fast path's).
 
@@ -79,6 +80,7 @@ class _Program:
         self.per_replica_at = tuple(i for i, (v, inh, _) in enumerate(kinds) if v and not inh)
         self.padded_at = tuple(i for i, (_, inh, _) in enumerate(kinds) if inh)
         self.has_statics = any(st is not OUTPUT for st in self.out_statics)
+        self.passed_at = tuple((k, j) for k, j in enumerate(self.out_passed) if j is not None)
 
     @functools.cached_property
     def jitted(self):
@@ -162,7 +164,7 @@ class ReplicatedRunner:
                     return None  # A leaf jax.jit refuses (a string, an array elsewhere).
             else:
                 cache.direct_missed = False
-                return self._wrap_direct(cache, outputs)
+                return self._wrap_direct(cache, outputs, args, kwargs)
             finally:
                 reading.active = False
         call, changed = self._canonical(call)
@@ -172,13 +174,17 @@ class ReplicatedRunner:
             cache.flatten_first = False
         try:
             with batch_blocks.reading_blocks():
-                return self._wrap_direct(cache, self._guard.launch(cache.direct, call, cache.token))
+                outputs = self._guard.launch(cache.direct, call, cache.token)
         except (TypeError, ValueError):
             return None
+        return self._wrap_direct(cache, outputs, args, kwargs)
 
-    def _wrap_direct(self, cache, outputs):
+    def _wrap_direct(self, cache, outputs, args, kwargs):
         (number, arrays), = outputs.items()
-        return self._wrap_outputs(cache.plans[number], arrays, None)
+        program = cache.plans[number]
+        leaves = (jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)[0]
+                  if program.passed_at else None)  # Read where an argument is returned.
+        return self._wrap_outputs(program, arrays, None, leaves)
 
     def _canonical(self, call):
         """``(arguments, changed)``: ``call``'s arguments as the direct program takes them (every
@@ -243,7 +249,7 @@ class ReplicatedRunner:
             outputs = program.jitted(*dynamic)
         else:
             outputs = self._guard.dispatch(program.jitted, *dynamic)
-        return self._wrap_outputs(program, outputs, call.lengths)
+        return self._wrap_outputs(program, outputs, call.lengths, leaves)
 
     def _classify(self, leaves):
         """The call's arguments as the program cache sees them (placing what is not yet on the
@@ -350,8 +356,8 @@ class ReplicatedRunner:
         # once), picked out after the call: returning it twice would cost a copy.
         sizes = [math.prod(shape) * (1 if s else n) for s, shape in zip(same, record["shapes"])]
         token = min(range(len(sizes)), key=sizes.__getitem__, default=None)
-        return _Program(program, record["tree"], varying, inherits,
-                        record["statics"], tuple(plain), n, token)
+        return _Program(program, record["tree"], varying, inherits, record["statics"],
+                        tuple(plain), record["passed"], n, token)
 
     def trace(self, fn, in_tree, kinds, statics, abstract, has_lengths, padded, exact=None,
               staged=False):
@@ -398,6 +404,10 @@ class ReplicatedRunner:
             # A plain array merge_call handed over, or one captured (concrete: made outside).
             record["unwrapped"] = tuple(binding.handed_over(x) or (
                 isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)) for x in returned)
+            # A replicated argument returned as it is: one tensor in TF if it came plain.
+            replicated = {id(v): (v, i) for i, (v, kind) in enumerate(zip(values, kinds))
+                          if kind in (_MIRRORED, _ARRAY)}
+            record["passed"] = tuple(_returned_argument(replicated, x) for x in returned)
             arrays = [jnp.asarray(x) for x in returned]
             record["shapes"] = tuple(x.shape for x in arrays)
             return [x[None] for x in arrays]
@@ -459,11 +469,14 @@ class ReplicatedRunner:
         inputs = [by_var.get(v, batch_rows.NOT_ROWS) for v in eqn.invars]
         return batch_rows.row_axes(eqn.params["jaxpr"], inputs)
 
-    def _wrap_outputs(self, program, outputs, lengths):
+    def _wrap_outputs(self, program, outputs, lengths, leaves):
         """The user's output nest from the program's flat outputs (`Mirrored`, `PerReplica` or
-        plain arrays, and the Python objects the function returned)."""
-        wrapped = list(outputs)
-        mirror_at(wrapped, program.mirrored_at, self._n)
+        plain arrays, Python objects); ``leaves``: the call's arguments (see `passed_at`)."""
+        wrapped, mirrored_at = list(outputs), program.mirrored_at
+        if program.passed_at:  # A plain argument returned as it is is TF's one tensor.
+            plain = {k for k, j in program.passed_at if not is_distributed(leaves[j])}
+            mirrored_at = [i for i in mirrored_at if i not in plain]
+        mirror_at(wrapped, mirrored_at, self._n)
         for i in program.per_replica_at:
             wrapped[i] = PerReplica._from_stacked(wrapped[i])
         for i in program.padded_at:
@@ -538,6 +551,12 @@ def _placed(leaf, place):
     value = place.place_replicated(leaf.value)
     return leaf if value is leaf.value else Mirrored._from_value(
         value, leaf.num_replicas, is_step_output(leaf))
+
+
+def _returned_argument(replicated, x):
+    """The index of the replicated argument that ``x`` is (``replicated``: by id), or None."""
+    entry = replicated.get(id(x))
+    return entry[1] if entry is not None and entry[0] is x else None
 
 
 def _waited_outputs(cache, outputs):

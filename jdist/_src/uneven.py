@@ -62,7 +62,7 @@ def plan(runner, fn, in_tree, kinds, statics, dynamic, abstract):
       A `_Plan`, called with the dynamic arguments of each later call of the same signature.
     """
     traces, merges = uneven_trace.trace_replicas(runner, fn, in_tree, kinds, statics, abstract)
-    return _Plan.build(runner.programs, traces, merges, dynamic)
+    return _Plan.build(runner.programs, traces, merges, dynamic, kinds)
 
 
 # ------------------------------------------------------------------------ pieces and steps
@@ -239,7 +239,7 @@ class _Plan:
     ragged_args: frozenset
 
     @classmethod
-    def build(cls, programs, traces, merges, dynamic):
+    def build(cls, programs, traces, merges, dynamic, kinds):
         n, devices = len(traces), _devices(programs)
         distinct = list({id(t): t for t in traces}.values())
         uneven_trace.check_cuts(distinct)
@@ -249,7 +249,7 @@ class _Plan:
             forms = uneven_trace.output_forms(distinct)
             same = [s and len({f[j] for f in forms}) == 1 for j, s in enumerate(same)]
         shapes = [[tuple(v.aval.shape) for v in t.jaxpr.outvars] for t in traces]
-        unwrapped = [all(col) for col in zip(*(_one_tensor(t, dynamic) for t in traces))]
+        unwrapped = [all(col) for col in zip(*(_one_tensor(t, dynamic, kinds) for t in traces))]
         out_kinds = tuple(
             (UNWRAPPED if unwrapped[j] and n > 1 else MIRRORED if s and n > 1 else STACKED)
             if len({sh[j] for sh in shapes}) == 1 else RAGGED for j, s in enumerate(same))
@@ -313,13 +313,15 @@ class _Plan:
             (n,) + values[0].shape[1:], self.programs.per_replica_sharding, values))
 
 
-def _one_tensor(trace, dynamic):
+def _one_tensor(trace, dynamic, kinds):
     """Per output of ``trace``: whether TF's run returns it as one tensor, as the even step's
-    program decides (`spmd.trace`'s "unwrapped", and results of Python numbers alone)."""
+    program decides (`spmd.trace`'s "unwrapped", results of Python numbers alone, and plain
+    arguments returned as they are: ``kinds``' "array", not "mirrored")."""
     python = [kind == "arg" and isinstance(dynamic[i], (bool, int, float, complex))
               for kind, i in trace.sources]
-    return [u or p for u, p in zip(trace.out_unwrapped,
-                                   invariance.python_outputs(trace.jaxpr, python))]
+    passed = [j is not None and kinds[j] == "array" for j in trace.out_passed]
+    return [u or p or a for u, p, a in zip(trace.out_unwrapped, passed,
+                                           invariance.python_outputs(trace.jaxpr, python))]
 
 
 def _regroup(programs, traces):

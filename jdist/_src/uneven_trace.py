@@ -126,6 +126,7 @@ class Trace:
     out_tree: Any
     out_statics: tuple  # Per output leaf: a Python object the replica returned, or `OUTPUT`.
     out_unwrapped: tuple  # Per output array: one tensor in TF (`spmd.trace`'s "unwrapped").
+    out_passed: tuple  # Per output array: the argument leaf it returns as it is, or None.
 
     @functools.cached_property
     def cuts(self):
@@ -195,7 +196,7 @@ def _sources(traced, eqn, outer_sources=None):
     return tuple(out)
 
 
-def _flat_trace(traced, eqn, mesh, out_tree, out_statics, out_unwrapped):
+def _flat_trace(traced, eqn, mesh, out_tree, out_statics, out_unwrapped, out_passed):
     """The `Trace` of a traced body, re-traced with cut-holding calls inlined if it has any."""
     sources = _sources(traced, eqn)
     inner = eqn.params["jaxpr"]
@@ -221,7 +222,7 @@ def _flat_trace(traced, eqn, mesh, out_tree, out_statics, out_unwrapped):
                 "drop_remainder=True, or opt into padded batches with "
                 "jdist.InputOptions(pad_partial_batches=True) and mask with row_mask().")
     replicated = tuple(all(a is None for a in spec) for spec in eqn.params["in_specs"])
-    return Trace(inner, sources, replicated, out_tree, out_statics, out_unwrapped)
+    return Trace(inner, sources, replicated, out_tree, out_statics, out_unwrapped, out_passed)
 
 
 def _resolve_merge(strategy, requests):
@@ -341,7 +342,7 @@ def trace_replicas(runner, fn, in_tree, kinds, statics, per_replica):
                 suspended[key] = stop
                 continue
             traces[key] = _flat_trace(traced, eqn, runner.programs.mesh, record["tree"],
-                                      record["statics"], record["unwrapped"])
+                                      record["statics"], record["unwrapped"], record["passed"])
         if not suspended:
             return [traces[key] for key in keys], resolved
         if traces or len({s.index for s in suspended.values()}) != 1:
