@@ -51,8 +51,8 @@ def block_size(batch_bytes: int) -> int:
 
 @contextlib.contextmanager
 def reading_blocks(active: bool = True):
-    """Blocked values flatten to ``(block, position)`` inside the block (when ``active``): for
-    `jdist.function`, whose program then indexes the block as `strategy.run`'s does."""
+    """While inside, blocked values flatten to ``(block, position)`` (when ``active``), so the
+    program called there indexes the block itself (`jdist.function`, `run`'s second launch)."""
     reading.active = active
     try:
         yield

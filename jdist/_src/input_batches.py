@@ -91,9 +91,8 @@ class Source:
             self._opened = True
             stash, self._stash = self._stash, []
             return _host_batches(self._obj, stash)
-        if isinstance(self._obj, NumpyDataset):  # NumPy arrays: their dtypes checked once.
-            to_host(self._obj._data)
-            return _host_batches(iter(self._obj), (), convert=False)
+        if isinstance(self._obj, NumpyDataset):
+            return _host_batches(iter(self._checked_numpy()), (), convert=False)
         if self.is_tf:
             return _host_batches(self._obj.as_numpy_iterator(), ())
         if self._callable:
@@ -101,9 +100,14 @@ class Source:
         return _host_batches(iter(self._obj), ())
 
     def open_blocks(self, count):
-        """A batched `NumpyDataset`'s `NumpyDataset.blocks` (its arrays' dtypes checked once)."""
+        """A batched `NumpyDataset`'s `NumpyDataset.blocks`."""
+        return self._checked_numpy().blocks(count)
+
+    def _checked_numpy(self):
+        """The `NumpyDataset`, its arrays' dtypes and numbers checked once per pass (its batches
+        are then used as they are)."""
         to_host(self._obj._data)
-        return self._obj.blocks(count)
+        return self._obj
 
     def first(self):
         """The first batch as a NumPy nest (None if there is none), without losing it.
