@@ -230,3 +230,44 @@ def test_bool_reduction_raises(n, op, how):
     v = per_replica(s, comps) if n > 1 else comps[0]
     with pytest.raises(errors.UnsupportedValueError, match="bool"):
         BOOL_REDUCTIONS[how](s, op, v)
+
+
+# ------------------------------------------- bfloat16: TF rounds every cross-replica partial sum
+BFLOAT16_SUMS = {
+    "reduce": lambda s, v: s.reduce("sum", v, axis=None),
+    "reduce_rows": lambda s, v: s.reduce("sum", v, axis=0),
+    "merge_call": lambda s, v: _reduce_in_merge_call(s, "sum", v, None),
+    "all_reduce": lambda s, v: s.experimental_local_results(s.run(
+        lambda x: jdist.get_replica_context().all_reduce("sum", x), args=(v,)))[0],
+    "packed_all_reduce": lambda s, v: s.experimental_local_results(s.run(
+        lambda x: jdist.get_replica_context().all_reduce(
+            "sum", [x], options=jdist.CommunicationOptions(bytes_per_pack=64))[0],
+        args=(v,)))[0],
+    "batch_reduce_to": lambda s, v: s.extended.batch_reduce_to(
+        jdist.ReduceOp.SUM, [(v, "cpu:0")])[0],
+}
+
+
+def numpy_bfloat16_sum(components, axis):
+    """TF's bfloat16 sum: each replica's rows summed in float32 and rounded once, then the
+    replicas added one at a time, every partial sum rounded to bfloat16 (``add_n``)."""
+    bf16 = jnp.bfloat16
+    partials = [c if axis is None else c.astype(np.float32).sum(axis).astype(bf16)
+                for c in components]
+    total = partials[0]
+    for p in partials[1:]:
+        total = (total.astype(np.float32) + p.astype(np.float32)).astype(bf16)
+    return total
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("path", list(BFLOAT16_SUMS))
+def test_bfloat16_sums_round_every_partial_sum(n, path):
+    rng = np.random.default_rng(n)
+    comps = [(rng.normal(size=(6, 40)) * 10.0 ** rng.integers(-2, 3, size=(6, 40))
+              ).astype(jnp.bfloat16) for _ in range(n)]
+    s = mirrored(n)
+    got = BFLOAT16_SUMS[path](s, per_replica(s, comps) if n > 1 else comps[0])
+    want = numpy_bfloat16_sum(comps, 0 if path == "reduce_rows" else None)
+    assert jnp.asarray(got).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(np.float32))

@@ -586,7 +586,7 @@ def random_values_of_both(n, dtype="float32", spread=0):
     tf_strategy = reduction_to_one_device(n) if n > 1 else tf_strategy
     rng = np.random.default_rng(n)
     comps = [(rng.normal(size=500) * 10.0 ** rng.integers(-spread, spread + 1, size=500)
-              ).astype(dtype) for _ in range(n)]
+              ).astype(jnp.dtype(dtype)) for _ in range(n)]
     v = strategy.experimental_distribute_values_from_function(
         lambda ctx: comps[ctx.replica_id_in_sync_group])
     tf_v = tf_strategy.experimental_distribute_values_from_function(
@@ -594,15 +594,15 @@ def random_values_of_both(n, dtype="float32", spread=0):
     return strategy, tf_strategy, v, tf_v
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("op", ["SUM", "MEAN"])
 @pytest.mark.parametrize("n", [3, 5, 8])
 def test_float_sums_add_the_replicas_in_order(n, op, dtype):
     """Random values whose sums round differently in another order: jdist adds the replicas in
     replica order, bit for bit TF's ``ReductionToOneDevice`` (``add_n``), in
-    ``strategy.reduce``, ``all_reduce`` and the cross-device ops. (TF's collective and NCCL
-    all-reduces add in ring order, which gives other last bits; bfloat16 sums keep float32
-    partial sums in XLA: docs/design.md section 9.)"""
+    ``strategy.reduce``, ``all_reduce`` and the cross-device ops; bfloat16 sums round every
+    partial sum, as ``add_n`` does. (TF's collective and NCCL all-reduces add in ring order,
+    which gives other last bits: docs/design.md section 9.)"""
     strategy, tf_strategy, v, tf_v = random_values_of_both(n, dtype, spread=2)
     want = outcome(tf_strategy, lambda: tf_strategy.reduce(op, tf_v, axis=None))
     assert_matches(outcome(strategy, lambda: strategy.reduce(op, v, axis=None)), want)
@@ -613,6 +613,41 @@ def test_float_sums_add_the_replicas_in_order(n, op, dtype):
     for ops in (jdist.ReductionToOneDevice(), jdist.NcclAllReduce()):
         assert_matches(outcome(strategy, lambda: ops.reduce(jdist.ReduceOp(op), v, "CPU:0")),
                        want)
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+@pytest.mark.parametrize("n", [3, 8])
+def test_bfloat16_sums_round_every_partial_sum_on_every_path(n, op):
+    """bfloat16 sums whose float32 partial sums would round otherwise, on the paths not covered
+    above: packed all-reduces, ``batch_reduce``, a ``merge_call`` reduce, and a reduce along
+    the rows."""
+    strategy, tf_strategy, v, tf_v = random_values_of_both(n, "bfloat16", spread=2)
+    packed = jdist.CommunicationOptions(bytes_per_pack=256)
+    tf_packed = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=256)
+    assert_matches(
+        outcome(strategy, lambda: strategy.run(lambda x: jdist.get_replica_context().all_reduce(
+            op, [x, x * 2], options=packed), args=(v,))[1]),
+        outcome(tf_strategy, lambda: tf_strategy.run(
+            lambda x: tf.distribute.get_replica_context().all_reduce(
+                op, [x, x * 2], options=tf_packed), args=(tf_v,))[1]))
+    jdist_op, tf_op = jdist.ReduceOp(op), tf.distribute.ReduceOp(op)
+    assert_matches(
+        outcome(strategy, lambda: jdist.ReductionToOneDevice().batch_reduce(
+            jdist_op, [(v, v)])[0]),
+        outcome(tf_strategy, lambda: tf.distribute.ReductionToOneDevice().batch_reduce(
+            tf_op, [(tf_v, tf_v)])[0]))
+    assert_matches(
+        outcome(strategy, lambda: strategy.run(lambda x: jdist.get_replica_context().merge_call(
+            lambda s, x: s.reduce(op, x, axis=None), args=(x,)), args=(v,))),
+        outcome(tf_strategy, lambda: tf_strategy.run(
+            lambda x: tf.distribute.get_replica_context().merge_call(
+                lambda s, x: s.reduce(op, x, axis=None), args=(x,)), args=(tf_v,))))
+    rows, tf_rows = (s.experimental_distribute_values_from_function(
+        lambda ctx: constant(np.asarray(s.experimental_local_results(x)[
+            ctx.replica_id_in_sync_group]).reshape(50, 10)))
+        for s, x, constant in ((strategy, v, jnp.asarray), (tf_strategy, tf_v, tf.constant)))
+    assert_matches(outcome(strategy, lambda: strategy.reduce(op, rows, axis=0)),
+                   outcome(tf_strategy, lambda: tf_strategy.reduce(op, tf_rows, axis=0)))
 
 
 @pytest.mark.parametrize("op", ["SUM", "MEAN"])

@@ -142,13 +142,16 @@ class ReplicaMesh:
 
         def body(block, valid=None):
             valid_rows = None if valid is None else valid[0]
-            total = lax.psum(collectives.local_sum(block[0], axes, valid_rows), axis)
+            partial = collectives.local_sum(block[0], axes, valid_rows)
+            total = collectives.replica_sum(partial, axis)
             rows = None if valid is None else lax.psum(valid_rows, axis)
             return collectives.finish(op, total,
                                       collectives.mean_count(block.shape[1:], axes, n, rows))
 
+        # Unchecked: a bfloat16 sum is a gather (`collectives.replica_sum`), the same on every
+        # replica though shard_map types a gather as varying.
         return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=self._specs(has_lengths),
-                                     out_specs=P()))
+                                     out_specs=P(), check_vma=False))
 
     @functools.lru_cache(maxsize=None)
     def _local_sums_program(self, axes, has_lengths):
