@@ -152,7 +152,7 @@ class ReplicatedRunner:
         if cache.direct is None:
             cache.direct = jax.jit(functools.partial(self._direct_body, cache))
             cache.token = functools.partial(_waited_outputs, cache)
-        call, reading = (args, kwargs), batch_blocks.reading
+        call, reading, outputs = (args, kwargs), batch_blocks.reading, None
         if not cache.flatten_first:
             reading.active = True  # Blocked dataset elements enter as (block, position).
             try:
@@ -164,9 +164,21 @@ class ReplicatedRunner:
                     return None  # A leaf jax.jit refuses (a string, an array elsewhere).
             else:
                 cache.direct_missed = False
-                return self._wrap_direct(cache, outputs, args, kwargs)
             finally:
                 reading.active = False
+        if outputs is None:
+            outputs = self._launch_canonical(cache, call)
+            if outputs is None:
+                return None
+        (number, arrays), = outputs.items()
+        program = cache.plans[number]
+        leaves = (jax.tree_util.tree_flatten(call, is_leaf=is_distributed)[0]
+                  if program.passed_at else None)  # Read where an argument is returned.
+        return self._wrap_outputs(program, arrays, None, leaves)
+
+    def _launch_canonical(self, cache, call):
+        """The direct program's outputs on ``call`` made canonical, or None where it does not
+        take them."""
         call, changed = self._canonical(call)
         if call is None:
             return None
@@ -174,17 +186,9 @@ class ReplicatedRunner:
             cache.flatten_first = False
         try:
             with batch_blocks.reading_blocks():
-                outputs = self._guard.launch(cache.direct, call, cache.token)
+                return self._guard.launch(cache.direct, call, cache.token)
         except (TypeError, ValueError):
             return None
-        return self._wrap_direct(cache, outputs, args, kwargs)
-
-    def _wrap_direct(self, cache, outputs, args, kwargs):
-        (number, arrays), = outputs.items()
-        program = cache.plans[number]
-        leaves = (jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)[0]
-                  if program.passed_at else None)  # Read where an argument is returned.
-        return self._wrap_outputs(program, arrays, None, leaves)
 
     def _canonical(self, call):
         """``(arguments, changed)``: ``call``'s arguments as the direct program takes them (every
