@@ -177,8 +177,7 @@ class ReplicatedRunner:
         return self._wrap_outputs(program, arrays, None, leaves)
 
     def _launch_canonical(self, cache, call):
-        """The direct program's outputs on ``call`` made canonical, or None where it does not
-        take them."""
+        """The direct program's outputs on ``call`` made canonical (None: it cannot be)."""
         call, changed = self._canonical(call)
         if call is None:
             return None
