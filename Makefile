@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-BENCH_STAMP := $(VENV)/.installed-bench
 DOCS_STAMP := $(VENV)/.installed-docs
 
 .PHONY: example test test-tf bench docs clean
@@ -24,6 +23,7 @@ test: $(STAMP)
 # whose environment has no TensorFlow): a separate environment with the `tf` extra.
 TF_VENV := .venv-tf
 TF_STAMP := $(TF_VENV)/.installed
+BENCH_STAMP := $(TF_VENV)/.installed-bench
 
 $(TF_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(TF_VENV)
@@ -35,8 +35,9 @@ test-tf: $(TF_STAMP)
 	$(TF_VENV)/bin/python -m pytest -q -n 2 tests/test_tf_conformance.py tests/test_input_tf.py \
 		tests/test_auto_shard.py
 
-$(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e ".[bench]"
+# The benchmarks run in the TF environment, so the scaling figure has TF's curve beside jdist's.
+$(BENCH_STAMP): $(TF_STAMP)
+	$(TF_VENV)/bin/python -m pip install --quiet -e ".[bench]"
 	touch $(BENCH_STAMP)
 
 $(DOCS_STAMP): $(STAMP)
@@ -45,7 +46,7 @@ $(DOCS_STAMP): $(STAMP)
 
 # Runs every benchmark, then writes docs/benchmarks.md and docs/img/scaling.png from their figures.
 bench: $(BENCH_STAMP)
-	$(PY) benchmarks/run_all.py
+	$(TF_VENV)/bin/python benchmarks/run_all.py
 
 # Builds the documentation site into site/ (warnings are errors).
 docs: $(DOCS_STAMP)

@@ -5,10 +5,11 @@ replica (weak scaling: the global batch grows with the replicas), on 1, 2, 4 and
 simulated CPU devices, timed as ``bench_run`` times it: jdist's ``strategy.run`` and the
 hand-written ``jit(shard_map)`` loop alternate in blocks, medians of the blocks are reported.
 The figure is examples/s; the ratio jdist / hand-written is the page's headline per count.
-With TensorFlow installed, the same step under ``tf.distribute.MirroredStrategy`` on as many
-logical CPU devices is timed too. Simulated devices share this machine's cores, so throughput
-does not grow with the count as it does on real accelerators: what the numbers show is what
-jdist costs over the hand-written loop at each count. Run: ``python benchmarks/bench_scaling.py``.
+With TensorFlow installed (``make bench`` runs in the TF environment), the same step under
+``tf.distribute.MirroredStrategy`` (with ``ReductionToOneDevice``) on as many logical CPU devices
+is timed too. Simulated devices share this machine's cores, so throughput does not grow with the
+count as it does on real accelerators: what the numbers show is what jdist costs over the
+hand-written loop at each count. Run: ``python benchmarks/bench_scaling.py``.
 """
 
 import common  # noqa: F401  (first: it requests the simulated devices)
@@ -32,16 +33,21 @@ def tf_examples_per_second(replicas):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     cpu = tf.config.list_physical_devices("CPU")[0]
-    if len(tf.config.list_logical_devices("CPU")) < max(COUNTS):
+    if tf.config.get_logical_device_configuration(cpu) is None:  # Before TF initialises.
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration()] * max(COUNTS))
-    strategy = tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    # ReductionToOneDevice: TF's CPU collectives keep their groups per process, so a second
+    # strategy over other devices fails to join them ("joining a group with size 4, but that
+    # group has size 2"); it is also the TF all-reduce whose numbers jdist's are.
+    strategy = tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(replicas)],
+                                              tf.distribute.ReductionToOneDevice())
     layers = bench_run.LAYERS
     with strategy.scope():
         model = tf.keras.Sequential([tf.keras.layers.Dense(n, activation="relu")
                                      for n in layers[1:-1]] + [tf.keras.layers.Dense(layers[-1])])
         model.build((None, layers[0]))
         optimizer = tf.keras.optimizers.Adam(1e-3)
+        optimizer.build(model.trainable_variables)  # Its slots mirrored, made in the scope.
     batch = replicas * bench_run.PER_REPLICA_BATCH
     rng = np.random.default_rng(0)
     data = tf.data.Dataset.from_tensor_slices((
