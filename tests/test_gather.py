@@ -42,11 +42,26 @@ def test_gather_uneven_along_another_axis_is_an_error():
         s.gather(v, axis=1)
 
 
-def test_gather_of_scalars_is_an_error():
+SCALAR_GATHERS = {
+    "gather": lambda s, v: s.gather(v, axis=0),
+    "all_gather": lambda s, v: s.run(
+        lambda x: jdist.get_replica_context().all_gather(x, axis=0), args=(v,)),
+}
+
+
+@pytest.mark.parametrize("how", list(SCALAR_GATHERS))
+def test_gather_of_scalars_is_an_error_on_several_replicas(how):
     s = mirrored(2)
-    v = s.run(lambda: jdist.get_replica_context().replica_id_in_sync_group)
+    v = s.run(lambda: jnp.float32(jdist.get_replica_context().replica_id_in_sync_group))
     with pytest.raises(ValueError, match="rank >= 1"):
-        s.gather(v, axis=0)
+        SCALAR_GATHERS[how](s, v)
+
+
+@pytest.mark.parametrize("how", list(SCALAR_GATHERS))
+def test_one_replica_hands_a_scalar_back_as_it_is(how):
+    # TF: with one replica, gather and all_gather return the value itself, scalars included.
+    s = mirrored(1)
+    assert float(SCALAR_GATHERS[how](s, jnp.float32(3.5))) == 3.5
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])

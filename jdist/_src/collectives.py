@@ -332,6 +332,8 @@ def replica_all_gather(axis_name: str, value: PyTree, axis: int, valid_rows=None
     """
     def gather_leaf(x):
         x = jnp.asarray(x)
+        if x.ndim == 0 and lax.axis_size(axis_name) == 1:
+            return x  # TF's one replica hands the value back as it is, a scalar too.
         if x.ndim == 0:
             raise errors.InvalidArgumentError(
                 "all_gather needs values of rank >= 1; wrap scalars with x[None] first.")
