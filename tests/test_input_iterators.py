@@ -150,6 +150,18 @@ def test_cardinality():
     assert dealt.cardinality == 3  # Five per-replica batches dealt to two replicas.
 
 
+@pytest.mark.parametrize("drop_remainder, steps", [(False, 3), (True, 2)])
+def test_batches_that_drop_their_remainder_end_at_the_last_whole_round(drop_remainder, steps):
+    # TF: 15 rows in batches of 2 over three replicas. Batches of a static shape end where a
+    # replica would lack one; others give the replicas left over empty batches.
+    s = mirrored(3)
+    ds = s.experimental_make_numpy_dataset(np.arange(15.0)).batch(2, drop_remainder)
+    dealt = s.distribute_datasets_from_function(lambda ctx: ds)
+    sizes = [[np.asarray(v).shape[0] for v in s.experimental_local_results(b)] for b in dealt]
+    assert sizes == [[2, 2, 2], [2, 2, 2], [2, 1, 0]][:steps]
+    assert dealt.cardinality == steps
+
+
 def test_reduce_folds_one_pass():
     s = mirrored(2)
     dist = s.experimental_distribute_dataset(

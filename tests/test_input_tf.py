@@ -98,6 +98,24 @@ def test_distribute_datasets_from_function_matches_tf(n):
     assert_same(got, tf_reference(tf_strategy, dataset_fn, n, from_function=True))
 
 
+@pytest.mark.parametrize("n", COUNTS)
+@pytest.mark.parametrize("drop_remainder", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_the_last_round_of_replicas_matches_tf(n, drop_remainder, rows):
+    """Per-replica batches whose count is not a multiple of the replicas: TF gives the replicas
+    left over empty batches, unless the batches have a static shape (``drop_remainder=True``),
+    where it ends at the last whole round."""
+    strategy, tf_strategy = strategies(n)
+
+    def dataset_fn(ctx):
+        return tf.data.Dataset.range(4 * n + 1).batch(rows, drop_remainder=drop_remainder)
+
+    dist = strategy.distribute_datasets_from_function(dataset_fn)
+    want = tf_reference(tf_strategy, dataset_fn, n, from_function=True)
+    assert_same(jdist_values(strategy, dist), want)
+    assert dist.cardinality == len(want)
+
+
 def test_reduce_and_gather_of_tf_batches():
     strategy, _ = strategies(3)
     x = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)

@@ -139,15 +139,19 @@ class _DealtPlan:
         self.placer = None  # Set by the caller (needs the options).
         rows = {s.static_rows() for s in sources}
         self.full_rows = rows.pop() if len(rows) == 1 else None
+        # TF ends statically shaped data at the last whole round of replicas (`makes_a_step`).
+        declared = {s.fixed_shapes() for s in sources}
+        self.fixed_shapes = declared.pop() if len(declared) == 1 else None
 
     def open(self):
         """``(source, transform, finish)``: ``finish`` (or None) runs on the consumer's thread."""
         dealer = input_batches.PerReplicaDealer(self.placer, self.full_rows)
         if self.per_replica:
-            return _zip_longest([s.open() for s in self.sources]), dealer, None
+            return (_zip_longest([s.open() for s in self.sources], self.fixed_shapes), dealer,
+                    None)
         if self.workers > 1:  # Each worker's own pipeline, kept in step (multi_worker_input).
             return self.extended.per_worker_feed(self.sources[0], dealer)
-        return _deal(self.sources[0].open(), self.n), dealer, None
+        return _deal(self.sources[0].open(), self.n, self.fixed_shapes), dealer, None
 
     def spec(self):
         first = self.sources[0].first()
@@ -161,7 +165,7 @@ class _DealtPlan:
             return INFINITE
         if UNKNOWN in counts or any(c < 0 for c in counts):
             return UNKNOWN
-        if self._unbatched():  # A step needs one element on every replica.
+        if self._whole_rounds():  # A step needs one element on every replica.
             return min(counts) if self.per_replica else counts[0] // self.n
         if self.per_replica:
             return max(counts)
@@ -169,12 +173,14 @@ class _DealtPlan:
             return UNKNOWN
         return -(-counts[0] // self.n)
 
-    def _unbatched(self):
+    def _whole_rounds(self):
+        if self.fixed_shapes is not None and self.workers == 1:  # (Workers: multi_worker_input.)
+            return self.fixed_shapes
         first = self.sources[0].first()
         return first is not None and input_batches.is_unbatched(first)
 
 
-def _deal(batches, n):
+def _deal(batches, n, fixed_shapes):
     """Groups of ``n`` consecutive per-replica batches (the last may be short, see
     `input_batches.makes_a_step`)."""
     try:
@@ -185,7 +191,7 @@ def _deal(batches, n):
                 if len(group) == n:
                     break
             group += [None] * (n - len(group))
-            if not input_batches.makes_a_step(group):
+            if not input_batches.makes_a_step(group, fixed_shapes):
                 return
             yield group
             if group[-1] is None:
@@ -194,7 +200,7 @@ def _deal(batches, n):
         batches.close()
 
 
-def _zip_longest(iterators):
+def _zip_longest(iterators, fixed_shapes):
     """One batch from each replica's iterator per step (None once it has ended)."""
     alive = list(iterators)
     try:
@@ -207,7 +213,7 @@ def _zip_longest(iterators):
                     if batch is None:
                         alive[i] = None
                 group.append(batch)
-            if not input_batches.makes_a_step(group):
+            if not input_batches.makes_a_step(group, fixed_shapes):
                 return
             yield group
     finally:

@@ -13,8 +13,9 @@ batch shares one shape and the step compiles once (the lengths enter it as a tra
 * `GlobalBatchSplitter` applies TF's rule to a global batch of ``B`` rows: consecutive chunks of
   ``ceil(B / N)`` rows, trailing replicas getting fewer or none.
 * `PerReplicaDealer` deals per-replica batches (``distribute_datasets_from_function``) to the
-  replicas in order; replicas left without data get empty batches, while unbatched (rank-0)
-  elements end the data where a step would lack one (`makes_a_step`).
+  replicas in order; replicas left without data get empty batches, while statically shaped
+  elements (batches that drop their remainder, single examples) end the data where a step
+  would lack one (`makes_a_step`).
 * `Placer` transfers: one ``jax.device_put`` call per element, each stacked leaf a host array
   ``(N, rows, *inner)`` with the replica sharding and each ragged leaf's chunks to their own
   devices, so each device receives its own block straight from host memory (a full batch is a
@@ -156,6 +157,16 @@ class Source:
         if self.is_tf:
             dims = {s[0] for s in self._tf_shapes() if s is not None and len(s) >= 1}
             return dims.pop() if len(dims) == 1 and None not in dims else None
+        return None
+
+    def fixed_shapes(self):
+        """Whether the source declares one shape for every element (TF's statically shaped
+        dataset: batches that drop their remainder, or single examples); None when it declares
+        nothing (an iterable)."""
+        if isinstance(self._obj, NumpyDataset):
+            return self._obj.fixed_shapes
+        if self.is_tf:
+            return all(s is not None and None not in s for s in self._tf_shapes())
         return None
 
     def is_unbatched(self):
@@ -403,17 +414,22 @@ def is_unbatched(element):
     return any(len(a.shape) == 0 for a in jax.tree_util.tree_leaves(element))
 
 
-def makes_a_step(group):
+def makes_a_step(group, fixed_shapes=None):
     """Whether per-replica elements (None for a replica whose data ended) make one more step.
 
-    Batched elements do while any replica has data (the others get empty batches, as in TF);
-    unbatched (rank-0) ones only when every replica has one: TF ends the data there, e.g. five
-    scalars over two replicas give the steps ``[0, 1]`` and ``[2, 3]``.
+    TF's rule: elements of a statically shaped dataset (``fixed_shapes``: every batch drops its
+    remainder, or single examples) only when every replica has one, since an empty batch would
+    break their shape: seven batches over four replicas give one step, five scalars over two
+    give ``[0, 1]`` and ``[2, 3]``. Other batches do while any replica has data, the others
+    getting empty batches. ``fixed_shapes`` None (a source that declares nothing): decided by
+    the elements, rank-0 ones being single examples.
     """
     present = [b for b in group if b is not None]
     if not present:
         return False
-    return len(present) == len(group) or not is_unbatched(present[0])
+    if fixed_shapes is None:
+        fixed_shapes = is_unbatched(present[0])
+    return len(present) == len(group) or not fixed_shapes
 
 
 def _struct(shape, dtype):

@@ -160,6 +160,12 @@ class NumpyDataset:
         return sizes[-1] if sizes else None
 
     @property
+    def fixed_shapes(self) -> bool:
+        """Whether every element has the shape of `element_spec` (every batch drops its
+        remainder): what TF calls a statically shaped dataset."""
+        return all(op.drop for op in self._ops if isinstance(op, _Batch))
+
+    @property
     def element_spec(self):
         """A nest of ``jax.ShapeDtypeStruct`` describing a full element (batch dims included)."""
         outer = tuple(op.size for op in reversed(self._ops) if isinstance(op, _Batch))
