@@ -1,4 +1,5 @@
-"""TensorFlow's own MirroredStrategy over eight logical CPU devices, for tests that compare with it.
+"""TensorFlow's own MirroredStrategy over eight logical CPU devices, for tests that compare with it,
+and the comparison itself (`outcome`, `assert_matches`).
 
 Import it after ``pytest.importorskip("tensorflow")``. The logical devices can only be configured
 before TF initialises its runtime, so this module configures them when it is imported: pytest
@@ -9,12 +10,16 @@ order of the tests does not matter. If TF was initialised earlier anyway, `tf_de
 import functools
 import os
 
+import jax
+import numpy as np
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import pytest  # noqa: E402
 
 tf = pytest.importorskip("tensorflow")
 
+from jdist import errors  # noqa: E402
 from jdist.testing import mirrored  # noqa: E402
 
 NUM_DEVICES = 8
@@ -55,6 +60,56 @@ def strategies(n):
         tf.distribute.MirroredStrategy._collective_key_base += 100000
         tf_strategy = tf.distribute.MirroredStrategy(names[:n])
     return mirrored(n), tf_strategy
+
+
+def local_results(strategy, value):
+    """Each local replica's value as a NumPy array (either library's strategy; a TF bfloat16
+    scalar converts through ``numpy()`` only)."""
+    return [np.asarray(v.numpy() if hasattr(v, "numpy") else v)
+            for v in strategy.experimental_local_results(value)]
+
+
+def outcome(strategy, compute):
+    """``compute()``'s local results, or the exception it raised."""
+    try:
+        return local_results(strategy, compute())
+    except Exception as error:  # noqa: BLE001 - compared with TF's outcome below.
+        return error
+
+
+def assert_matches(got, want, dtypes=None, rtol=0):
+    """jdist's local results (or exception) ``got`` equal TF's ``want``.
+
+    ``dtypes`` maps a dtype of TF's to jdist's where they are known to differ (`known_dtypes`);
+    None there means not compared. Any other dtype must be the same.
+    """
+    if isinstance(want, Exception):
+        assert isinstance(got, Exception), f"TF raised {want!r}, jdist returned {got}"
+        return
+    if isinstance(got, errors.X64RequiredError) and not jax.config.jax_enable_x64:
+        # Loud, not wrong: allowed only where TF's result needs a 64-bit float.
+        assert any(w.dtype == np.float64 for w in want), f"jdist raised {got!r}, TF: {want}"
+        return
+    if isinstance(got, Exception):
+        raise AssertionError(f"jdist raised, TF returned {want}") from got
+    assert len(got) == len(want), f"{len(got)} local results, TF's {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, f"replica {i}: shape {g.shape}, TF's {w.shape}"
+        expected_dtype = (dtypes or {}).get(w.dtype, w.dtype)
+        if expected_dtype is not None:
+            assert g.dtype == expected_dtype, f"replica {i}: dtype {g.dtype}, TF's {w.dtype}"
+        if np.issubdtype(w.dtype, np.integer):
+            np.testing.assert_array_equal(g, w, err_msg=f"replica {i}")
+        else:
+            np.testing.assert_allclose(g, w, rtol=rtol, err_msg=f"replica {i}")
+
+
+def reduction_to_one_device(n):
+    """TF's MirroredStrategy over ``n`` devices with ``ReductionToOneDevice`` (add_n)."""
+    tf.distribute.MirroredStrategy._collective_key_base += 100000
+    return tf.distribute.MirroredStrategy(
+        [f"/device:CPU:{i}" for i in range(n)],
+        cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
 tf_devices()

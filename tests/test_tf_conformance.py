@@ -43,6 +43,10 @@ from jdist.testing import REPLICA_COUNTS
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 
+from _tf_reference import assert_matches  # noqa: E402
+from _tf_reference import local_results  # noqa: E402
+from _tf_reference import outcome  # noqa: E402
+from _tf_reference import reduction_to_one_device  # noqa: E402
 from _tf_reference import strategies  # noqa: E402
 
 COUNTS = REPLICA_COUNTS  # 1, 2, 3, 4, 8
@@ -61,46 +65,6 @@ def both(n):
     if tf_strategy is None:
         pytest.skip("TensorFlow was initialised before its logical CPU devices were configured.")
     return strategy, tf_strategy
-
-
-def local_results(strategy, value):
-    """Each local replica's value as a NumPy array (either library's strategy)."""
-    return [np.asarray(v) for v in strategy.experimental_local_results(value)]
-
-
-def outcome(strategy, compute):
-    """``compute()``'s local results, or the exception it raised."""
-    try:
-        return local_results(strategy, compute())
-    except Exception as error:  # noqa: BLE001 - compared with TF's outcome below.
-        return error
-
-
-def assert_matches(got, want, dtypes=None, rtol=0):
-    """jdist's local results (or exception) ``got`` equal TF's ``want``.
-
-    ``dtypes`` maps a dtype of TF's to jdist's where they are known to differ (`known_dtypes`);
-    None there means not compared. Any other dtype must be the same.
-    """
-    if isinstance(want, Exception):
-        assert isinstance(got, Exception), f"TF raised {want!r}, jdist returned {got}"
-        return
-    if isinstance(got, errors.X64RequiredError) and not jax.config.jax_enable_x64:
-        # Loud, not wrong: allowed only where TF's result needs a 64-bit float.
-        assert any(w.dtype == np.float64 for w in want), f"jdist raised {got!r}, TF: {want}"
-        return
-    if isinstance(got, Exception):
-        raise AssertionError(f"jdist raised, TF returned {want}") from got
-    assert len(got) == len(want), f"{len(got)} local results, TF's {len(want)}"
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g.shape == w.shape, f"replica {i}: shape {g.shape}, TF's {w.shape}"
-        expected_dtype = (dtypes or {}).get(w.dtype, w.dtype)
-        if expected_dtype is not None:
-            assert g.dtype == expected_dtype, f"replica {i}: dtype {g.dtype}, TF's {w.dtype}"
-        if np.issubdtype(w.dtype, np.integer):
-            np.testing.assert_array_equal(g, w, err_msg=f"replica {i}")
-        else:
-            np.testing.assert_allclose(g, w, rtol=rtol, err_msg=f"replica {i}")
 
 
 def known_dtypes(input_dtype, op="SUM"):
@@ -570,14 +534,6 @@ def test_cross_device_ops_of_one_value_and_broadcast(n, name, dtype):
 # g. The order of float sums: random float32 values over 3, 5 and 8 replicas.
 
 @functools.lru_cache(maxsize=None)
-def reduction_to_one_device(n):
-    """TF's MirroredStrategy over ``n`` devices with ``ReductionToOneDevice`` (add_n)."""
-    tf.distribute.MirroredStrategy._collective_key_base += 100000
-    return tf.distribute.MirroredStrategy(
-        [f"/device:CPU:{i}" for i in range(n)],
-        cross_device_ops=tf.distribute.ReductionToOneDevice())
-
-
 def random_values_of_both(n, dtype="float32", spread=0):
     """Random values (magnitudes over ``10**-spread`` to ``10**spread``) as a per-replica value
     of jdist's strategy and of TF's with ``ReductionToOneDevice`` (TF's own strategy on one
