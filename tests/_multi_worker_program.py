@@ -45,16 +45,20 @@ def _values_and_run(s, jdist, np):
 
 
 def _replica_collectives(s, jdist, np):
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
     def step(x):
         c = jdist.get_replica_context()
         merged = c.merge_call(lambda strategy, y: strategy.reduce("sum", y, axis=None),
                               args=(x * 3,))
+        # bfloat16 partial sums that round: a gather and ordered adds across the processes.
+        bf16 = c.all_reduce("sum", (x * 1.37 + 0.11).astype(jnp.bfloat16))
         return (c.all_reduce("sum", x), c.all_reduce("mean", x), c.all_gather(x, 0),
-                merged + x)
+                merged + x, bf16)
 
     v = s.experimental_distribute_values_from_function(
         lambda c: np.arange(3, dtype=np.float32) * (c.replica_id_in_sync_group + 1))
-    total, mean, gathered, merged = s.run(step, args=(v,))
+    total, mean, gathered, merged, bf16 = s.run(step, args=(v,))
     twice = jdist.function(lambda x: s.run(step, args=(x,))[0])(v)
     return {
         "all_reduce_sum": {"kind": type(total).__name__,
@@ -62,6 +66,7 @@ def _replica_collectives(s, jdist, np):
         "all_reduce_mean": {"replicas": _replicas(s, mean)},
         "all_gather": {"replicas": _replicas(s, gathered)},
         "merge_call": {"replicas": _replicas(s, merged)},
+        "all_reduce_bfloat16": {"replicas": _replicas(s, bf16)},
         "jdist_function": {"replicas": _replicas(s, twice)},
     }
 
