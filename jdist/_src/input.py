@@ -174,6 +174,9 @@ class _DealtPlan:
         return -(-counts[0] // self.n)
 
     def _whole_rounds(self):
+        """Whether the data ends at the last step every replica has an element for
+        (`input_batches.makes_a_step`, which decides it during iteration, without reading
+        ahead, where the sources declare nothing)."""
         if self.fixed_shapes is not None and self.workers == 1:  # (Workers: multi_worker_input.)
             return self.fixed_shapes
         first = self.sources[0].first()
