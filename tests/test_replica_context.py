@@ -174,6 +174,35 @@ def test_a_plain_argument_returned_as_it_is_comes_back_as_that_one_array(n, unev
     np.testing.assert_array_equal(np.asarray(s.reduce("SUM", again, axis=None)), n * w)
 
 
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_collectives_of_a_tensor_every_replica_holds_as_one_object(n, uneven):
+    # TF's regroup takes a tensor every replica holds as the same object (captured from outside
+    # the step, or a plain merge_fn result) as one value: all_reduce and all_gather give it
+    # back as it is, merge_fn gets it as it is (its SUM raises). A constant the step makes is
+    # each replica's own, and is summed n times.
+    s, captured = mirrored(n), jnp.asarray([1.5, 2.0])
+    batch = per_replica(s, [np.ones((r % 2 + 1 if uneven else 2,), np.float32) for r in range(n)])
+
+    def fn(x):
+        ctx = jdist.get_replica_context()
+        merged = ctx.merge_call(_total_of_ids, args=(jnp.float32(replica_id()) + 0 * x[0],))
+        return (ctx.all_reduce("sum", [captured, merged, jnp.asarray([1.5, 2.0])]),
+                ctx.all_gather(captured, axis=0),
+                ctx.merge_call(lambda strategy, c: strategy.reduce("mean", c, axis=None),
+                               args=(captured,)), jnp.sum(x))
+    (kept, total, made), gathered, mean, _ = s.run(fn, args=(batch,))
+    assert_local_results(s, kept, [[1.5, 2.0]] * n)
+    assert_local_results(s, total, [sum(range(n))] * n)
+    assert_local_results(s, made, [[1.5 * n, 2.0 * n]] * n)
+    assert_local_results(s, gathered, [[1.5, 2.0]] * n)
+    assert_local_results(s, mean, [[1.5, 2.0]])
+    with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
+        s.run(lambda x: jdist.get_replica_context().merge_call(
+            lambda strategy, c: strategy.reduce("sum", c, axis=None), args=(captured,)) * x[0],
+            args=(batch,))
+
+
 def _total_of_ids(strategy, ids):
     return strategy.reduce("SUM", ids, axis=None)
 

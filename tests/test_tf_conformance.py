@@ -631,3 +631,35 @@ def test_reduce_of_a_mirrored_value(n, op):
     tf_m = tf.distribute.ReductionToOneDevice().reduce(tf.distribute.ReduceOp.SUM, tf_v, tf_v)
     assert_matches(outcome(strategy, lambda: strategy.reduce(op, m, axis=None)),
                    outcome(tf_strategy, lambda: tf_strategy.reduce(op, tf_m, axis=None)))
+
+
+def _collectives_of_one_object(lib, constant, captured):
+    """A replica function whose collectives take tensors every replica holds as one object (TF:
+    captured from outside, or a plain merge_fn result) and a constant each replica makes."""
+    def fn(x):
+        ctx = lib.get_replica_context()
+        merged = ctx.merge_call(lambda s, y: s.reduce("SUM", y, axis=0), args=(x,))
+        return (ctx.all_reduce("sum", [captured, merged, constant([1.5, 2.0])]),
+                ctx.all_gather(captured, axis=0), ctx.all_gather(merged, axis=0),
+                ctx.merge_call(lambda s, c: s.reduce("MEAN", c, axis=None), args=(captured,)))
+    return fn
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_collectives_of_a_tensor_every_replica_holds_as_one_object(n, uneven):
+    strategy, tf_strategy, _, _ = random_values_of_both(n)
+    rows = [np.arange(r % 2 + 1 if uneven else 2, dtype=np.float32) + r for r in range(n)]
+    v = strategy.experimental_distribute_values_from_function(
+        lambda ctx: rows[ctx.replica_id_in_sync_group])
+    tf_v = tf_strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(rows[ctx.replica_id_in_sync_group]))
+    got = strategy.run(_collectives_of_one_object(jdist, jnp.asarray, jnp.asarray([1.5, 2.0])),
+                       args=(v,))
+    want = tf_strategy.run(_collectives_of_one_object(
+        tf.distribute, tf.constant, tf.constant([1.5, 2.0])), args=(tf_v,))
+    got = jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, jdist.DistributedValues))
+    want = tf.nest.flatten(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert_matches(local_results(strategy, g), local_results(tf_strategy, w))

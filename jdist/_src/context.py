@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jdist._src import errors
 from jdist._src.reduce_op import ReduceOp
@@ -261,6 +262,12 @@ def require_cross_replica(strategy, what):
             f"in the cross-replica context. Inside the replica function use {alternative}.")
 
 
+def is_captured(value) -> bool:
+    """Whether ``value``, met while a replica function is traced, is an array the function
+    captured from outside: concrete, where everything the step computes is a tracer."""
+    return isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+
+
 @dataclasses.dataclass
 class _Binding:
     """What a replica context knows while its replica function is being traced."""
@@ -284,6 +291,24 @@ class _Binding:
     def handed_over(self, value) -> bool:
         """Whether ``value`` is itself an array `hand_over` gave the replica."""
         return self.merged.get(id(value)) is value
+
+    def shared(self, value) -> bool:
+        """Whether every replica holds ``value`` as the same tensor object in TF: an array the
+        step captured (`is_captured`) or one `hand_over` gave it. TF's regroup takes such a
+        value as one."""
+        return is_captured(value) or self.handed_over(value)
+
+    def each_own(self, value, combine):
+        """``combine(value)`` over the leaves each replica computed itself; a `shared` leaf is
+        one value in TF, so ``all_reduce`` and ``all_gather`` give it back as it is (every
+        replica its own copy, as TF's results are)."""
+        leaves, tree = jax.tree_util.tree_flatten(value)
+        shared = [self.shared(x) for x in leaves]
+        if not any(shared):
+            return combine(value)
+        own = iter(combine([x for x, one in zip(leaves, shared) if not one]))
+        return tree.unflatten([lax.optimization_barrier(x) if one else next(own)
+                               for x, one in zip(leaves, shared)])
 
 
 class ReplicaContext:
@@ -427,7 +452,10 @@ class ReplicaContext:
         check_reducible(op, value)
         if self.num_replicas_in_sync == 1:  # TF: one replica's value reduces to itself, dtype
             return jax.tree_util.tree_map(jnp.asarray, value)  # too (an int MEAN stays int).
-        return self._collectives.all_reduce(op, value, options)
+        if self._binding is None:
+            return self._collectives.all_reduce(op, value, options)
+        return self._binding.each_own(
+            value, lambda own: self._collectives.all_reduce(op, own, options))
 
     def all_gather(self, value, axis):
         """Concatenates each replica's ``value`` along ``axis``; every replica gets the result.
@@ -443,7 +471,9 @@ class ReplicaContext:
           says how many are real.
         """
         self._require_current("all_gather")
-        return self._collectives.all_gather(value, axis)
+        if self._binding is None or self.num_replicas_in_sync == 1:
+            return self._collectives.all_gather(value, axis)
+        return self._binding.each_own(value, lambda own: self._collectives.all_gather(own, axis))
 
     def merge_call(self, merge_fn, args=(), kwargs=None):
         """Runs ``merge_fn(strategy, *args, **kwargs)`` once in the cross-replica context.

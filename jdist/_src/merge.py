@@ -36,8 +36,11 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
     views = []
     for leaf in leaves:
-        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or num_replicas == 1:
-            views.append(leaf)  # Python objects pass as they are; so does one replica's value.
+        if (not isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or num_replicas == 1
+                or binding.shared(leaf)):
+            # Python objects pass as they are; so does one replica's value, and a tensor every
+            # replica holds as that one object in TF (`context._Binding.shared`).
+            views.append(leaf)
             continue
         # Every replica gets every replica's value: merge_fn runs SPMD on the same inputs.
         view = PerReplica._from_stacked(lax.all_gather(jnp.asarray(leaf), axis))

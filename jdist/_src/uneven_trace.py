@@ -89,10 +89,10 @@ class _ReplicaTrace:
         the plain arrays merge_fn returned, as the even step's merge_call does."""
         index, self._count = self._count, self._count + 1
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
-        operands = [leaf for leaf in leaves if _is_array(leaf)]
+        operands = [leaf for leaf in leaves if _is_operand(leaf)]
         merge = self._resolved.get(index)
         if merge is None:
-            statics = tuple(_OPERAND if _is_array(leaf) else leaf for leaf in leaves)
+            statics = tuple(_OPERAND if _is_operand(leaf) else leaf for leaf in leaves)
             avals = tuple(jax.typeof(jnp.asarray(x)) for x in operands)
             raise _Suspend(index, _MergeRequest(merge_fn, tree, statics, avals))
         outs = merge_p.bind(*operands, index=index, out_avals=merge.replica_avals[self._replica],
@@ -114,6 +114,12 @@ def _gather_all(strategy, value, axis):
 
 def _is_array(x):
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _is_operand(x):
+    """An array merge_fn receives per replica; a captured one (`context.is_captured`) is the
+    same tensor on every replica, which TF hands to merge_fn as it is."""
+    return _is_array(x) and not context.is_captured(x)
 
 
 # --------------------------------------------------------------------------------- tracing
