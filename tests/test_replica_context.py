@@ -203,6 +203,28 @@ def test_collectives_of_a_tensor_every_replica_holds_as_one_object(n, uneven):
             args=(batch,))
 
 
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_collectives_of_a_plain_argument_take_it_as_one_tensor(n, uneven):
+    # TF hands every replica a plain argument as that one tensor (all_reduce gives it back) and
+    # unpacks a Mirrored one per replica (all_reduce sums n copies); one step function sees
+    # both, in either order, and the second call of each reuses its program.
+    s, w = mirrored(n), jnp.asarray([1.5, 2.0])
+    batch = per_replica(s, [np.ones((r % 2 + 1 if uneven else 2,), np.float32) for r in range(n)])
+    mirrored_w = s.run(lambda: jdist.get_replica_context().all_reduce("sum", w / n))
+
+    def step(a, x):
+        ctx = jdist.get_replica_context()
+        return ctx.all_reduce("sum", a), ctx.all_gather(a, axis=0), jnp.sum(x)
+    for _ in range(2):
+        total, gathered, _ = s.run(step, args=(w, batch))
+        assert_local_results(s, total, [[1.5, 2.0]] * n)
+        assert_local_results(s, gathered, [[1.5, 2.0]] * n)
+        total, gathered, _ = s.run(step, args=(mirrored_w, batch))
+        assert_local_results(s, total, [[1.5 * n, 2.0 * n]] * n)
+        assert_local_results(s, gathered, [[1.5, 2.0] * n] * n)
+
+
 def _total_of_ids(strategy, ids):
     return strategy.reduce("SUM", ids, axis=None)
 

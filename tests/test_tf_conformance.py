@@ -663,3 +663,29 @@ def test_collectives_of_a_tensor_every_replica_holds_as_one_object(n, uneven):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert_matches(local_results(strategy, g), local_results(tf_strategy, w))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_collectives_of_a_plain_and_a_mirrored_argument(n, uneven):
+    """TF hands every replica a plain tensor argument as that one object, so ``all_reduce`` and
+    ``all_gather`` give it back as it is; a Mirrored argument is unpacked per replica."""
+    strategy, tf_strategy, _, _ = random_values_of_both(n)
+    rows = [np.arange(r % 2 + 1 if uneven else 2, dtype=np.float32) + r for r in range(n)]
+    v, tf_v = (s.experimental_distribute_values_from_function(
+        lambda ctx: make(rows[ctx.replica_id_in_sync_group]))
+        for s, make in ((strategy, jnp.asarray), (tf_strategy, tf.constant)))
+    w = [1.5, 2.0]
+    mirrored_w = strategy.run(lambda: jdist.get_replica_context().all_reduce(
+        "mean", jnp.asarray(w) * 1.0))
+    tf_mirrored_w = tf_strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+        "mean", tf.constant(w) * 1.0))
+
+    def step(lib):
+        return lambda a, x: (lib.get_replica_context().all_reduce("sum", a),
+                             lib.get_replica_context().all_gather(a, axis=0))
+    for a, tf_a in ((jnp.asarray(w), tf.constant(w)), (mirrored_w, tf_mirrored_w)):
+        got = strategy.run(step(jdist), args=(a, v))
+        want = tf_strategy.run(step(tf.distribute), args=(tf_a, tf_v))
+        for g, t in zip(got, want):
+            assert_matches(local_results(strategy, g), local_results(tf_strategy, t))

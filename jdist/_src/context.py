@@ -279,18 +279,26 @@ class _Binding:
     # While one replica of an uneven step is traced (`jdist._src.uneven`): its merge_call and
     # all_gather become steps of their own, run across replicas between the traced pieces.
     exact: Any = None
-    # The plain arrays merge_call handed to the replica as they are (by id): TF's run returns
-    # such a value unwrapped, the same tensor object on every replica.
-    merged: dict = dataclasses.field(default_factory=dict)
+    # The arrays every replica holds as the same tensor object in TF (by id): what merge_call
+    # handed over as it is, and run's plain (not distributed) arguments. TF's run returns such
+    # a value unwrapped, and its collectives take it as one value (`shared`).
+    one_object: dict = dataclasses.field(default_factory=dict)
+    # The replicated arguments each replica holds its own copy of (by id: their index among
+    # run's argument leaves; `Mirrored` ones, which TF unpacks per replica, and plain ones that
+    # share their program), and the indices of those a collective took as they are: had they
+    # come plain, TF would take them as one tensor (`spmd._SHARED`).
+    replicated_arguments: dict = dataclasses.field(default_factory=dict)
+    collected: set = dataclasses.field(default_factory=set)
 
     def hand_over(self, value):
-        """``value``, a plain array a merge_fn returned, given to the replica (and recorded)."""
-        self.merged[id(value)] = value
+        """``value``, a plain array a merge_fn returned or a plain argument of run, given to
+        the replica (and recorded)."""
+        self.one_object[id(value)] = value
         return value
 
     def handed_over(self, value) -> bool:
         """Whether ``value`` is itself an array `hand_over` gave the replica."""
-        return self.merged.get(id(value)) is value
+        return self.one_object.get(id(value)) is value
 
     def shared(self, value) -> bool:
         """Whether every replica holds ``value`` as the same tensor object in TF: an array the
@@ -298,11 +306,21 @@ class _Binding:
         value as one."""
         return is_captured(value) or self.handed_over(value)
 
+    def replicated_argument(self, value) -> Optional[int]:
+        """The index of the replicated argument ``value`` is itself, or None."""
+        entry = self.replicated_arguments.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
+
+    def note_collected(self, leaves):
+        """Records the replicated arguments among ``leaves`` that a collective takes."""
+        self.collected.update(j for j in map(self.replicated_argument, leaves) if j is not None)
+
     def each_own(self, value, combine):
         """``combine(value)`` over the leaves each replica computed itself; a `shared` leaf is
         one value in TF, so ``all_reduce`` and ``all_gather`` give it back as it is (every
         replica its own copy, as TF's results are)."""
         leaves, tree = jax.tree_util.tree_flatten(value)
+        self.note_collected(leaves)
         shared = [self.shared(x) for x in leaves]
         if not any(shared):
             return combine(value)

@@ -34,6 +34,7 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
     """
     axis = binding.axis_name
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
+    binding.note_collected(leaves)
     views = []
     for leaf in leaves:
         if (not isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or num_replicas == 1

@@ -31,21 +31,23 @@ from jdist._src import errors
 from jdist._src import fn_cache
 from jdist._src import invariance
 from jdist._src import merge
+from jdist._src import run_arguments
 from jdist._src import staged_outputs
 from jdist._src import uneven
+from jdist._src.run_arguments import ARRAY
+from jdist._src.run_arguments import ARRAYS
+from jdist._src.run_arguments import MIRRORED
+from jdist._src.run_arguments import PER_REPLICA
+from jdist._src.run_arguments import SCALARS
+from jdist._src.run_arguments import SHARED
+from jdist._src.run_arguments import STATIC
 from jdist._src.uneven_trace import OUTPUT
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
-from jdist._src.values import check_host_numbers
 from jdist._src.values import is_distributed
-from jdist._src.values import is_step_output
 from jdist._src.values import mirror_at
-from jdist._src.values import ragged_components
 
-# Leaf kinds of run's flattened arguments.
-_PER_REPLICA, _MIRRORED, _ARRAY, _STATIC = "per_replica", "mirrored", "array", "static"
-_SCALARS = (bool, int, float, complex)
 _RAGGED = object()  # `_classify`'s marker for arguments whose replicas differ in shape.
 
 
@@ -69,6 +71,9 @@ class _Program:
     out_statics: tuple  # Per output leaf: a Python object returned as it is, or `OUTPUT`.
     out_plain: tuple  # Per output array: one tensor in TF (Python numbers', a merge's, captured).
     out_passed: tuple  # Per output array: the argument leaf it returns as it is, or None.
+    # The Mirrored argument leaves a collective (all_reduce, all_gather, merge_call) takes as
+    # they are: TF takes a plain one as one tensor, so a plain call needs its own program.
+    collected_args: tuple
     num_replicas: int
     token_index: Optional[int]  # The output the CPU guard waits on (the fast path's).
 
@@ -177,28 +182,32 @@ class ReplicatedRunner:
         return self._wrap_outputs(program, arrays, None, leaves)
 
     def _launch_canonical(self, cache, call):
-        """The direct program's outputs on ``call`` made canonical (None: it cannot be)."""
-        call, changed = self._canonical(call)
+        """The direct program's outputs on ``call`` made canonical (None: it cannot be, or
+        its program is not the call's: a collective takes a plain argument, `_Program`)."""
+        call, changed, plain = self._canonical(call)
         if call is None:
             return None
         if not changed:  # Arguments the direct program takes as they come: try it again.
             cache.flatten_first = False
         try:
             with batch_blocks.reading_blocks():
-                return self._guard.launch(cache.direct, call, cache.token)
+                outputs = self._guard.launch(cache.direct, call, cache.token)
         except (TypeError, ValueError):
             return None
+        (number, _), = outputs.items()  # Plain arguments a collective takes: the general path.
+        return None if set(cache.plans[number].collected_args) & set(plain) else outputs
 
     def _canonical(self, call):
-        """``(arguments, changed)``: ``call``'s arguments as the direct program takes them (every
-        array placed on the mesh, plain ones as `Mirrored` on several replicas), and whether that
-        changed any; ``(None, False)`` for arguments it does not take (ragged or padded values,
-        Python objects and numbers)."""
+        """``(arguments, changed, plain)``: ``call``'s arguments as the direct program takes
+        them (every array placed on the mesh, plain ones as `Mirrored` on several replicas),
+        whether that changed any, and the indices of the plain ones; ``(None, False, ())`` for
+        arguments it does not take (ragged or padded values, Python objects and numbers)."""
         leaves, tree = jax.tree_util.tree_flatten(call, is_leaf=is_distributed)
-        if not all(_fast_leaf(leaf, self._n) for leaf in leaves):
-            return None, False
+        if not all(run_arguments.fast_leaf(leaf, self._n) for leaf in leaves):
+            return None, False, ()
         place = self._programs
-        placed = [_placed(leaf, place) if is_distributed(leaf) else leaf for leaf in leaves]
+        placed = [run_arguments.placed(leaf, place) if is_distributed(leaf) else leaf
+                  for leaf in leaves]
         plain = [i for i, leaf in enumerate(placed) if not is_distributed(leaf)]
         for i, x in zip(plain, place.place_replicated_all([placed[i] for i in plain])):
             placed[i] = x
@@ -206,7 +215,7 @@ class ReplicatedRunner:
         if self._n > 1 and plain:  # One replica's replicated outputs are plain arrays: kept so.
             mirror_at(placed, plain, self._n)
             changed = True
-        return jax.tree_util.tree_unflatten(tree, placed), changed
+        return jax.tree_util.tree_unflatten(tree, placed), changed, tuple(plain)
 
     def _run_in_merge(self, fn, args, kwargs):
         """``run`` inside a traced ``merge_fn``: every replica's values are at hand (the merge
@@ -248,6 +257,10 @@ class ReplicatedRunner:
             dynamic = dynamic + [self._programs.lengths_array(call.lengths)]
         program = self._program(cache, in_tree, call.kinds, call.signature, leaves,
                                 call.lengths is not None, call.rows)
+        shared = run_arguments.shared_kinds(call.kinds, leaves, program.collected_args)
+        if shared is not None:  # A collective takes a plain argument: TF's one tensor.
+            program = self._program(cache, in_tree, shared, call.signature, leaves,
+                                    call.lengths is not None, call.rows)
         if call.tracing:
             outputs = program.jitted(*dynamic)
         else:
@@ -260,11 +273,11 @@ class ReplicatedRunner:
         kinds, dynamic, signature, tracing = [], [], [], False
         lengths, rows, batch_rows, ragged = None, None, set(), False
         for leaf in leaves:
-            kind, value, entry, traced = _classify_leaf(leaf, self._programs)
+            kind, value, entry, traced = run_arguments.classify_leaf(leaf, self._programs)
             kinds.append(kind)
             signature.append(entry)
             tracing = tracing or traced
-            if kind != _STATIC:
+            if kind != STATIC:
                 dynamic.append(value)
             if not isinstance(leaf, PerReplica):
                 continue
@@ -285,11 +298,12 @@ class ReplicatedRunner:
         return _Call(tuple(kinds), dynamic, tuple(signature), lengths, rows, tracing)
 
     def _program(self, cache, in_tree, kinds, signature, leaves, has_lengths, padded):
-        key = _program_key(in_tree, kinds, signature)  # `signature`'s shapes fix `padded`.
+        # `signature`'s shapes fix `padded`.
+        key = run_arguments.program_key(in_tree, kinds, signature)
         program = cache.programs.get(key)
         if program is None:
             self._strategy.extended.check_host_arguments(in_tree, leaves)
-            statics = [leaf if k == _STATIC else None for leaf, k in zip(leaves, kinds)]
+            statics = [leaf if k == STATIC else None for leaf, k in zip(leaves, kinds)]
             program = cache.programs[key] = self._compile(cache.fn, in_tree, kinds, statics,
                                                           has_lengths, padded, leaves)
         return program
@@ -329,8 +343,8 @@ class ReplicatedRunner:
 
     def _compile(self, fn, in_tree, kinds, statics, has_lengths, padded, leaves):
         n = self._n
-        abstract = [_abstract(leaf, kind) for leaf, kind in zip(leaves, kinds)
-                    if kind != _STATIC]
+        abstract = [run_arguments.abstract(leaf, kind) for leaf, kind in zip(leaves, kinds)
+                    if kind != STATIC]
         if has_lengths:
             abstract.append(jax.ShapeDtypeStruct((n,), jnp.int32))
         traced, eqn, record = self.trace(fn, in_tree, kinds, statics, abstract, has_lengths,
@@ -351,7 +365,7 @@ class ReplicatedRunner:
             has_lengths and not s and len(shape) >= 1 and shape[0] == padded
             and (r == 1 or r is batch_rows.UNKNOWN)
             for s, r, shape in zip(dataflow_same, rows, record["shapes"]))
-        python_in = [isinstance(leaf, _SCALARS) for leaf, k in zip(leaves, kinds) if k != _STATIC]
+        python_in = [isinstance(leaf, SCALARS) for leaf, k in zip(leaves, kinds) if k != STATIC]
         by_var = dict(zip(traced.jaxpr.invars, python_in + [False] * has_lengths))
         plain = invariance.python_outputs(inner, [by_var.get(v, False) for v in eqn.invars])
         plain = [p or one for p, one in zip(plain, record["unwrapped"])]
@@ -360,7 +374,7 @@ class ReplicatedRunner:
         sizes = [math.prod(shape) * (1 if s else n) for s, shape in zip(same, record["shapes"])]
         token = min(range(len(sizes)), key=sizes.__getitem__, default=None)
         return _Program(program, record["tree"], varying, inherits, record["statics"],
-                        tuple(plain), record["passed"], n, token)
+                        tuple(plain), record["passed"], record["collected"], n, token)
 
     def trace(self, fn, in_tree, kinds, statics, abstract, has_lengths, padded, exact=None,
               staged=False):
@@ -391,10 +405,15 @@ class ReplicatedRunner:
             arrays = list(arrays)
             valid = arrays.pop()[0] if has_lengths else None
             it = iter(arrays)
-            values = [static if kind == _STATIC else next(it)[0] if kind == _PER_REPLICA
+            values = [static if kind == STATIC else next(it)[0] if kind == PER_REPLICA
                       else next(it) for kind, static in zip(kinds, statics)]
             args, kwargs = jax.tree_util.tree_unflatten(in_tree, values)
             binding = context._Binding(axis, lax.axis_index(axis), valid, padded, exact=exact)
+            for i, (v, kind) in enumerate(zip(values, kinds)):
+                if kind == SHARED:
+                    binding.hand_over(v)
+                elif kind in (MIRRORED, ARRAY):
+                    binding.replicated_arguments[id(v)] = (v, i)
             ctx = context.ReplicaContext(self._strategy, binding.replica_id, _binding=binding)
             try:
                 with context.replica_scope(ctx):
@@ -405,17 +424,18 @@ class ReplicatedRunner:
             record["statics"] = tuple(_output_static(x) for x in out_leaves)
             returned = [x for x, st in zip(out_leaves, record["statics"]) if st is OUTPUT]
             # A plain array merge_call handed over, or one captured (concrete: made outside).
-            record["unwrapped"] = tuple(binding.handed_over(x) or (
-                isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)) for x in returned)
+            record["unwrapped"] = tuple(binding.handed_over(x) or context.is_captured(x)
+                                        for x in returned)
+            record["collected"] = tuple(sorted(binding.collected))
             # A replicated argument returned as it is: one tensor in TF if it came plain.
             replicated = {id(v): (v, i) for i, (v, kind) in enumerate(zip(values, kinds))
-                          if kind in (_MIRRORED, _ARRAY)}
+                          if kind in (MIRRORED, ARRAY, SHARED)}
             record["passed"] = tuple(_returned_argument(replicated, x) for x in returned)
             arrays = [jnp.asarray(x) for x in returned]
             record["shapes"] = tuple(x.shape for x in arrays)
             return [x[None] for x in arrays]
 
-        in_specs = [P(axis) if k == _PER_REPLICA else P() for k in kinds if k != _STATIC]
+        in_specs = [P(axis) if k == PER_REPLICA else P() for k in kinds if k != STATIC]
         if has_lengths:
             in_specs.append(P(axis))
         mapped = jax.shard_map(body, mesh=self._mesh, in_specs=tuple(in_specs),
@@ -443,17 +463,22 @@ class ReplicatedRunner:
             raise errors.InvalidArgumentError(
                 "strategy.run got a padded batch together with ragged per-replica values; "
                 "pass values of one input mode.")
-        kinds, dynamic = call.kinds, call.dynamic
-        key = _program_key(in_tree, kinds, call.signature)
+        # Its plain array arguments are TF's one tensor (`SHARED`): an uneven plan keys
+        # `Mirrored` and plain arguments apart anyway.
+        kinds = tuple(SHARED if k == ARRAY and isinstance(leaf, ARRAYS) else k
+                      for k, leaf in zip(call.kinds, leaves))
+        dynamic = call.dynamic
+        key = run_arguments.program_key(in_tree, kinds, call.signature)
         # Several workers: each compares its view of every replica's shapes with the others'
         # before any collective of the step runs (one key-value exchange per call).
         self._strategy.extended.agree_uneven_step(call.signature)
         plan = cache.programs.get(key)
         if plan is None:
             self._strategy.extended.check_host_arguments(in_tree, leaves)
-            statics = [leaf if k == _STATIC else None for leaf, k in zip(leaves, kinds)]
-            abstract = [[_abstract(leaf, kind, replica=r) for leaf, kind in zip(leaves, kinds)
-                         if kind != _STATIC] for r in range(self._n)]
+            statics = [leaf if k == STATIC else None for leaf, k in zip(leaves, kinds)]
+            abstract = [[run_arguments.abstract(leaf, kind, replica=r)
+                         for leaf, kind in zip(leaves, kinds) if kind != STATIC]
+                        for r in range(self._n)]
             plan = cache.programs[key] = uneven.plan(self, cache.fn, in_tree, kinds, statics,
                                                      dynamic, abstract)
         return plan(dynamic)
@@ -464,7 +489,7 @@ class ReplicatedRunner:
         if not has_lengths:
             return [batch_rows.NOT_ROWS] * len(eqn.params["jaxpr"].outvars)
         # Blocks of padded batches are (1, rows, ...): their rows run along axis 1.
-        dynamic = [leaf for leaf, kind in zip(leaves, kinds) if kind != _STATIC]
+        dynamic = [leaf for leaf, kind in zip(leaves, kinds) if kind != STATIC]
         states = [1 if isinstance(leaf, PerReplica) and leaf.lengths is not None
                   else batch_rows.NOT_ROWS for leaf in dynamic]
         states.append(batch_rows.NOT_ROWS)  # The lengths themselves.
@@ -497,63 +522,8 @@ class ReplicatedRunner:
         return merge.merge_call(self._strategy, self._n, binding, merge_fn, args, kwargs)
 
 
-def _classify_leaf(leaf, place):
-    """``(kind, value, signature entry, traced)`` of one argument leaf; ``value`` is what the
-    program takes (placed on ``place``'s mesh when concrete), None for a static leaf."""
-    if isinstance(leaf, PerReplica) and leaf.ragged:
-        components = ragged_components(leaf)  # Other workers' replicas: shapes only.
-        return (_PER_REPLICA, leaf, ("ragged", tuple(tuple(c.shape) for c in components),
-                                     components[0].dtype),
-                any(isinstance(c, jax.core.Tracer) for c in components))
-    if isinstance(leaf, (PerReplica, Mirrored)):
-        per_replica = isinstance(leaf, PerReplica)
-        value = leaf.stacked if per_replica else leaf.value
-        traced = isinstance(value, jax.core.Tracer)
-        if not traced:
-            value = (place.place_per_replica if per_replica else place.place_replicated)(value)
-        entry = (value.shape, value.dtype) + ((leaf.lengths is not None,) if per_replica else ())
-        return (_PER_REPLICA if per_replica else _MIRRORED), value, entry, traced
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-        check_host_numbers(leaf)  # The compiled call would take it in 32 bits (no x64).
-        traced = isinstance(leaf, jax.core.Tracer)
-        if not traced and isinstance(leaf, jax.Array) and leaf.committed and (
-                leaf.sharding != place.replicated_sharding):
-            leaf = place.place_replicated(leaf)
-        return _ARRAY, leaf, (leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False)), traced
-    if isinstance(leaf, _SCALARS):
-        return _ARRAY, leaf, (type(leaf),), False
-    try:
-        hash(leaf)
-    except TypeError:
-        raise errors.UnsupportedValueError(
-            f"strategy.run got an argument of type {type(leaf).__name__} that is neither an "
-            "array nor hashable; pass arrays, DistributedValues or hashable Python objects "
-            "(those are compiled in as constants).") from None
-    return _STATIC, None, ("static", type(leaf), leaf), False
-
-
-def _fast_leaf(leaf, num_replicas):
-    """Whether the fast path takes ``leaf``: an array or an even distributed value."""
-    if isinstance(leaf, PerReplica):
-        return not leaf.ragged and leaf.lengths is None and leaf.num_replicas == num_replicas
-    # Python numbers take the general path: it knows which outputs they alone compute.
-    return isinstance(leaf, (Mirrored, jax.Array, np.ndarray, np.generic))
-
-
 class _NotCanonical(Exception):
     """Raised while the direct program traces arguments `_canonical` did not prepare."""
-
-
-def _placed(leaf, place):
-    """A distributed argument whose array is on ``place``'s mesh (``leaf`` itself if it is)."""
-    if batch_blocks.in_block(leaf):  # Its block is on a mesh (the call checks which): kept.
-        return leaf
-    if isinstance(leaf, PerReplica):
-        stacked = place.place_per_replica(leaf.stacked)
-        return leaf if stacked is leaf.stacked else PerReplica._from_stacked(stacked)
-    value = place.place_replicated(leaf.value)
-    return leaf if value is leaf.value else Mirrored._from_value(
-        value, leaf.num_replicas, is_step_output(leaf))
 
 
 def _returned_argument(replicated, x):
@@ -567,28 +537,6 @@ def _waited_outputs(cache, outputs):
     (number, arrays), = outputs.items()
     index = cache.plans[number].token_index
     return () if index is None else (arrays[index],)
-
-
-def _program_key(in_tree, kinds, signature):
-    """What selects a function's program: its arguments, and whether 64-bit mode is on (a
-    program traced in ``jax.enable_x64()`` computes in other dtypes, as ``jax.jit`` keys)."""
-    return in_tree, kinds, signature, jax.config.jax_enable_x64
-
-
-def _abstract(leaf, kind, replica=None):
-    """The abstract argument a trace takes for ``leaf``; a per-replica one is stacked, with
-    ``replica``'s shape for every replica when it is ragged."""
-    if kind == _PER_REPLICA and leaf.ragged:
-        component = ragged_components(leaf)[replica]
-        return jax.ShapeDtypeStruct((leaf.num_replicas,) + component.shape, component.dtype)
-    if kind == _PER_REPLICA:
-        return jax.ShapeDtypeStruct(leaf.stacked.shape, leaf.stacked.dtype)
-    if kind == _MIRRORED:
-        return jax.ShapeDtypeStruct(leaf.value.shape, leaf.value.dtype)
-    if isinstance(leaf, _SCALARS):
-        return jax.ShapeDtypeStruct((), jnp.asarray(leaf).dtype, weak_type=True)
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                weak_type=getattr(leaf, "weak_type", False))
 
 
 def _output_static(x):

@@ -35,6 +35,9 @@ from jax.sharding import PartitionSpec as P
 
 from jdist._src import errors
 from jdist._src import invariance
+from jdist._src.run_arguments import ARRAY
+from jdist._src.run_arguments import SCALARS
+from jdist._src.run_arguments import SHARED
 from jdist._src import uneven_multi_worker
 from jdist._src import uneven_trace
 from jdist._src.uneven_trace import merge_p
@@ -316,10 +319,10 @@ class _Plan:
 def _one_tensor(trace, dynamic, kinds):
     """Per output of ``trace``: whether TF's run returns it as one tensor, as the even step's
     program decides (`spmd.trace`'s "unwrapped", results of Python numbers alone, and plain
-    arguments returned as they are: ``kinds``' "array", not "mirrored")."""
-    python = [kind == "arg" and isinstance(dynamic[i], (bool, int, float, complex))
+    arguments returned as they are: ``kinds``' "array" or "shared", not "mirrored")."""
+    python = [kind == "arg" and isinstance(dynamic[i], SCALARS)
               for kind, i in trace.sources]
-    passed = [j is not None and kinds[j] == "array" for j in trace.out_passed]
+    passed = [j is not None and kinds[j] in (ARRAY, SHARED) for j in trace.out_passed]
     return [u or p or a for u, p, a in zip(trace.out_unwrapped, passed,
                                            invariance.python_outputs(trace.jaxpr, python))]
 
@@ -332,7 +335,7 @@ def _regroup(programs, traces):
         first = values[0]
         if first is uneven_trace.OUTPUT or all(v == first for v in values[1:]):
             statics.append(first)
-        elif all(isinstance(v, (bool, int, float, complex)) for v in values):
+        elif all(isinstance(v, SCALARS) for v in values):
             # PerReplica checks the numbers are of one kind and picks their dtype; built from a
             # callback, each process places only its own replicas' numbers.
             numbers = np.asarray(values, PerReplica(list(values)).stacked.dtype)

@@ -1,0 +1,112 @@
+"""What ``strategy.run``'s arguments are to its programs: each flattened leaf's kind, its entry
+in the program key, and the abstract value a trace takes for it (`jdist._src.spmd`).
+
+Kinds: a `PerReplica` (stacked, the replica axis first), a `Mirrored`, a plain array or Python
+number (one value every replica gets), a static Python object (compiled in). A plain array that
+a collective takes as it is gets a kind of its own, `SHARED`: TF hands every replica that one
+tensor and its collectives take it as one value, while other plain arguments share their
+program with `Mirrored` ones, whose collectives combine each replica's copy (docs/design.md).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdist._src import batch_blocks
+from jdist._src import errors
+from jdist._src.values import Mirrored
+from jdist._src.values import PerReplica
+from jdist._src.values import check_host_numbers
+from jdist._src.values import is_step_output
+from jdist._src.values import ragged_components
+
+PER_REPLICA, MIRRORED, ARRAY, STATIC = "per_replica", "mirrored", "array", "static"
+SHARED = "shared"
+SCALARS = (bool, int, float, complex)
+ARRAYS = (jax.Array, np.ndarray, np.generic)
+
+
+def classify_leaf(leaf, place):
+    """``(kind, value, signature entry, traced)`` of one argument leaf; ``value`` is what the
+    program takes (placed on ``place``'s mesh when concrete), None for a static leaf."""
+    if isinstance(leaf, PerReplica) and leaf.ragged:
+        components = ragged_components(leaf)  # Other workers' replicas: shapes only.
+        return (PER_REPLICA, leaf, ("ragged", tuple(tuple(c.shape) for c in components),
+                                    components[0].dtype),
+                any(isinstance(c, jax.core.Tracer) for c in components))
+    if isinstance(leaf, (PerReplica, Mirrored)):
+        per_replica = isinstance(leaf, PerReplica)
+        value = leaf.stacked if per_replica else leaf.value
+        traced = isinstance(value, jax.core.Tracer)
+        if not traced:
+            value = (place.place_per_replica if per_replica else place.place_replicated)(value)
+        entry = (value.shape, value.dtype) + ((leaf.lengths is not None,) if per_replica else ())
+        return (PER_REPLICA if per_replica else MIRRORED), value, entry, traced
+    if isinstance(leaf, ARRAYS):
+        check_host_numbers(leaf)  # The compiled call would take it in 32 bits (no x64).
+        traced = isinstance(leaf, jax.core.Tracer)
+        if not traced and isinstance(leaf, jax.Array) and leaf.committed and (
+                leaf.sharding != place.replicated_sharding):
+            leaf = place.place_replicated(leaf)
+        return ARRAY, leaf, (leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False)), traced
+    if isinstance(leaf, SCALARS):
+        return ARRAY, leaf, (type(leaf),), False
+    try:
+        hash(leaf)
+    except TypeError:
+        raise errors.UnsupportedValueError(
+            f"strategy.run got an argument of type {type(leaf).__name__} that is neither an "
+            "array nor hashable; pass arrays, DistributedValues or hashable Python objects "
+            "(those are compiled in as constants).") from None
+    return STATIC, None, ("static", type(leaf), leaf), False
+
+
+def fast_leaf(leaf, num_replicas):
+    """Whether the fast path takes ``leaf``: an array or an even distributed value."""
+    if isinstance(leaf, PerReplica):
+        return not leaf.ragged and leaf.lengths is None and leaf.num_replicas == num_replicas
+    # Python numbers take the general path: it knows which outputs they alone compute.
+    return isinstance(leaf, (Mirrored,) + ARRAYS)
+
+
+def placed(leaf, place):
+    """A distributed argument whose array is on ``place``'s mesh (``leaf`` itself if it is)."""
+    if batch_blocks.in_block(leaf):  # Its block is on a mesh (the call checks which): kept.
+        return leaf
+    if isinstance(leaf, PerReplica):
+        stacked = place.place_per_replica(leaf.stacked)
+        return leaf if stacked is leaf.stacked else PerReplica._from_stacked(stacked)
+    value = place.place_replicated(leaf.value)
+    return leaf if value is leaf.value else Mirrored._from_value(
+        value, leaf.num_replicas, is_step_output(leaf))
+
+
+def shared_kinds(kinds, leaves, collected):
+    """``kinds`` with `SHARED` for the plain array arguments among ``collected`` (None if
+    there are none)."""
+    shared = [j for j in collected if kinds[j] == ARRAY and isinstance(leaves[j], ARRAYS)]
+    if not shared:
+        return None
+    return tuple(SHARED if j in shared else k for j, k in enumerate(kinds))
+
+
+def program_key(in_tree, kinds, signature):
+    """What selects a function's program: its arguments, and whether 64-bit mode is on (a
+    program traced in ``jax.enable_x64()`` computes in other dtypes, as ``jax.jit`` keys)."""
+    return in_tree, kinds, signature, jax.config.jax_enable_x64
+
+
+def abstract(leaf, kind, replica=None):
+    """The abstract argument a trace takes for ``leaf``; a per-replica one is stacked, with
+    ``replica``'s shape for every replica when it is ragged."""
+    if kind == PER_REPLICA and leaf.ragged:
+        component = ragged_components(leaf)[replica]
+        return jax.ShapeDtypeStruct((leaf.num_replicas,) + component.shape, component.dtype)
+    if kind == PER_REPLICA:
+        return jax.ShapeDtypeStruct(leaf.stacked.shape, leaf.stacked.dtype)
+    if kind == MIRRORED:
+        return jax.ShapeDtypeStruct(leaf.value.shape, leaf.value.dtype)
+    if isinstance(leaf, SCALARS):
+        return jax.ShapeDtypeStruct((), jnp.asarray(leaf).dtype, weak_type=True)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                weak_type=getattr(leaf, "weak_type", False))
