@@ -689,3 +689,19 @@ def test_collectives_of_a_plain_and_a_mirrored_argument(n, uneven):
         want = tf_strategy.run(step(tf.distribute), args=(tf_a, tf_v))
         for g, t in zip(got, want):
             assert_matches(local_results(strategy, g), local_results(tf_strategy, t))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("number", [0.1, 7, True])
+def test_python_numbers_reduced_and_returned(n, number):
+    """TF's one-replica SUM makes a tensor of a Python number (0.1 is float32 0.100000001
+    there), its MEAN hands the number back; its run returns a Python-number argument returned
+    as it is as that very object."""
+    strategy, tf_strategy = both(n)
+    for op in ("SUM", "MEAN"):
+        if n == 1 and not isinstance(number, bool):
+            assert_matches(outcome(strategy, lambda: strategy.reduce(op, number, axis=None)),
+                           outcome(tf_strategy, lambda: tf_strategy.reduce(op, number, axis=None)))
+    got = strategy.run(lambda a: a, args=(number,))
+    want = tf_strategy.run(lambda a: a, args=(number,))
+    assert type(got) is type(want) and got == want

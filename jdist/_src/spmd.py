@@ -504,6 +504,9 @@ class ReplicatedRunner:
         if program.passed_at:  # A plain argument returned as it is is TF's one tensor.
             plain = {k for k, j in program.passed_at if not is_distributed(leaves[j])}
             mirrored_at = [i for i in mirrored_at if i not in plain]
+            for k, j in program.passed_at:  # A Python number: the object itself, as in TF.
+                if isinstance(leaves[j], SCALARS):
+                    wrapped[k] = leaves[j]
         mirror_at(wrapped, mirrored_at, self._n)
         for i in program.per_replica_at:
             wrapped[i] = PerReplica._from_stacked(wrapped[i])

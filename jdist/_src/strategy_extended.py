@@ -32,6 +32,7 @@ from jdist._src.reduce_op import check_reducible
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
+from jdist._src.values import check_host_numbers
 from jdist._src.values import is_distributed
 from jdist._src.values import is_step_output
 from jdist._src.values import local_results
@@ -266,6 +267,7 @@ class StrategyExtended:
     def _reduce_value(self, op: ReduceOp, value: PyTree, axis: Axis):
         """The reduce rules of ``docs/semantics.md`` for one value (not a nest)."""
         n = self._num_replicas
+        asked = op
         if n == 1 and axis is None:  # TF returns one replica's value as it is (an int MEAN
             op = ReduceOp.SUM        # stays int): the sum of one value.
         if isinstance(value, PerReplica):
@@ -296,12 +298,26 @@ class StrategyExtended:
                     "ReduceOp.SUM on a strategy with several replicas: it is not per-replica. "
                     "Reduce the PerReplica value returned by strategy.run instead.")
             return value
-        elif n == 1 and axis is None:
-            return value
+        elif n == 1 and axis is None:  # TF: MEAN hands the value back, SUM makes a tensor of it.
+            return value if asked is ReduceOp.MEAN else _as_tensor(value)
         # The same value on every replica (TF runs the within-replica reduce on each of them).
         value = jnp.asarray(value)
         axes = collectives.normalize_axis(axis, value.ndim)
         return collectives.replicated_reduce(op, value, axes, n, mean_is_value=not step_output)
+
+
+def _as_tensor(value):
+    """``value`` as TF's one-replica SUM returns a non-distributed one: arrays as they are, a
+    Python number as the tensor TF makes of it (float32, int32; ``0.1`` is ``0.100000001``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, complex)):
+        return jnp.asarray(value) if isinstance(value, bool) else value
+    if isinstance(value, int):
+        dtype = np.int32 if -2**31 <= value < 2**31 else np.int64
+    else:
+        dtype = np.float32 if isinstance(value, float) else np.complex128
+    host = np.asarray(value, dtype)
+    check_host_numbers(host)  # An int64 or complex128 needs x64, as any host value.
+    return jnp.asarray(host)
 
 
 def across_workers(extended, value):
