@@ -113,3 +113,16 @@ def test_gather_puts_its_result_on_one_device(n, axis, uneven):
     got = s.gather(per_replica(s, comps), axis=axis)
     assert got.devices() == {s.extended.worker_devices[0]}
     np.testing.assert_array_equal(got, np.concatenate(comps, axis=axis))
+
+
+@pytest.mark.parametrize("how", list(SCALAR_GATHERS))
+@pytest.mark.parametrize("axis", [(0, 1), None, 0.0])
+def test_gather_takes_one_axis(how, axis):
+    # TF's gather and all_gather concatenate along one int axis; a tuple raises there too.
+    s = mirrored(2)
+    v = per_replica(s, [np.ones((2, 3), np.float32)] * 2)
+    gather = {"gather": lambda: s.gather(v, axis=axis),
+              "all_gather": lambda: s.run(
+                  lambda x: jdist.get_replica_context().all_gather(x, axis=axis), args=(v,))}
+    with pytest.raises(errors.InvalidArgumentError, match="one axis"):
+        gather[how]()

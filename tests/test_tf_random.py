@@ -26,7 +26,7 @@ from _tf_reference import outcome  # noqa: E402
 from _tf_reference import reduction_to_one_device  # noqa: E402
 from _tf_reference import strategies  # noqa: E402
 
-SEEDS = range(60)
+SEEDS = range(150)
 DTYPES = ["float32", "bfloat16", "float16", "int32", "int16", "int8", "uint8"]
 
 

@@ -66,6 +66,19 @@ def normalize_axis(axis: Axis, ndim: int) -> Optional[Tuple[int, ...]]:
     return tuple(sorted(set(out)))
 
 
+def gather_axis(axis, ndim: int) -> int:
+    """The one axis a gather concatenates along, normalized: TF takes an int only.
+
+    Example:
+      >>> gather_axis(-1, 2)
+      1
+    """
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise errors.InvalidArgumentError(
+            f"gather and all_gather concatenate along one axis (an int), got {axis!r}.")
+    return normalize_axis(axis, ndim)[0]
+
+
 # ------------------------------------------------------------------------------ the rules
 def mean_dtype(dtype) -> np.dtype:
     """The dtype of a MEAN, TF's ``truediv``: floats keep theirs, 8- and 16-bit integers give
@@ -337,7 +350,7 @@ def replica_all_gather(axis_name: str, value: PyTree, axis: int, valid_rows=None
         if x.ndim == 0:
             raise errors.InvalidArgumentError(
                 "all_gather needs values of rank >= 1; wrap scalars with x[None] first.")
-        a = normalize_axis(axis, x.ndim)[0]
+        a = gather_axis(axis, x.ndim)
         if x.size == 0:
             return empty_gather(x.shape, x.dtype, a, x.shape[a] * lax.axis_size(axis_name))
         gathered = lax.all_gather(x, axis_name, axis=a, tiled=True)
@@ -391,7 +404,7 @@ def ragged_gather(components: Sequence, axis: int):
         raise errors.InvalidArgumentError(
             "gather needs per-replica values of rank >= 1 (got scalars); give each replica's "
             "value a leading axis first, e.g. x[None] in the replica function.")
-    (a,) = normalize_axis(axis, ndim)
+    a = gather_axis(axis, ndim)
     if len({s[:a] + s[a + 1:] for s in _shapes(components)}) > 1:
         raise errors.ShapeMismatchError(
             f"gather along axis {a} needs the replicas' values to agree in every other dimension, "

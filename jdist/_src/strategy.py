@@ -166,7 +166,7 @@ class Strategy(TF1Methods):
             raise errors.InvalidArgumentError(
                 "gather needs per-replica values of rank >= 1 (got scalars); give each replica's "
                 "value a leading axis first, e.g. x[None] in the replica function.")
-        (axis,) = collectives.normalize_axis(axis, value.stacked.ndim - 1)
+        axis = collectives.gather_axis(axis, value.stacked.ndim - 1)
         if isinstance(value.stacked, jax.core.Tracer):
             return collectives.stacked_gather(value.stacked, axis)
         return self._extended._gather_per_replica(value, axis)
