@@ -283,10 +283,9 @@ class _Binding:
     # handed over as it is, and run's plain (not distributed) arguments. TF's run returns such
     # a value unwrapped, and its collectives take it as one value (`shared`).
     one_object: dict = dataclasses.field(default_factory=dict)
-    # The replicated arguments each replica holds its own copy of (by id: their index among
-    # run's argument leaves; `Mirrored` ones, which TF unpacks per replica, and plain ones that
-    # share their program), and the indices of those a collective took as they are: had they
-    # come plain, TF would take them as one tensor (`spmd._SHARED`).
+    # run's replicated arguments (by id: their index among its argument leaves), and the
+    # indices of those a collective took as they are: TF takes a plain one as one tensor, so a
+    # call passing one plain gets a program keyed `run_arguments.SHARED`.
     replicated_arguments: dict = dataclasses.field(default_factory=dict)
     collected: set = dataclasses.field(default_factory=set)
 

@@ -8,9 +8,9 @@ inputs (``docs/design.md``, section 6). Exact uneven steps merge differently (`u
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 
 from jdist._src import context
+from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
@@ -37,7 +37,7 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
     binding.note_collected(leaves)
     views = []
     for leaf in leaves:
-        if (not isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or num_replicas == 1
+        if (not isinstance(leaf, ARRAYS) or num_replicas == 1
                 or binding.shared(leaf)):
             # Python objects pass as they are; so does one replica's value, and a tensor every
             # replica holds as that one object in TF (`context._Binding.shared`).
@@ -60,5 +60,5 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
         if isinstance(x, Mirrored):
             return x.value
         # A plain array: if the replica returns it as it is, TF's run returns it unwrapped.
-        return binding.hand_over(x) if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
+        return binding.hand_over(x) if isinstance(x, ARRAYS) else x
     return jax.tree_util.tree_map(unpack, result, is_leaf=is_distributed)

@@ -24,6 +24,7 @@ from jdist._src.base import REPLICA_AXIS
 from jdist._src.base import ReplicaCollectives
 from jdist._src.strategy import Strategy
 from jdist._src.strategy_extended import StrategyExtended
+from jdist._src.values import ARRAYS
 from jdist._src.values import PerReplica
 
 
@@ -101,7 +102,7 @@ class MirroredExtended(StrategyExtended):
     def place_one_replica_value(self, value):
         """Arrays go onto the replica's device as `run`'s programs take them (no transfer per
         step); other objects stay as they are."""
-        if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        if isinstance(value, ARRAYS):
             return self._programs.place_replicated(value)
         return value
 

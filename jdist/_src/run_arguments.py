@@ -10,10 +10,10 @@ program with `Mirrored` ones, whose collectives combine each replica's copy (doc
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jdist._src import batch_blocks
 from jdist._src import errors
+from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import check_host_numbers
@@ -23,7 +23,6 @@ from jdist._src.values import ragged_components
 PER_REPLICA, MIRRORED, ARRAY, STATIC = "per_replica", "mirrored", "array", "static"
 SHARED = "shared"
 SCALARS = (bool, int, float, complex)
-ARRAYS = (jax.Array, np.ndarray, np.generic)
 
 
 def classify_leaf(leaf, place):

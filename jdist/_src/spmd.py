@@ -19,7 +19,6 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -35,13 +34,13 @@ from jdist._src import run_arguments
 from jdist._src import staged_outputs
 from jdist._src import uneven
 from jdist._src.run_arguments import ARRAY
-from jdist._src.run_arguments import ARRAYS
 from jdist._src.run_arguments import MIRRORED
 from jdist._src.run_arguments import PER_REPLICA
 from jdist._src.run_arguments import SCALARS
 from jdist._src.run_arguments import SHARED
 from jdist._src.run_arguments import STATIC
 from jdist._src.uneven_trace import OUTPUT
+from jdist._src.values import ARRAYS
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
@@ -410,10 +409,10 @@ class ReplicatedRunner:
             args, kwargs = jax.tree_util.tree_unflatten(in_tree, values)
             binding = context._Binding(axis, lax.axis_index(axis), valid, padded, exact=exact)
             for i, (v, kind) in enumerate(zip(values, kinds)):
-                if kind == SHARED:
-                    binding.hand_over(v)
-                elif kind in (MIRRORED, ARRAY):
+                if kind in (MIRRORED, ARRAY, SHARED):
                     binding.replicated_arguments[id(v)] = (v, i)
+                if kind == SHARED:  # A plain argument a collective takes: TF's one tensor.
+                    binding.hand_over(v)
             ctx = context.ReplicaContext(self._strategy, binding.replica_id, _binding=binding)
             try:
                 with context.replica_scope(ctx):
@@ -423,14 +422,11 @@ class ReplicatedRunner:
             out_leaves, record["tree"] = jax.tree_util.tree_flatten(out, is_leaf=is_distributed)
             record["statics"] = tuple(_output_static(x) for x in out_leaves)
             returned = [x for x, st in zip(out_leaves, record["statics"]) if st is OUTPUT]
-            # A plain array merge_call handed over, or one captured (concrete: made outside).
-            record["unwrapped"] = tuple(binding.handed_over(x) or context.is_captured(x)
-                                        for x in returned)
+            # One tensor object on every replica in TF (`context._Binding.shared`).
+            record["unwrapped"] = tuple(binding.shared(x) for x in returned)
             record["collected"] = tuple(sorted(binding.collected))
             # A replicated argument returned as it is: one tensor in TF if it came plain.
-            replicated = {id(v): (v, i) for i, (v, kind) in enumerate(zip(values, kinds))
-                          if kind in (MIRRORED, ARRAY, SHARED)}
-            record["passed"] = tuple(_returned_argument(replicated, x) for x in returned)
+            record["passed"] = tuple(binding.replicated_argument(x) for x in returned)
             arrays = [jnp.asarray(x) for x in returned]
             record["shapes"] = tuple(x.shape for x in arrays)
             return [x[None] for x in arrays]
@@ -529,12 +525,6 @@ class _NotCanonical(Exception):
     """Raised while the direct program traces arguments `_canonical` did not prepare."""
 
 
-def _returned_argument(replicated, x):
-    """The index of the replicated argument that ``x`` is (``replicated``: by id), or None."""
-    entry = replicated.get(id(x))
-    return entry[1] if entry is not None and entry[0] is x else None
-
-
 def _waited_outputs(cache, outputs):
     """What the CPU guard waits on of a direct program's outputs: its smallest array."""
     (number, arrays), = outputs.items()
@@ -549,5 +539,5 @@ def _output_static(x):
         raise errors.UnsupportedValueError(
             f"the replica function returned a {type(x).__name__}; inside strategy.run return "
             "per-replica arrays (merge_call results are already unpacked per replica).")
-    return OUTPUT if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
+    return OUTPUT if isinstance(x, ARRAYS) else x
 

@@ -309,8 +309,10 @@ class StrategyExtended:
 def _as_tensor(value):
     """``value`` as TF's one-replica SUM returns a non-distributed one: arrays as they are, a
     Python number as the tensor TF makes of it (float32, int32; ``0.1`` is ``0.100000001``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, complex)):
-        return jnp.asarray(value) if isinstance(value, bool) else value
+    if isinstance(value, bool):
+        return jnp.asarray(value)
+    if not isinstance(value, (int, float, complex)):
+        return value
     if isinstance(value, int):
         dtype = np.int32 if -2**31 <= value < 2**31 else np.int64
     else:

@@ -14,13 +14,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core
 
 from jdist._src import context
 from jdist._src import errors
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
+from jdist._src.values import ARRAYS
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
 
@@ -119,7 +119,7 @@ def _gather_all(strategy, value, axis):
 
 
 def _is_array(x):
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+    return isinstance(x, ARRAYS)
 
 
 def _is_operand(x):

@@ -23,8 +23,11 @@ import numpy as np
 from jdist._src import errors
 
 
+ARRAYS = (jax.Array, np.ndarray, np.generic)  # What jdist takes as an array leaf.
+
+
 def _is_array(x):
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+    return isinstance(x, ARRAYS)
 
 
 class DistributedValues:
