@@ -6,6 +6,7 @@ from jdist._src.errors import InvalidArgumentError
 from jdist._src.errors import JdistError
 from jdist._src.errors import MissingDependencyError
 from jdist._src.errors import MixedStrategyError
+from jdist._src.errors import NoGradientError
 from jdist._src.errors import OutOfRangeError
 from jdist._src.errors import RemoteValueError
 from jdist._src.errors import ShapeMismatchError
@@ -24,6 +25,7 @@ __all__ = (
     "JdistError",
     "MissingDependencyError",
     "MixedStrategyError",
+    "NoGradientError",
     "OutOfRangeError",
     "RemoteValueError",
     "ShapeMismatchError",

@@ -148,6 +148,41 @@ def test_all_gather_along_axis_0_has_the_true_size(n):
     assert_local_results(s, out, [np.concatenate(comps) * 2] * n)
 
 
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_all_gather_gradient_is_tfs_all_sum_of_the_upstream_gradients_own_rows(n, axis):
+    # TF's all_gather gradient: all_reduce SUM of every replica's upstream gradient, of which a
+    # replica takes the rows it contributed (replicas of one shape share a trace, not rows).
+    s = mirrored(n)
+    rng = np.random.default_rng(n)
+    sizes = [(2, 1, 1, 0, 3, 2, 1, 0)[i] for i in range(n)]
+    comps = [rng.normal(size=(k, 3) if axis == 0 else (3, k)).astype(np.float32) for k in sizes]
+    weights = [rng.normal(size=()).astype(np.float32) for _ in range(n)]
+
+    def step(x, w):
+        gathered = lambda x: jdist.get_replica_context().all_gather(x, axis)
+        return jax.grad(lambda x: jnp.sum(gathered(x) ** 2) * w)(x)
+    out = s.run(step, args=(per_replica(s, comps), per_replica(s, weights)))
+    upstream = 2 * np.concatenate(comps, axis=axis) * np.sum(weights)
+    starts = np.cumsum([0] + sizes)
+    assert_local_results(s, out, [np.take(upstream, np.arange(starts[r], starts[r + 1]), axis)
+                                  for r in range(n)], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_even_per_replica_arguments_beside_ragged_ones_reach_their_replica(n):
+    s = mirrored(n)
+    comps = [np.arange(i % 3, dtype=np.float32) for i in range(n)]
+    scales = [np.full((2,), i + 1, np.float32) for i in range(n)]
+
+    def step(x, scale, unused):
+        return jnp.sum(x) * scale, jdist.get_replica_context().all_reduce("sum", scale)
+    scaled, total = s.run(step, args=(per_replica(s, comps), per_replica(s, scales),
+                                      per_replica(s, [np.ones((3, 1), np.float32)] * n)))
+    assert_local_results(s, scaled, [np.sum(c) * k for c, k in zip(comps, scales)])
+    assert_local_results(s, total, [np.sum(scales, axis=0)] * n)
+
+
 def test_merge_call_runs_once_on_the_true_values():
     s = mirrored(3)
     comps = [np.array([5., 6.], np.float32), np.array([7.], np.float32),

@@ -271,9 +271,14 @@ def replica_sum(x, axis_name: str):
     design.md, section 9). A bfloat16 ``psum`` on CPUs keeps its partial sums in float32, so
     there the replicas' values are gathered and added as `add_in_order` adds them.
     """
-    if jnp.dtype(x.dtype) not in _ROUNDED_EVERY_ADD or _off_cpu():
+    if not _sums_in_order(x.dtype):
         return lax.psum(x, axis_name)
     return add_in_order(list(lax.all_gather(x, axis_name)))
+
+
+def _sums_in_order(dtype) -> bool:
+    """Whether `replica_sum` adds ``dtype`` values itself, in order (bfloat16 on CPUs)."""
+    return jnp.dtype(dtype) in _ROUNDED_EVERY_ADD and not _off_cpu()
 
 
 def _off_cpu():
@@ -336,6 +341,126 @@ def replica_all_reduce(axis_name: str, op: ReduceOp, value: PyTree) -> PyTree:
     return jax.tree_util.tree_map(reduce_leaf, value)
 
 
+def all_reduce_with_tfs_gradient(reduce: Callable, op: ReduceOp, num_replicas: int,
+                                 value: PyTree) -> PyTree:
+    """``reduce(op, leaves)`` over ``value``'s leaves, whose gradient is TF's: the all-reduce,
+    with the same op, of the upstream gradients (TF's ``all_reduce`` custom gradient).
+
+    XLA's own transposes differ from it twice. A MEAN's (a sum, then a division) divides each
+    replica's gradient before summing, which rounds differently unless the replica count is a
+    power of two: its tangent here divides, then sums, so its transpose sums, then divides. A
+    bfloat16 sum on CPUs (`replica_sum` gathers and adds in order) transposes to a float32
+    reduce-scatter: those leaves get a custom VJP, the same all-reduce, so forward derivatives
+    of them raise JAX's error (docs/design.md, section 2).
+
+    Args:
+      reduce: ``(op, list of arrays) -> list of arrays``, the all-reduce.
+      op: the `ReduceOp`.
+      num_replicas: the replica count.
+      value: a nest of traced arrays.
+
+    Returns:
+      The nest of all-reduced arrays.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> def reduce(op, leaves):  # Three replicas holding the same values.
+      ...   return [x * 3 if op is ReduceOp.SUM else x for x in leaves]
+      >>> mean = lambda v: all_reduce_with_tfs_gradient(reduce, ReduceOp.MEAN, 3, v)
+      >>> float(jax.grad(mean)(jnp.float32(2.0)))  # (1 * 3) / 3: the sum, then the division.
+      1.0
+    """
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    rules = [_gradient_rule(x, op) for x in leaves]
+    results = [None] * len(leaves)
+    for rule, combine in ((_BY_VJP, _reduce_by_vjp), (_BY_JVP, _mean_by_jvp),
+                          (None, lambda reduce, op, n, xs: reduce(op, xs))):
+        chosen = [i for i, r in enumerate(rules) if r == rule]
+        if chosen:
+            reduced = combine(reduce, op, num_replicas, [leaves[i] for i in chosen])
+            for i, x in zip(chosen, reduced):
+                results[i] = x
+    return tree.unflatten(results)
+
+
+_BY_VJP, _BY_JVP = "vjp", "jvp"
+
+
+def _gradient_rule(x, op):
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return None
+    if _sums_in_order(dtype):
+        return _BY_VJP
+    return _BY_JVP if op is ReduceOp.MEAN else None  # XLA transposes a psum to a psum.
+
+
+def _reduce_by_vjp(reduce, op, num_replicas, xs):
+    @jax.custom_vjp
+    def combine(*xs):
+        return tuple(reduce(op, list(xs)))
+    combine.defvjp(lambda *xs: (combine(*xs), None),
+                   lambda _, cotangents: tuple(reduce(op, list(cotangents))))
+    return combine(*xs)
+
+
+def _mean_by_jvp(reduce, op, num_replicas, xs):
+    @jax.custom_jvp
+    def mean(*xs):
+        return tuple(reduce(op, list(xs)))
+
+    @mean.defjvp
+    def tangent(primals, tangents):
+        divided = [finish(ReduceOp.MEAN, t, num_replicas) for t in tangents]
+        return mean(*primals), tuple(reduce(ReduceOp.SUM, divided))
+    return mean(*xs)
+
+
+def all_gather_with_tfs_gradient(x, axis_name: str, axis: int):
+    """``lax.all_gather(x, axis_name, axis=axis, tiled=True)`` whose gradient is TF's: the
+    all-reduce SUM (`replica_sum`) of the upstream gradients, of which each replica takes its
+    own rows. XLA's transpose, a reduce-scatter, adds in another order. The tangent is the
+    replica's rows in zeros, summed over the replicas, whose transpose is the sum, then the
+    slice; bfloat16 on CPUs, whose sum is gathered, gets a custom VJP (as in
+    `all_reduce_with_tfs_gradient`).
+    """
+    gather = _gather_by_vjp if _sums_in_order(x.dtype) else _gather_by_jvp
+    return gather(x, axis_name, axis)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _gather_by_jvp(x, axis_name, axis):
+    return lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+
+@_gather_by_jvp.defjvp
+def _gather_tangent(axis_name, axis, primals, tangents):
+    (x,), (t,) = primals, tangents
+    rows = t.shape[axis]
+    zeros = jnp.zeros(t.shape[:axis] + (rows * lax.axis_size(axis_name),) + t.shape[axis + 1:],
+                      t.dtype)
+    own = lax.dynamic_update_slice_in_dim(zeros, t, lax.axis_index(axis_name) * rows, axis)
+    return _gather_by_jvp(x, axis_name, axis), lax.psum(own, axis_name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_by_vjp(x, axis_name, axis):
+    return lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+
+def _gather_forward(x, axis_name, axis):
+    return _gather_by_vjp(x, axis_name, axis), None
+
+
+def _gather_backward(axis_name, axis, _, cotangent):
+    rows = cotangent.shape[axis] // lax.axis_size(axis_name)
+    summed = replica_sum(cotangent, axis_name)
+    return (lax.dynamic_slice_in_dim(summed, lax.axis_index(axis_name) * rows, rows, axis),)
+
+
+_gather_by_vjp.defvjp(_gather_forward, _gather_backward)
+
+
 def replica_all_gather(axis_name: str, value: PyTree, axis: int, valid_rows=None,
                        padded_rows: Optional[int] = None) -> PyTree:
     """Concatenates every leaf of ``value`` over the replicas, inside a replica function.
@@ -353,7 +478,9 @@ def replica_all_gather(axis_name: str, value: PyTree, axis: int, valid_rows=None
         a = gather_axis(axis, x.ndim)
         if x.size == 0:
             return empty_gather(x.shape, x.dtype, a, x.shape[a] * lax.axis_size(axis_name))
-        gathered = lax.all_gather(x, axis_name, axis=a, tiled=True)
+        gathered = (all_gather_with_tfs_gradient(x, axis_name, a)
+                    if jnp.issubdtype(x.dtype, jnp.inexact)
+                    else lax.all_gather(x, axis_name, axis=a, tiled=True))
         if valid_rows is None or a != 0 or x.shape[0] != padded_rows:
             return gathered
         counts = lax.all_gather(valid_rows, axis_name)

@@ -57,6 +57,13 @@ class UnsupportedValueError(JdistError, TypeError):
     """A value of a type jdist cannot distribute or return from a replica function."""
 
 
+class NoGradientError(JdistError, ValueError):
+    """A derivative reached ``merge_call`` on a strategy whose ``merge_fn`` TF runs outside the
+    replica's gradient tape (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``): TF's
+    ``tape.gradient`` gives None there, which ``jax.grad`` cannot; the message names the ways
+    out (``lax.stop_gradient`` for TF's numbers, ``all_reduce`` to differentiate)."""
+
+
 class UnevenValuesError(JdistError, RuntimeError):
     """Per-replica values of different shapes reached a place where jdist cannot compute TF's
     numbers exactly (a traced loop, a collective inside ``lax.scan``); the message names the

@@ -10,6 +10,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from jdist._src import context
+from jdist._src import errors
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
@@ -62,3 +63,43 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
         # A plain array: if the replica returns it as it is, TF's run returns it unwrapped.
         return binding.hand_over(x) if isinstance(x, ARRAYS) else x
     return jax.tree_util.tree_map(unpack, result, is_leaf=is_distributed)
+
+
+def without_gradient(value, binding):
+    """``value``, the arguments of a ``merge_call`` on a strategy whose ``merge_fn`` TF runs
+    outside the replica's gradient tape (``MirroredStrategy``'s merge_fn runs on another
+    thread): TF's ``tape.gradient`` records nothing through it and gives None where nothing
+    else connects. ``jax.grad`` has no None, so a derivative reaching these arguments raises
+    `NoGradientError` instead of differentiating what TF does not. Arrays every replica holds
+    as one object and run's replicated arguments pass as they are (merge_call knows them by
+    identity).
+
+    Args:
+      value: merge_call's ``(args, kwargs)``.
+      binding: the replica context's `context._Binding`.
+
+    Returns:
+      ``value`` with its traced inexact arrays behind the gradient boundary.
+    """
+    def leaf(x):
+        if (isinstance(x, jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.inexact)
+                and not binding.shared(x) and binding.replicated_argument(x) is None):
+            return _no_gradient(x)
+        return x
+    return jax.tree_util.tree_map(leaf, value, is_leaf=is_distributed)
+
+
+@jax.custom_jvp
+def _no_gradient(x):
+    return x
+
+
+@_no_gradient.defjvp
+def _no_gradient_jvp(primals, tangents):
+    raise errors.NoGradientError(
+        "jax.grad (or another derivative) reached an argument of merge_call. TF's "
+        "MirroredStrategy runs merge_fn outside the replica's gradient tape, so no gradient "
+        "flows through merge_call (tape.gradient gives None, or only the other paths' "
+        "gradient). For TF's numbers pass jax.lax.stop_gradient(x) to merge_call; to "
+        "differentiate through the combination use ReplicaContext.all_reduce or all_gather, "
+        "whose gradients are TF's.")

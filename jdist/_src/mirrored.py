@@ -18,10 +18,12 @@ from jdist._src import destinations
 from jdist._src import devices as devices_lib
 from jdist._src import dispatch
 from jdist._src import errors
+from jdist._src import merge
 from jdist._src import replica_mesh
 from jdist._src import spmd
 from jdist._src.base import REPLICA_AXIS
 from jdist._src.base import ReplicaCollectives
+from jdist._src.reduce_op import ReduceOp
 from jdist._src.strategy import Strategy
 from jdist._src.strategy_extended import StrategyExtended
 from jdist._src.values import ARRAYS
@@ -33,6 +35,9 @@ class MirroredExtended(StrategyExtended):
 
     # MultiWorkerExtended places values through a subclass (`multi_worker.MultiProcessMesh`).
     _mesh_class = replica_mesh.ReplicaMesh
+    # TF's MirroredStrategy runs merge_fn on another thread than the replica's, outside its
+    # gradient tape; OneDeviceStrategy's runs inline, where gradients flow (`merge`).
+    _gradients_through_merge_call = False
 
     def __init__(self, container_strategy, devices, cross_device_ops=None):
         super().__init__(container_strategy, devices)
@@ -67,7 +72,7 @@ class MirroredExtended(StrategyExtended):
         if binding is None:
             return super().replica_collectives(binding)
         return _ReplicaAxisCollectives(binding, self._cross_device_ops, self._runner,
-                                       self._num_replicas)
+                                       self._num_replicas, self._gradients_through_merge_call)
 
     def _reduce_per_replica(self, op, value, axes):
         return self._cross_device_ops.reduce_to_mesh(self._programs, op, value, axes)
@@ -118,24 +123,30 @@ class _ReplicaAxisCollectives(ReplicaCollectives):
     and ``merge_call`` are steps of their own, run across replicas between the traced pieces.
     """
 
-    def __init__(self, binding, ops, runner, num_replicas):
+    def __init__(self, binding, ops, runner, num_replicas, gradients_through_merge):
         self._binding = binding
+        self._gradients_through_merge = gradients_through_merge
         self._ops = ops
         self._runner = runner
         self._num_replicas = num_replicas
 
     def all_reduce(self, op, value, options=None):
-        return self._ops.replica_all_reduce(self._binding.axis_name, self._num_replicas, op,
-                                            value, options)
+        def reduce(op, value):
+            return self._ops.replica_all_reduce(self._binding.axis_name, self._num_replicas, op,
+                                                value, options)
+        return collectives.all_reduce_with_tfs_gradient(reduce, op, self._num_replicas, value)
 
     def all_gather(self, value, axis):
         binding = self._binding
         if binding.exact is not None:
-            return binding.exact.all_gather(value, axis)
+            return binding.exact.all_gather(value, axis, lambda v: self.all_reduce(ReduceOp.SUM, v),
+                                            binding.axis_name)
         return collectives.replica_all_gather(binding.axis_name, value, axis, binding.valid_rows,
                                               binding.padded_rows)
 
     def merge_call(self, merge_fn, args, kwargs):
+        if not self._gradients_through_merge:
+            args, kwargs = merge.without_gradient((args, kwargs), self._binding)
         if self._binding.exact is not None:
             return self._binding.exact.merge_call(merge_fn, args, kwargs, self._binding)
         return self._runner.merge_call(self._binding, merge_fn, args, kwargs)
@@ -197,4 +208,10 @@ class OneDeviceStrategy(Strategy):
     """
 
     def __init__(self, device):
-        super().__init__(MirroredExtended(self, [devices_lib.resolve(device)]))
+        super().__init__(_OneDeviceExtended(self, [devices_lib.resolve(device)]))
+
+
+class _OneDeviceExtended(MirroredExtended):
+    """`OneDeviceStrategy`'s: TF runs its merge_fn inline, inside the replica's gradient tape."""
+
+    _gradients_through_merge_call = True

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jdist._src import errors
 from jdist._src import invariance
 from jdist._src.run_arguments import ARRAY
+from jdist._src.run_arguments import PER_REPLICA
 from jdist._src.run_arguments import SCALARS
 from jdist._src.run_arguments import SHARED
 from jdist._src import uneven_multi_worker
@@ -240,6 +241,7 @@ class _Plan:
     out_tree: Any
     out_statics: tuple  # Per output leaf: a Python object returned as it is, or `OUTPUT`.
     ragged_args: frozenset
+    stacked_args: frozenset  # Even per-replica arguments: their stacked array, a block each.
 
     @classmethod
     def build(cls, programs, traces, merges, dynamic, kinds):
@@ -258,6 +260,8 @@ class _Plan:
             if len({sh[j] for sh in shapes}) == 1 else RAGGED for j, s in enumerate(same))
         ragged_args = frozenset(i for i, x in enumerate(dynamic)
                                 if isinstance(x, PerReplica) and x.ragged)
+        stacked_args = frozenset(i for i, k in enumerate(uneven_trace.dynamic_kinds(kinds))
+                                 if k == PER_REPLICA and i not in ragged_args)
         forms = [PLAIN if kind == STACKED else SQUEEZE for kind in out_kinds]
         by_trace = {id(t): _program(t, forms, ragged_args) for t in distinct}
         first = distinct[0]
@@ -271,10 +275,13 @@ class _Plan:
                            for kind, v in traces[r].sources) for r in local}
         ids = {r: jax.device_put(np.int32(r), devices[r]) for r in local}
         return cls(programs, tuple(by_trace[id(t)] for t in traces), local, consts, ids, steps,
-                   out_kinds, first.out_tree, _regroup(programs, traces), ragged_args)
+                   out_kinds, first.out_tree, _regroup(programs, traces), ragged_args,
+                   stacked_args)
 
     def __call__(self, dynamic):
-        per_arg = [_per_device(x, i in self.ragged_args, self.programs, self.local)
+        devices = [_devices(self.programs)[r] for r in self.local]
+        per_arg = [_by_device(x, devices) if i in self.stacked_args else
+                   _per_device(x, i in self.ragged_args, self.programs, self.local)
                    for i, x in enumerate(dynamic)]
         envs = {}  # Per local replica: its values, by environment key.
         for j, r in enumerate(self.local):

@@ -14,6 +14,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.extend import core
 
 from jdist._src import context
@@ -68,6 +70,7 @@ class Merge:
     out_plain: tuple  # Per array output: a plain array merge_fn returned (not distributed).
     replica_avals: tuple  # Per replica: the avals of its array outputs.
     replica_outputs: tuple  # Per replica: indices of its array outputs among `run`'s results.
+    replica_in_avals: tuple  # Per replica: the avals of its array arguments.
     run: Any  # Jitted: every replica's operand blocks, replica by replica -> result blocks.
 
     def rebuild(self, arrays):
@@ -107,10 +110,54 @@ class _ReplicaTrace:
             outs = [binding.hand_over(x) if plain else x for x, plain in zip(outs, merge.out_plain)]
         return merge.rebuild(outs)
 
-    def all_gather(self, value, axis):
-        # Sizes along `axis` may differ between replicas: the gathered size is their sum, which
-        # only the merge of every replica's value knows.
-        return self.merge_call(_gather_all, (value, axis), {})
+    def all_gather(self, value, axis, all_sum, axis_name):
+        """Every replica's ``value`` concatenated along ``axis``, whose sizes may differ between
+        replicas: the gathered size is their sum, which only the merge of every replica's value
+        knows, so the gather is a merge_call. Its gradient is TF's (``ReplicaContext.all_gather``'s
+        custom gradient): ``all_sum`` (the all-reduce SUM) of the upstream gradients, of which
+        each replica takes its own rows (where they start is the replica's: replicas of one
+        shape share a trace, so it is read at ``axis_name``'s index)."""
+        leaves, tree = jax.tree_util.tree_flatten(value)
+        arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+        starts = []  # Per array: where each replica's rows start in the result, and the axis.
+
+        @jax.custom_vjp
+        def gather(*xs):
+            flat = list(leaves)
+            for i, x in zip(arrays, xs):
+                flat[i] = x
+            gathered = self.merge_call(_gather_all, (tree.unflatten(flat), axis), {})
+            return tuple(jax.tree_util.tree_leaves(gathered)[i] for i in arrays)
+
+        def forward(*xs):
+            result = gather(*xs)
+            in_avals = self._resolved[self._count - 1].replica_in_avals
+            starts[:] = [_row_starts(in_avals, j, axis) for j in range(len(xs))]
+            return result, tuple(x.shape for x in xs)
+
+        def backward(shapes, cotangents):
+            summed = iter(all_sum([c for c in cotangents if _differentiable(c)]))
+            replica = lax.axis_index(axis_name)
+            return tuple(
+                lax.dynamic_slice_in_dim(next(summed), jnp.asarray(start)[replica],
+                                         shape[a], axis=a) if _differentiable(c) else None
+                for c, shape, (start, a) in zip(cotangents, shapes, starts))
+
+        gather.defvjp(forward, backward)
+        gathered = iter(gather(*(leaves[i] for i in arrays)))
+        return tree.unflatten([next(gathered) if i in arrays else leaf
+                               for i, leaf in enumerate(leaves)])
+
+
+def _row_starts(in_avals, j, axis):
+    """Where each replica's rows of gathered argument ``j`` start along ``axis``, and the axis."""
+    a = axis % len(in_avals[0][j].shape)
+    sizes = [avals[j].shape[a] for avals in in_avals]
+    return np.cumsum([0] + sizes[:-1], dtype=np.int32), a
+
+
+def _differentiable(cotangent):
+    return jnp.issubdtype(cotangent.dtype, jnp.inexact)
 
 
 def _gather_all(strategy, value, axis):
@@ -265,7 +312,8 @@ def _resolve_merge(strategy, requests):
 
     avals = [jax.ShapeDtypeStruct((1,) + a.shape, a.dtype) for r in requests for a in r.avals]
     closed = jax.make_jaxpr(merge_body)(*avals)
-    return _merge_from(closed, record["tree"], record["leaves"], n)
+    return _merge_from(closed, record["tree"], record["leaves"], n,
+                       tuple(r.avals for r in requests))
 
 
 def _merge_outputs(out_leaves, n):
@@ -289,7 +337,7 @@ def _merge_outputs(out_leaves, n):
     return flat
 
 
-def _merge_from(closed, out_tree, out_leaves, n):
+def _merge_from(closed, out_tree, out_leaves, n, in_avals):
     statics, same, plain, outputs = [], [], [], [[] for _ in range(n)]
     position = 0
     for leaf in out_leaves:
@@ -312,7 +360,7 @@ def _merge_from(closed, out_tree, out_leaves, n):
     out_avals = [jax.core.ShapedArray(a.shape[1:], a.dtype) for a in closed.out_avals]
     return Merge(out_tree, tuple(statics), tuple(same), tuple(plain),
                   tuple(tuple(out_avals[i] for i in outs) for outs in outputs),
-                  tuple(tuple(outs) for outs in outputs),
+                  tuple(tuple(outs) for outs in outputs), in_avals,
                   jax.jit(core.jaxpr_as_fun(closed)))
 
 
