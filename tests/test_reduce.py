@@ -126,6 +126,16 @@ def test_plain_value_on_one_replica_comes_back(strategy_fn, op):
     np.testing.assert_array_equal(strategy_fn().reduce(op, jnp.arange(3.0)), [0., 1., 2.])
 
 
+@pytest.mark.parametrize("strategy_fn", [lambda: mirrored(1), lambda: mirrored(3),
+                                         lambda: jdist.get_strategy()])
+@pytest.mark.parametrize("value", [None, (None, 1.0), {"a": None}])
+def test_none_is_a_value_sum_refuses_and_mean_hands_back(strategy_fn, value):
+    s = strategy_fn()  # TF: SUM cannot make a tensor of None; MEAN returns the nest as it is.
+    with pytest.raises(errors.InvalidArgumentError, match="None"):
+        s.reduce("sum", value)
+    assert s.reduce("mean", value) == value
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_mirrored_value_is_one_value_per_replica(n):
     s = mirrored(n)

@@ -285,6 +285,20 @@ def first_argument(w, x):
 
 
 @pytest.mark.parametrize("op", ["SUM", "MEAN"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_reduce_of_none(n, op):
+    strategy, tf_strategy = both(n)
+    for value in (None, (None, 1.0), {"a": None}):
+        try:
+            want = tf_strategy.reduce(op, value, axis=None)
+        except ValueError:
+            with pytest.raises(ValueError, match="None"):
+                strategy.reduce(op, value, axis=None)
+        else:
+            assert strategy.reduce(op, value, axis=None) == want == value  # MEAN: as it is.
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
 @pytest.mark.parametrize("n", COUNTS)
 def test_an_argument_returned_as_it_is(n, op):
     # A plain tensor argument is the same object on every replica: TF's run returns it.

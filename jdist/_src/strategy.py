@@ -133,8 +133,9 @@ class Strategy(TF1Methods):
             raise errors.UnsupportedValueError(
                 "strategy.reduce with an axis takes a single value, not a nest; reduce each "
                 "leaf separately, or use axis=None.")
+        # None is a value here, as in TF: SUM refuses it, MEAN hands it back.
         return jax.tree_util.tree_map(lambda v: self._extended._reduce_value(op, v, axis), value,
-                                      is_leaf=is_distributed)
+                                      is_leaf=lambda v: v is None or is_distributed(v))
 
     def gather(self, value, axis):
         """Concatenates the replicas' values along ``axis`` (cross-replica context).

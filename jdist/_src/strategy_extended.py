@@ -311,6 +311,10 @@ def _as_tensor(value):
     Python number as the tensor TF makes of it (float32, int32; ``0.1`` is ``0.100000001``)."""
     if isinstance(value, bool):
         return jnp.asarray(value)
+    if value is None:  # TF cannot make a tensor of it.
+        raise errors.InvalidArgumentError(
+            "None cannot be reduced with ReduceOp.SUM: it is not a tensor (TF raises too). "
+            "Leave None out of the nest, or reduce it with MEAN, which hands it back.")
     if not isinstance(value, (int, float, complex)):
         return value
     if isinstance(value, int):
