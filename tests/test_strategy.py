@@ -82,6 +82,40 @@ def test_extended_reduce_to_and_broadcast_to(n):
     assert isinstance(b, jdist.Mirrored) and len(s.experimental_local_results(b)) == n
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_reduce_to_of_a_value_that_is_not_per_replica_is_tfs(n):
+    # TF's reduce_non_distributed_value: a MEAN hands the value back as it is (wherever the
+    # destinations are, even none), host zeros come back as zeros; SUM on N > 1 raises.
+    s = mirrored(n)
+    assert s.extended.reduce_to("mean", 0.1, "") == 0.1  # A Python number, not float32 0.1.
+    plain = np.float32([3.0, 4.0])
+    assert s.extended.reduce_to("mean", plain, "cpu:0") is plain
+    mirrored_value = s.extended.broadcast_to(plain, per_replica(s, [np.ones(1)] * n))
+    assert s.extended.reduce_to("mean", mirrored_value, "cpu:0") is mirrored_value
+    for op in ("sum", "mean"):
+        zeros = s.extended.reduce_to(op, np.zeros((2,), np.int32), "cpu:0")
+        assert zeros.dtype == np.int32 and not zeros.any()
+        assert not s.reduce(op, np.zeros(3, np.float32)).any()
+    if n > 1:
+        with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
+            s.extended.reduce_to("sum", plain, "cpu:0")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_batch_reduce_to_sums_a_plain_value_once_and_a_mirrored_one_per_copy(n):
+    # TF's batch_reduce_to hands every pair to its cross-device ops: a plain value is one
+    # replica's value, a Mirrored one a value on each replica.
+    s = mirrored(n)
+    v = per_replica(s, [np.float32([i, 1.0]) for i in range(n)])
+    plain = np.float32([3.0, 4.0])
+    mirrored_value = s.extended.broadcast_to(plain, v)
+    got = s.extended.batch_reduce_to("sum", [(plain, v), (mirrored_value, v), (v, "cpu:0")])
+    expected = [plain, n * plain, np.sum([[i, 1.0] for i in range(n)], axis=0)]
+    for result, want in zip(got, expected):
+        for local in s.experimental_local_results(result):
+            np.testing.assert_array_equal(local, want)
+
+
 def test_legacy_names_have_their_jax_meaning():
     s = mirrored(2)
     v = per_replica(s, [np.ones(2), np.zeros(2)])

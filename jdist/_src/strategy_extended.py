@@ -163,7 +163,9 @@ class StrategyExtended:
           options: a `CommunicationOptions` for the strategy's cross-device ops, or None.
 
         Returns:
-          A `Mirrored` value or an array, as ``destinations`` says.
+          A `Mirrored` value or an array, as ``destinations`` says. As in TF, a MEAN of a
+          `Mirrored` value or of a non-distributed one is that value as it is, and a NumPy
+          array of zeros comes back as zeros (SUM too), wherever the destinations are.
 
         Example:
           >>> import jax, numpy as np, jdist
@@ -172,10 +174,15 @@ class StrategyExtended:
           ...     lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1))
           >>> float(s.extended.reduce_to("sum", v, "cpu:1"))
           3.0
+          >>> s.extended.reduce_to("mean", 0.1, "cpu:1")  # TF's one value, as it is.
+          0.1
         """
         context.require_cross_replica(self._container_strategy_ref, "extended.reduce_to")
         op = ReduceOp.from_any(reduce_op)
         check_reducible(op, value)
+        unreduced = _unreduced(op, value)
+        if unreduced is not _REDUCE:  # Before the destinations are read, as in TF.
+            return unreduced
         return self._reduce_to(op, value, self._target(destinations), options)
 
     def batch_reduce_to(self, reduce_op: ReduceOpLike, value_destination_pairs: Sequence[tuple],
@@ -212,11 +219,16 @@ class StrategyExtended:
         if self._batch_reduce_to_every_device:
             targets = [self._mirrored_target] * len(pairs)
         ops = self._cross_device_ops
+        # TF hands every pair to its cross-device ops' batch_reduce, whose SUM takes a plain
+        # value as a one-replica value and adds a Mirrored one's copies (reduce_to raises for
+        # both); its MEAN of them is reduce_to's, the value itself. A merge_call view is traced.
         batch = [] if ops is None else [
             i for i, (v, _) in enumerate(pairs)
-            if isinstance(v, PerReplica) and not isinstance(v.stacked, jax.core.Tracer)]
+            if not isinstance(getattr(v, "stacked", v), jax.core.Tracer)
+            and (isinstance(v, PerReplica) or op is ReduceOp.SUM)]
         for i in batch:
-            self._check_components(pairs[i][0])
+            if isinstance(pairs[i][0], PerReplica):
+                self._check_components(pairs[i][0])
         results = dict(zip(batch, ops.batch_reduce(
             op, [(pairs[i][0], targets[i]) for i in batch], options) if batch else []))
         return [results[i] if i in results else self._reduce_to(op, v, t, options)
@@ -292,6 +304,8 @@ class StrategyExtended:
                     "strategy.num_replicas_in_sync.")
             value = value.value
         elif axis is None and n > 1:
+            if op is ReduceOp.SUM and _host_zeros(value):
+                return np.zeros(value.shape, value.dtype)  # TF: the sum of zeros, whatever N.
             if op is ReduceOp.SUM:
                 raise errors.InvalidArgumentError(
                     f"A non-DistributedValues value {_short(value)} cannot be reduced with "
@@ -304,6 +318,29 @@ class StrategyExtended:
         value = jnp.asarray(value)
         axes = collectives.normalize_axis(axis, value.ndim)
         return collectives.replicated_reduce(op, value, axes, n, mean_is_value=not step_output)
+
+
+_REDUCE = object()  # `_unreduced`: the value is to be reduced.
+
+
+def _unreduced(op, value):
+    """What TF's ``reduce_to`` returns without reducing ``value`` (``_REDUCE`` where it reduces):
+    a `Mirrored` value's MEAN is that value, a host array of zeros comes back as zeros, and
+    another non-distributed value's MEAN is that value as it is (a Python number included),
+    wherever the destinations are (TF's ``reduce_non_distributed_value``)."""
+    if isinstance(value, Mirrored) and not is_step_output(value):
+        return value if op is ReduceOp.MEAN else _REDUCE
+    if isinstance(value, DistributedValues):
+        return _REDUCE
+    if _host_zeros(value):
+        return np.zeros(value.shape, value.dtype)
+    return value if op is ReduceOp.MEAN else _REDUCE
+
+
+def _host_zeros(value) -> bool:
+    """Whether ``value`` is a host (NumPy) array of zeros, which TF reduces to zeros on any
+    number of replicas (its SUM of another non-distributed value raises)."""
+    return isinstance(value, (np.ndarray, np.generic)) and not np.any(value)
 
 
 def _as_tensor(value):
