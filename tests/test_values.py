@@ -131,6 +131,16 @@ def test_distribute_values_from_function_rejects_mismatched_values():
             lambda ctx: [1.0] * (1 + ctx.replica_id_in_sync_group))
 
 
+@pytest.mark.parametrize("value", ["text", b"bytes", np.array(["a", "b"]), object()])
+def test_values_a_device_cannot_hold_raise_a_typed_error(value):
+    s = mirrored(3)  # TF holds strings; JAX arrays hold numbers and bools only.
+    with pytest.raises(errors.UnsupportedValueError, match="numeric or bool"):
+        s.experimental_distribute_values_from_function(lambda ctx: value)
+    if isinstance(value, np.ndarray):
+        with pytest.raises(errors.UnsupportedValueError, match="dtype <U1"):
+            s.run(lambda x: x, args=(value,))
+
+
 def test_per_replica_constructor_assembles_device_arrays_without_copy():
     devices = jax.devices()[:2]
     parts = [jax.device_put(np.full((2,), i, np.float32), d) for i, d in enumerate(devices)]

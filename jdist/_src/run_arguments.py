@@ -17,6 +17,7 @@ from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import check_host_numbers
+from jdist._src.values import is_placeable
 from jdist._src.values import is_step_output
 from jdist._src.values import ragged_components
 
@@ -42,6 +43,11 @@ def classify_leaf(leaf, place):
         entry = (value.shape, value.dtype) + ((leaf.lengths is not None,) if per_replica else ())
         return (PER_REPLICA if per_replica else MIRRORED), value, entry, traced
     if isinstance(leaf, ARRAYS):
+        if not is_placeable(leaf):
+            raise errors.UnsupportedValueError(
+                f"strategy.run got an array of dtype {leaf.dtype} as an argument; JAX arrays "
+                "hold numbers and bools only. Pass text as a Python str (compiled into the "
+                "step as a constant), or encode it as numbers in the input pipeline.")
         check_host_numbers(leaf)  # The compiled call would take it in 32 bits (no x64).
         traced = isinstance(leaf, jax.core.Tracer)
         if not traced and isinstance(leaf, jax.Array) and leaf.committed and (

@@ -26,6 +26,7 @@ from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import check_host_numbers
+from jdist._src.values import check_placeable
 from jdist._src.values import is_distributed
 from jdist._src.values import local_results
 
@@ -243,8 +244,10 @@ class Strategy(TF1Methods):
             check_host_numbers(leaf)  # Before any transfer: JAX would wrap 64-bit integers.
         if n == 1:  # The value itself, on the replica's device (as TF's device scope puts it).
             return jax.tree_util.tree_map(self._extended.place_one_replica_value, per_replica[0])
-        columns = zip(*(jax.tree_util.tree_leaves(v) for v in per_replica))
-        leaves = [self._extended._distribute_components(list(c)) for c in columns]
+        columns = [list(c) for c in zip(*(jax.tree_util.tree_leaves(v) for v in per_replica))]
+        for column in columns:
+            check_placeable(column)
+        leaves = [self._extended._distribute_components(c) for c in columns]
         return jax.tree_util.tree_unflatten(trees[0], leaves)
 
     # ----- Distributed input: thin delegations to jdist._src.input (see that module). -----

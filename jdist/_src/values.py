@@ -403,6 +403,40 @@ def check_host_numbers(value) -> None:
         f"{fix}.")
 
 
+def check_placeable(values) -> None:
+    """Raises `UnsupportedValueError` unless every one of ``values`` (one per replica) is an
+    array or a number of a numeric or bool dtype: what a device can hold (TF also holds
+    strings, which JAX cannot).
+
+    Example:
+      >>> check_placeable([1.0, np.ones(2)])
+    """
+    for i, v in enumerate(values):
+        if is_placeable(v):
+            continue
+        raise errors.UnsupportedValueError(
+            f"replica {i}'s value is {_short_repr(v)}; a device holds arrays and numbers of a "
+            "numeric or bool dtype only (JAX has no strings or objects). Keep such values "
+            "outside the distributed values (a Python object passes to strategy.run as it is), "
+            "or encode them as numbers in the input pipeline.")
+
+
+def is_placeable(value) -> bool:
+    """Whether a device can hold ``value``: a JAX array (typed PRNG keys too), a number, or a
+    NumPy array of a numeric or bool dtype."""
+    if isinstance(value, jax.Array):
+        return True
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return isinstance(value, (bool, int, float, complex))
+    return _kind_of_dtype(np.dtype(dtype)) is not None
+
+
+def _short_repr(v):
+    dtype = getattr(v, "dtype", None)
+    return f"an array of dtype {dtype}" if dtype is not None else f"of type {type(v).__name__}"
+
+
 def _first_rounded(value, held):
     flat = np.ravel(value)
     with np.errstate(over="ignore"):
