@@ -33,7 +33,7 @@ from jdist._src.numpy_dataset import NumpyDataset
 from jdist._src.numpy_dataset import UNKNOWN
 from jdist._src.values import DistributedValues
 from jdist._src.values import PerReplica
-from jdist._src.values import check_host_numbers
+from jdist._src.host_values import check_host_numbers
 from jdist._src.values import pad_components
 
 

@@ -32,7 +32,7 @@ from jdist._src.reduce_op import ReduceOp
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
-from jdist._src.values import check_host_numbers
+from jdist._src.host_values import check_host_numbers
 
 
 class ReplicaMesh:

@@ -25,8 +25,8 @@ from jdist._src.tf1_api import TF1Methods
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
-from jdist._src.values import check_host_numbers
-from jdist._src.values import check_placeable
+from jdist._src.host_values import check_host_numbers
+from jdist._src.host_values import check_placeable
 from jdist._src.values import is_distributed
 from jdist._src.values import local_results
 

@@ -21,6 +21,8 @@ import jax
 import numpy as np
 
 from jdist._src import errors
+from jdist._src.host_values import check_host_numbers
+from jdist._src.host_values import dtype_kind
 
 
 ARRAYS = (jax.Array, np.ndarray, np.generic)  # What jdist takes as an array leaf.
@@ -339,109 +341,13 @@ def _stack_or_keep(values):
     return None, tuple(arrays)
 
 
-# The dtype kinds a PerReplica may hold: its components must all be of one of them (TF's rule).
-_KINDS = (("bool", np.bool_), ("signed integer", np.signedinteger),
-          ("unsigned integer", np.unsignedinteger), ("floating-point", np.floating),
-          ("complex", np.complexfloating))
-
-
 def _kind(array, index):
-    name = _kind_of_dtype(np.dtype(array.dtype))
+    name = dtype_kind(np.dtype(array.dtype))
     if name is None:
         raise errors.UnsupportedValueError(
             f"PerReplica component {index} has dtype {array.dtype}, which cannot be placed on a "
             "device; each replica's value must be a numeric or bool array.")
     return name
-
-
-@functools.lru_cache(maxsize=None)
-def _kind_of_dtype(dtype):
-    return next((name for name, category in _KINDS if jax.numpy.issubdtype(dtype, category)),
-                None)
-
-
-def check_host_numbers(value) -> None:
-    """Raises `X64RequiredError` when JAX would hold host numbers as other numbers.
-
-    Without ``jax_enable_x64`` JAX holds 64-bit values in 32 bits: integers keep only their low
-    bits (``np.int64(2**40 + 5)`` becomes ``5``) and float64 values are rounded to float32
-    (``0.1`` becomes ``0.100000001``), silently, where TF keeps int64 and float64 and computes
-    with them. Values that 32 bits hold exactly pass (``np.arange(3)``, ``np.ones(2)``). Every
-    host array jdist places (batches, per-replica components, ``run`` arguments) passes here.
-
-    Args:
-      value: anything; only NumPy arrays and scalars of 64-bit dtypes are checked.
-
-    Example:
-      >>> import numpy as np
-      >>> check_host_numbers(np.arange(3))  # int64 values that fit in 32 bits: fine.
-      >>> check_host_numbers(np.array([0.5, 2.0]))  # float64 values float32 holds: fine.
-    """
-    if not isinstance(value, (np.ndarray, np.generic)) or value.dtype.kind not in "iufc":
-        return
-    held = jax.dtypes.canonicalize_dtype(value.dtype)
-    if held == value.dtype or not value.size:
-        return
-    if value.dtype.kind in "iu":
-        low, high, limits = value.min(), value.max(), np.iinfo(held)
-        if low >= limits.min and high <= limits.max:
-            return
-        found = f"numbers from {low} to {high}; JAX without 64-bit mode holds it as {held} " \
-                "and would wrap them to other numbers"
-        fix = "bring the values into range in the input pipeline (e.g. ids modulo a table size)"
-    else:
-        with np.errstate(over="ignore"):
-            if np.array_equal(value.astype(held), value, equal_nan=True):
-                return
-        found = f"numbers that {held} does not (JAX without 64-bit mode would round them: " \
-                f"{_first_rounded(value, held)})"
-        fix = (f"cast to {held} where the data is made (x.astype(np.{held}); tf.cast in a "
-               "tf.data pipeline, as a Keras layer casts its inputs)")
-    raise errors.X64RequiredError(
-        f"a host value of dtype {value.dtype} holds {found}, where TF keeps {value.dtype}. Enable "
-        "64-bit mode before creating arrays (jax.config.update('jax_enable_x64', True)), or "
-        f"{fix}.")
-
-
-def check_placeable(values) -> None:
-    """Raises `UnsupportedValueError` unless every one of ``values`` (one per replica) is an
-    array or a number of a numeric or bool dtype: what a device can hold (TF also holds
-    strings, which JAX cannot).
-
-    Example:
-      >>> check_placeable([1.0, np.ones(2)])
-    """
-    for i, v in enumerate(values):
-        if is_placeable(v):
-            continue
-        raise errors.UnsupportedValueError(
-            f"replica {i}'s value is {_short_repr(v)}; a device holds arrays and numbers of a "
-            "numeric or bool dtype only (JAX has no strings or objects). Keep such values "
-            "outside the distributed values (a Python object passes to strategy.run as it is), "
-            "or encode them as numbers in the input pipeline.")
-
-
-def is_placeable(value) -> bool:
-    """Whether a device can hold ``value``: a JAX array (typed PRNG keys too), a number, or a
-    NumPy array of a numeric or bool dtype."""
-    if isinstance(value, jax.Array):
-        return True
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        return isinstance(value, (bool, int, float, complex))
-    return _kind_of_dtype(np.dtype(dtype)) is not None
-
-
-def _short_repr(v):
-    dtype = getattr(v, "dtype", None)
-    return f"an array of dtype {dtype}" if dtype is not None else f"of type {type(v).__name__}"
-
-
-def _first_rounded(value, held):
-    flat = np.ravel(value)
-    with np.errstate(over="ignore"):
-        i = int(np.flatnonzero(flat.astype(held) != flat)[0])
-        return f"{flat[i].item()!r} becomes {flat[i].astype(held).item()!r}"
 
 
 def _components(values):
