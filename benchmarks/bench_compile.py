@@ -17,7 +17,9 @@ On eight simulated CPU devices:
   program that occupies both cores with eight simulated devices' threads finds its caches cold
   (a no-op Python call costs about 2 us there). For scale, a third figure: the same program
   behind the least any such API must do per call (`minimal_wrapper`: wait on the previous
-  call's output, as the CPU guard must, and wrap each output), its floor on this machine.
+  call's output, as the CPU guard must, and wrap each output), its floor on this machine. A
+  call's time varies by hundreds of microseconds here, so the 10-leaf end-to-end figures come
+  with a 95% bootstrap interval.
 
 Each model size runs in the same process, hand-written first; the XLA compile cache is
 per-program, so neither side reuses the other's compile. Missed targets print MISSED.
@@ -151,7 +153,23 @@ def run_overhead(strategy, mesh, leaves):
             calls[name]().block_until_ready()  # One output, as the CPU guard waits on one.
             samples[name].append(time.perf_counter() - start)
     raw_s = statistics.median(samples["raw"])
-    return {name: (statistics.median(samples[name]) - raw_s) * 1e6 for name in ("jdist", "floor")}
+    figures = {name: (statistics.median(samples[name]) - raw_s) * 1e6
+               for name in ("jdist", "floor")}
+    figures.update({f"{name} interval": median_difference_interval(samples[name], samples["raw"])
+                    for name in ("jdist", "floor")})
+    return figures
+
+
+def median_difference_interval(samples, base, rounds=1000):
+    """A 95% bootstrap interval (us) of ``median(samples) - median(base)``: on this 2-core
+    machine a call's time varies by hundreds of microseconds, so a difference of a few tens
+    is resolved only as far as this interval says."""
+    rng = np.random.default_rng(0)
+    samples, base = np.asarray(samples), np.asarray(base)
+    draws = [np.median(rng.choice(samples, samples.size)) - np.median(rng.choice(base, base.size))
+             for _ in range(rounds)]
+    low, high = np.percentile(draws, [2.5, 97.5]) * 1e6
+    return float(low), float(high)
 
 
 def host_overhead(strategy, leaves):
@@ -206,6 +224,12 @@ def main():
                      {n: figures["jdist"] for n, figures in end_to_end.items()})
     report_overheads("floor of any wrapper, end to end (reference)",
                      {n: figures["floor"] for n, figures in end_to_end.items()})
+    for name in ("jdist", "floor"):
+        low, high = end_to_end[LEAF_COUNTS[0]][f"{name} interval"]
+        print(f"  {name} end to end at {LEAF_COUNTS[0]} leaves: 95% interval of the overhead "
+              f"[{low:+.1f}, {high:+.1f}] us ({CALLS} calls each, bootstrap)")
+        common.record("compile", f"{name} end to end at {LEAF_COUNTS[0]} leaves: 95% interval "
+                      "low", low, "us", detail=f"[{low:+.1f}, {high:+.1f}] us")
     report_overheads("run overhead, host side",
                      {n: host_overhead(strategy, n) for n in LEAF_COUNTS})
 
