@@ -12,6 +12,7 @@ section 9). Through ``merge_call`` TF's tape records nothing (the merge function
 replica's tape); jdist raises `NoGradientError` there.
 """
 
+import functools
 import os
 import random
 
@@ -111,3 +112,26 @@ def test_no_gradient_flows_through_merge_call(n):
     with pytest.raises(errors.NoGradientError, match="stop_gradient"):
         strategy.run(lambda x: jax.grad(
             lambda x: jnp.sum(merged(jdist.get_replica_context(), x * x)))(x), args=(x,))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gradient_through_a_custom_accumulation_fn_is_tfs(n):
+    # TF differentiates all_reduce by its rule, the same all-reduce of the upstream gradients
+    # (here their elementwise max), not through the accumulation function.
+    strategy, tf_strategy = strategies(n)
+    if tf_strategy is None:
+        pytest.skip("TensorFlow was initialised before its logical CPU devices were configured.")
+    tf.distribute.MirroredStrategy._collective_key_base += 100000
+    tf_strategy = tf.distribute.MirroredStrategy(
+        [f"/device:CPU:{i}" for i in range(n)], cross_device_ops=tf.distribute.ReductionToOneDevice(
+            accumulation_fn=lambda xs: functools.reduce(tf.maximum, xs)))
+    strategy = jdist.MirroredStrategy(
+        strategy.extended.worker_devices, cross_device_ops=jdist.ReductionToOneDevice(
+            accumulation_fn=lambda xs: functools.reduce(jnp.maximum, xs)))
+    rng = np.random.default_rng(n)
+    xs, ws = ([rng.normal(size=(3,)).astype(np.float32) for _ in range(n)] for _ in range(2))
+    got = outcome(strategy, lambda: strategy.run(jdist_gradient("all_reduce_sum"), args=(
+        distribute(strategy, xs), distribute(strategy, ws))))
+    want = outcome(tf_strategy, lambda: tf_strategy.run(tf_gradient("all_reduce_sum"), args=(
+        distribute(tf_strategy, xs, tf.constant), distribute(tf_strategy, ws, tf.constant))))
+    assert_matches(got, want)

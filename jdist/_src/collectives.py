@@ -342,7 +342,7 @@ def replica_all_reduce(axis_name: str, op: ReduceOp, value: PyTree) -> PyTree:
 
 
 def all_reduce_with_tfs_gradient(reduce: Callable, op: ReduceOp, num_replicas: int,
-                                 value: PyTree) -> PyTree:
+                                 value: PyTree, sums_by_psum: bool = True) -> PyTree:
     """``reduce(op, leaves)`` over ``value``'s leaves, whose gradient is TF's: the all-reduce,
     with the same op, of the upstream gradients (TF's ``all_reduce`` custom gradient).
 
@@ -351,13 +351,15 @@ def all_reduce_with_tfs_gradient(reduce: Callable, op: ReduceOp, num_replicas: i
     power of two: its tangent here divides, then sums, so its transpose sums, then divides. A
     bfloat16 sum on CPUs (`replica_sum` gathers and adds in order) transposes to a float32
     reduce-scatter: those leaves get a custom VJP, the same all-reduce, so forward derivatives
-    of them raise JAX's error (docs/design.md, section 2).
+    of them raise JAX's error (docs/design.md, section 2). So do all leaves of an all-reduce
+    that is not a ``psum`` (a custom ``accumulation_fn``).
 
     Args:
       reduce: ``(op, list of arrays) -> list of arrays``, the all-reduce.
       op: the `ReduceOp`.
       num_replicas: the replica count.
       value: a nest of traced arrays.
+      sums_by_psum: whether ``reduce`` sums with ``psum`` (`replica_sum`).
 
     Returns:
       The nest of all-reduced arrays.
@@ -371,7 +373,7 @@ def all_reduce_with_tfs_gradient(reduce: Callable, op: ReduceOp, num_replicas: i
       1.0
     """
     leaves, tree = jax.tree_util.tree_flatten(value)
-    rules = [_gradient_rule(x, op) for x in leaves]
+    rules = [_gradient_rule(x, op, sums_by_psum) for x in leaves]
     results = [None] * len(leaves)
     for rule, combine in ((_BY_VJP, _reduce_by_vjp), (_BY_JVP, _mean_by_jvp),
                           (None, lambda reduce, op, n, xs: reduce(op, xs))):
@@ -386,11 +388,11 @@ def all_reduce_with_tfs_gradient(reduce: Callable, op: ReduceOp, num_replicas: i
 _BY_VJP, _BY_JVP = "vjp", "jvp"
 
 
-def _gradient_rule(x, op):
+def _gradient_rule(x, op, sums_by_psum):
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.inexact):
         return None
-    if _sums_in_order(dtype):
+    if _sums_in_order(dtype) or not sums_by_psum:
         return _BY_VJP
     return _BY_JVP if op is ReduceOp.MEAN else None  # XLA transposes a psum to a psum.
 

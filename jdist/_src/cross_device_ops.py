@@ -156,6 +156,11 @@ class CrossDeviceOps(abc.ABC):
         return mesh.finish(op, total, collectives.mean_count(stacked.shape[1:], axes,
                                                              stacked.shape[0], rows))
 
+    #: Whether `replica_all_reduce` sums with ``psum`` (packed or not), whose transpose XLA
+    #: derives as TF's gradient of an all-reduce; otherwise `ReplicaContext.all_reduce` gives
+    #: its gradient by a custom VJP (`collectives.all_reduce_with_tfs_gradient`).
+    sums_by_psum = True
+
     def replica_all_reduce(self, axis_name: str, num_replicas: int, op: ReduceOp, value: PyTree,
                            options: Optional[CommunicationOptions] = None) -> PyTree:
         """``ReplicaContext.all_reduce`` inside ``run``: psum per leaf, or packed psums when
@@ -337,6 +342,10 @@ class ReductionToOneDevice(CrossDeviceOps):
         if self.accumulation_fn is None:
             return super()._reduce_view(op, value)
         return self._accumulate_fn(op, value.stacked.shape[0])(value.stacked)
+
+    @property
+    def sums_by_psum(self):
+        return self.accumulation_fn is None  # add_n of every replica's value is a psum.
 
     def replica_all_reduce(self, axis_name, num_replicas, op, value, options=None):
         if self.accumulation_fn is None:  # add_n of every replica's value is a psum.

@@ -134,7 +134,8 @@ class _ReplicaAxisCollectives(ReplicaCollectives):
         def reduce(op, value):
             return self._ops.replica_all_reduce(self._binding.axis_name, self._num_replicas, op,
                                                 value, options)
-        return collectives.all_reduce_with_tfs_gradient(reduce, op, self._num_replicas, value)
+        return collectives.all_reduce_with_tfs_gradient(reduce, op, self._num_replicas, value,
+                                                        self._ops.sums_by_psum)
 
     def all_gather(self, value, axis):
         binding = self._binding
