@@ -29,11 +29,11 @@ import numpy as np
 
 from jdist._src import batch_blocks
 from jdist._src import errors
+from jdist._src.host_values import check_host_numbers
 from jdist._src.numpy_dataset import NumpyDataset
 from jdist._src.numpy_dataset import UNKNOWN
 from jdist._src.values import DistributedValues
 from jdist._src.values import PerReplica
-from jdist._src.host_values import check_host_numbers
 from jdist._src.values import pad_components
 
 

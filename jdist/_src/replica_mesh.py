@@ -26,13 +26,13 @@ from jax.sharding import SingleDeviceSharding
 from jdist._src import collectives
 from jdist._src import dispatch
 from jdist._src import errors
-from jdist._src.base import REPLICA_AXIS
 from jdist._src.base import Lengths
+from jdist._src.base import REPLICA_AXIS
+from jdist._src.host_values import check_host_numbers
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
-from jdist._src.host_values import check_host_numbers
 
 
 class ReplicaMesh:

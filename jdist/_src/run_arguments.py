@@ -13,11 +13,11 @@ import jax.numpy as jnp
 
 from jdist._src import batch_blocks
 from jdist._src import errors
+from jdist._src.host_values import check_host_numbers
+from jdist._src.host_values import is_placeable
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
-from jdist._src.host_values import check_host_numbers
-from jdist._src.host_values import is_placeable
 from jdist._src.values import is_step_output
 from jdist._src.values import ragged_components
 

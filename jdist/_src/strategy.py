@@ -17,6 +17,8 @@ import numpy as np
 from jdist._src import collectives
 from jdist._src import context
 from jdist._src import errors
+from jdist._src.host_values import check_host_numbers
+from jdist._src.host_values import check_placeable
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
 from jdist._src.strategy_extended import StrategyExtended
@@ -25,8 +27,6 @@ from jdist._src.tf1_api import TF1Methods
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
-from jdist._src.host_values import check_host_numbers
-from jdist._src.host_values import check_placeable
 from jdist._src.values import is_distributed
 from jdist._src.values import local_results
 

@@ -26,13 +26,13 @@ from jdist._src.base import PyTree
 from jdist._src.base import ReduceOpLike
 from jdist._src.base import ReplicaCollectives
 from jdist._src.destinations import Target
+from jdist._src.host_values import check_host_numbers
 from jdist._src.packing import CommunicationOptions
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
-from jdist._src.host_values import check_host_numbers
 from jdist._src.values import is_distributed
 from jdist._src.values import is_step_output
 from jdist._src.values import local_results

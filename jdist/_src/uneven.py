@@ -279,10 +279,8 @@ class _Plan:
                    stacked_args)
 
     def __call__(self, dynamic):
-        devices = [_devices(self.programs)[r] for r in self.local]
-        per_arg = [_by_device(x, devices) if i in self.stacked_args else
-                   _per_device(x, i in self.ragged_args, self.programs, self.local)
-                   for i, x in enumerate(dynamic)]
+        per_arg = [_per_device(x, i in self.ragged_args, i in self.stacked_args, self.programs,
+                               self.local) for i, x in enumerate(dynamic)]
         envs = {}  # Per local replica: its values, by environment key.
         for j, r in enumerate(self.local):
             program = self.replica_programs[r]
@@ -355,15 +353,15 @@ def _regroup(programs, traces):
     return tuple(statics)
 
 
-def _per_device(x, ragged, programs, local):
+def _per_device(x, ragged, stacked, programs, local):
     """A dynamic argument as one array per local replica's device, in the form the pieces read
-    it."""
+    it: a ragged `PerReplica`'s components, an even per-replica argument's blocks of its
+    stacked array (placed per replica already), a replicated one's copies."""
     devices = [_devices(programs)[r] for r in local]
     if ragged:  # Components stay where they are when already on their devices.
         components = ragged_components(x)
         return jax.device_put([components[r] for r in local], devices)
-    if isinstance(x, PerReplica):
-        return _by_device(programs.place_per_replica(x.stacked), devices)
-    value = x.value if isinstance(x, Mirrored) else x
-    value = value if isinstance(value, jax.Array) else np.asarray(value)
+    if stacked:
+        return _by_device(x, devices)
+    value = x if isinstance(x, jax.Array) else np.asarray(x)
     return _by_device(programs.place_replicated(value), devices)
