@@ -345,3 +345,25 @@ def test_all_reduce_on_one_replica_is_the_value_itself(where, dtype, op):
     out = ONE_REPLICA[where](lambda v: jdist.get_replica_context().all_reduce(op, v), x)
     assert np.asarray(out).dtype == dtype
     np.testing.assert_array_equal(np.asarray(out), x)
+
+
+@pytest.mark.parametrize("rows", [(2, 2, 2), (2, 1, 0)])
+def test_no_gradient_flows_back_through_merge_call(rows):
+    # TF runs merge_fn outside the replica's gradient tape: a merge_call inside a differentiated
+    # function (logging the loss) leaves the gradient as it is; a gradient that would come back
+    # through merge_call's result, which TF's tape gives as None, raises.
+    s = mirrored(3)
+    comps = [np.full((k, 2), i + 1.0, np.float32) for i, k in enumerate(rows)]
+    total = lambda ctx, v: ctx.merge_call(lambda st, v: st.reduce("sum", v, axis=None), args=(v,))
+
+    def logged(x):
+        def loss(x):
+            value = jnp.sum(x ** 2)
+            return value, total(jdist.get_replica_context(), value)
+        return jax.grad(loss, has_aux=True)(x)
+    grads, totals = s.run(logged, args=(per_replica(s, comps),))
+    assert_local_results(s, grads, [2 * c for c in comps])
+    assert_local_results(s, totals, [sum(np.sum(c ** 2) for c in comps)] * 3)
+    with pytest.raises(errors.NoGradientError, match="stop_gradient"):
+        s.run(lambda x: jax.grad(lambda x: total(jdist.get_replica_context(), jnp.sum(x)))(x),
+              args=(per_replica(s, comps),))

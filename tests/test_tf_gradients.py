@@ -9,7 +9,8 @@ inside TF's (its all-reduce ``ReductionToOneDevice``, whose order of additions j
 docs/design.md, section 9). TF runs eagerly: in a ``tf.function`` Grappler's constant folding turns TF's division
 by the replica count into a multiplication by its reciprocal, an ulp away (docs/design.md,
 section 9). Through ``merge_call`` TF's tape records nothing (the merge function runs outside the
-replica's tape); jdist raises `NoGradientError` there.
+replica's tape); jdist raises `NoGradientError` when a gradient would come back through it, and
+leaves the gradient as it is when the merge result is not differentiated (a logged loss).
 """
 
 import functools
@@ -106,12 +107,27 @@ def test_no_gradient_flows_through_merge_call(n):
             tape.watch(x)
             value = tf.reduce_sum(merged(tf.distribute.get_replica_context(), x * x))
         return tape.gradient(value, x)
+    def tf_logging_step(x):  # The merge result is logged, not differentiated.
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            value = tf.reduce_sum(x * x)
+            merged(tf.distribute.get_replica_context(), value)
+        return tape.gradient(value, x)
+
+    def logging_step(x):
+        def loss(x):
+            value = jnp.sum(x * x)
+            return value, merged(jdist.get_replica_context(), value)
+        return jax.grad(loss, has_aux=True)(x)[0]
     x = np.array([1.0, 2.0], np.float32)
     assert all(g is None for g in tf_strategy.experimental_local_results(
         tf_strategy.run(tf_step, args=(tf.constant(x),))))
     with pytest.raises(errors.NoGradientError, match="stop_gradient"):
         strategy.run(lambda x: jax.grad(
             lambda x: jnp.sum(merged(jdist.get_replica_context(), x * x)))(x), args=(x,))
+    assert_matches(outcome(strategy, lambda: strategy.run(logging_step, args=(x,))),
+                   outcome(tf_strategy, lambda: tf_strategy.run(tf_logging_step,
+                                                                args=(tf.constant(x),))))
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -58,10 +58,11 @@ class UnsupportedValueError(JdistError, TypeError):
 
 
 class NoGradientError(JdistError, ValueError):
-    """A derivative reached ``merge_call`` on a strategy whose ``merge_fn`` TF runs outside the
-    replica's gradient tape (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``): TF's
-    ``tape.gradient`` gives None there, which ``jax.grad`` cannot; the message names the ways
-    out (``lax.stop_gradient`` for TF's numbers, ``all_reduce`` to differentiate)."""
+    """A gradient came back through a ``merge_call`` result on a strategy whose ``merge_fn`` TF
+    runs outside the replica's gradient tape (``MirroredStrategy``,
+    ``MultiWorkerMirroredStrategy``): TF's ``tape.gradient`` gives None there, which
+    ``jax.grad`` cannot; the message names the ways out (``lax.stop_gradient`` for TF's
+    numbers, ``all_reduce`` to differentiate)."""
 
 
 class UnevenValuesError(JdistError, RuntimeError):

@@ -8,6 +8,7 @@ inputs (``docs/design.md``, section 6). Exact uneven steps merge differently (`u
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from jdist._src import context
 from jdist._src import errors
@@ -68,11 +69,13 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
 def without_gradient(value, binding):
     """``value``, the arguments of a ``merge_call`` on a strategy whose ``merge_fn`` TF runs
     outside the replica's gradient tape (``MirroredStrategy``'s merge_fn runs on another
-    thread): TF's ``tape.gradient`` records nothing through it and gives None where nothing
-    else connects. ``jax.grad`` has no None, so a derivative reaching these arguments raises
-    `NoGradientError` instead of differentiating what TF does not. Arrays every replica holds
-    as one object and run's replicated arguments pass as they are (merge_call knows them by
-    identity).
+    thread): TF's ``tape.gradient`` records nothing through it, and gives None where nothing
+    else connects. ``jax.grad`` has no None, so a gradient that comes back through
+    ``merge_call`` to these arguments raises `NoGradientError` instead of being one TF does
+    not compute. A ``merge_call`` inside a differentiated function whose result the loss does
+    not use (logging a loss) is fine: its gradient is a symbolic zero. Arrays every replica
+    holds as one object and run's replicated arguments pass as they are (merge_call knows them
+    by identity).
 
     Args:
       value: merge_call's ``(args, kwargs)``.
@@ -89,17 +92,25 @@ def without_gradient(value, binding):
     return jax.tree_util.tree_map(leaf, value, is_leaf=is_distributed)
 
 
-@jax.custom_jvp
+@jax.custom_vjp
 def _no_gradient(x):
     return x
 
 
-@_no_gradient.defjvp
-def _no_gradient_jvp(primals, tangents):
+def _no_gradient_forward(x):
+    return x.value, None
+
+
+def _no_gradient_backward(_, cotangent):
+    if isinstance(cotangent, SymbolicZero):
+        return (None,)
     raise errors.NoGradientError(
-        "jax.grad (or another derivative) reached an argument of merge_call. TF's "
-        "MirroredStrategy runs merge_fn outside the replica's gradient tape, so no gradient "
-        "flows through merge_call (tape.gradient gives None, or only the other paths' "
-        "gradient). For TF's numbers pass jax.lax.stop_gradient(x) to merge_call; to "
+        "jax.grad (or another derivative) reached an argument of merge_call through its "
+        "result. TF's MirroredStrategy runs merge_fn outside the replica's gradient tape, so "
+        "no gradient flows through merge_call (tape.gradient gives None, or only the other "
+        "paths' gradient). For TF's numbers pass jax.lax.stop_gradient(x) to merge_call; to "
         "differentiate through the combination use ReplicaContext.all_reduce or all_gather, "
         "whose gradients are TF's.")
+
+
+_no_gradient.defvjp(_no_gradient_forward, _no_gradient_backward, symbolic_zeros=True)

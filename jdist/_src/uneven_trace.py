@@ -10,6 +10,7 @@ checks what every replica must agree on (the sequence of collectives, an all-red
 
 import dataclasses
 import functools
+import operator
 from typing import Any
 
 import jax
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core
+from jax.interpreters import ad
 
 from jdist._src import context
 from jdist._src import errors
@@ -35,6 +37,22 @@ COLLECTIVES = frozenset({"psum", "pmax", "pmin", "all_gather", "ppermute", "all_
 merge_p = core.Primitive("jdist_merge")
 merge_p.multiple_results = True
 merge_p.def_abstract_eval(lambda *operands, index, out_avals, out_same: list(out_avals))
+
+
+def _merge_jvp(primals, tangents, **params):
+    """No gradient flows through a merge_call (TF runs merge_fn outside the replica's tape).
+    Its tangents are zeros tied to the arguments', so a gradient that comes back through the
+    result reaches `merge.without_gradient`'s check, which raises; an unused result's gradient
+    is a symbolic zero and passes."""
+    outs = merge_p.bind(*primals, **params)
+    tied = [jnp.sum(t) * 0 for t in tangents if not isinstance(t, ad.Zero)]
+    zero = functools.reduce(operator.add, tied)
+    return outs, [jnp.broadcast_to(zero, a.shape).astype(a.dtype)
+                  if jnp.issubdtype(a.dtype, jnp.inexact) else ad.Zero(a.to_tangent_aval())
+                  for a in params["out_avals"]]
+
+
+ad.primitive_jvps[merge_p] = _merge_jvp
 
 _OPERAND = object()  # Marks the array positions among a merge_call's flattened arguments.
 OUTPUT = object()  # Marks the arrays among a replica function's output leaves (`spmd.trace`).
