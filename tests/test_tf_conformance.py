@@ -459,6 +459,22 @@ def test_values_from_function(n, dtype):
                    outcome(tf_strategy, lambda: tf_strategy.gather(tf_value, axis=0)))
 
 
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_values_from_function_of_tf_tensors(n):
+    """A value function written for TF returns TF tensors: jdist takes the numeric ones as host
+    values, and refuses a string tensor with its typed error (JAX holds no strings)."""
+    strategy, tf_strategy = both(n)
+
+    def value_fn(ctx):
+        return tf.constant([1.5, 2.0]) * (ctx.replica_id_in_sync_group + 1)
+    assert_matches(
+        local_results(strategy, strategy.experimental_distribute_values_from_function(value_fn)),
+        local_results(tf_strategy,
+                      tf_strategy.experimental_distribute_values_from_function(value_fn)))
+    with pytest.raises(errors.UnsupportedValueError, match="string"):
+        strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(["a"]))
+
 # ---------------------------------------------------------------------------------------------
 # f. CrossDeviceOps called directly: reduce, batch_reduce and broadcast to values and devices.
 

@@ -89,14 +89,18 @@ def check_placeable(values) -> None:
 
 
 def is_placeable(value) -> bool:
-    """Whether a device can hold ``value``: a JAX array (typed PRNG keys too), a number, or a
-    NumPy array of a numeric or bool dtype."""
+    """Whether a device can hold ``value``: a JAX array (typed PRNG keys too), a number, or an
+    array of a numeric or bool dtype (a NumPy array, or another library's tensor)."""
     if isinstance(value, jax.Array):
         return True
     dtype = getattr(value, "dtype", None)
     if dtype is None:
         return isinstance(value, (bool, int, float, complex))
-    return dtype_kind(np.dtype(dtype)) is not None
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:  # Another library's dtype (a tf.DType): its NumPy value's.
+        dtype = np.asarray(value).dtype
+    return dtype_kind(dtype) is not None
 
 
 def _short_repr(v):
