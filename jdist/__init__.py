@@ -17,6 +17,7 @@ from jdist import checkpoint
 from jdist import cluster_resolver
 from jdist import errors
 from jdist import experimental
+from jdist import nn
 from jdist._src.auto_shard import AutoShardPolicy
 from jdist._src.cluster_resolver import ClusterResolver
 from jdist._src.cluster_resolver import ClusterSpec
@@ -112,6 +113,7 @@ __all__ = (
     "is_chief",
     "log_once",
     "mirror",
+    "nn",
     "print_once",
     "replica_key",
     "replicated_sharding",

@@ -340,16 +340,19 @@ def test_integer_mean_with_x64_is_tfs_float64(n, axis):
                 outcome(tf_strategy, lambda: tf_strategy.reduce("MEAN", tf_element, axis=axis)))
 
 
+@pytest.mark.parametrize("as_float", [False, True])
 @pytest.mark.parametrize("n", COUNTS)
-def test_all_reduce_of_the_row_count(n):
+def test_all_reduce_of_the_row_count(n, as_float):
     """A global example count, as TF users compute it: each replica's rows, all-summed. The
-    operand depends on shapes only; 3 rows are uneven on 2, 4 and 8 replicas."""
+    operand depends on shapes only (a Python int in jdist, folded into the trace); 3 rows are
+    uneven on 2, 4 and 8 replicas."""
     strategy, tf_strategy = both(n)
     x, tf_x = batches(n, "float32")[2]  # 3 rows.
     out = strategy.run(lambda x: jdist.get_replica_context().all_reduce(
-        "sum", jnp.float32(x.shape[0])), args=(x,))
+        "sum", jnp.float32(x.shape[0]) if as_float else x.shape[0]), args=(x,))
     tf_out = tf_strategy.run(lambda x: tf.distribute.get_replica_context().all_reduce(
-        "sum", tf.cast(tf.shape(x)[0], tf.float32)), args=(tf_x,))
+        "sum", tf.cast(tf.shape(x)[0], tf.float32) if as_float else tf.shape(x)[0]),
+        args=(tf_x,))
     assert_matches(local_results(strategy, out), local_results(tf_strategy, tf_out))
 
 
@@ -404,7 +407,8 @@ def train_jdist(strategy, source):
     def step_fn(params, x, y):
         def loss_fn(p):
             per_example_loss = jnp.sum(jnp.square(x @ p["w"] + p["b"] - y), axis=1)
-            return jnp.sum(per_example_loss) / GLOBAL_BATCH  # tf.nn.compute_average_loss
+            return jdist.nn.compute_average_loss(per_example_loss,
+                                                 global_batch_size=GLOBAL_BATCH)
         loss, grads = jax.value_and_grad(loss_fn)(params)
         grads = jdist.get_replica_context().all_reduce("sum", grads)
         return jax.tree.map(lambda p, g: p - LEARNING_RATE * g, params, grads), loss

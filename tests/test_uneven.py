@@ -28,7 +28,7 @@ def train_step(params, x, y):
     def loss_fn(p):
         logits = x @ p["w"] + p["b"]
         per_example = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1)[:, 0]
-        return jnp.sum(per_example) / GLOBAL_BATCH  # tf.nn.compute_average_loss
+        return jdist.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
     loss, grads = jax.value_and_grad(loss_fn)(params)
     grads = jdist.get_replica_context().all_reduce("sum", grads)
     params = jax.tree_util.tree_map(lambda p, g: p - LR * g, params, grads)
@@ -269,3 +269,17 @@ def test_a_partial_batch_compiles_once_per_split_not_per_epoch():
     assert totals == [[28.0, 92.0, 111.0]] * 3
     assert sorted(set(traces)) == [(0,), (2,)] and len(traces) == 2 + 1  # Full; ceil; empty.
     assert compiles[1:] == [0, 0]  # Every XLA compile happens in the first epoch.
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_all_reduce_of_a_python_number_in_an_uneven_step(n):
+    """``all_reduce("sum", x.shape[0])``: the operand is a number the trace folds in, different
+    per replica; it crashed the exact plan's piece that hands it to the collective."""
+    s = mirrored(n)
+    rows = [3, 0] + [1] * (n - 2)
+    v = per_replica(s, [np.ones((r, 2), np.float32) for r in rows])
+    total, scaled = s.run(lambda x: (jdist.get_replica_context().all_reduce("sum", x.shape[0]),
+                                     x.sum() / jdist.get_replica_context().all_reduce("sum", 2)),
+                          args=(v,))
+    assert_local_results(s, total, [sum(rows)] * n, 0, 0)
+    assert_local_results(s, scaled, [np.float32(2 * r) / np.float32(2 * n) for r in rows], 0, 0)
