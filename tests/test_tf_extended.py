@@ -15,7 +15,6 @@ Python number in ``batch_reduce_to``; jdist reduces it.
 import itertools
 import os
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

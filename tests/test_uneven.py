@@ -283,3 +283,22 @@ def test_all_reduce_of_a_python_number_in_an_uneven_step(n):
                           args=(v,))
     assert_local_results(s, total, [sum(rows)] * n, 0, 0)
     assert_local_results(s, scaled, [np.float32(2 * r) / np.float32(2 * n) for r in rows], 0, 0)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_merge_call_of_python_numbers_that_differ_between_replicas(n):
+    """``merge_call(fn, args=(x.shape[0],))`` on a partial batch: TF regroups the replicas'
+    different numbers into a PerReplica (of int32 tensors); equal numbers stay one number."""
+    s = mirrored(n)
+    rows = [3, 0] + [1] * (n - 2)
+    v = per_replica(s, [np.ones((r, 2), np.float32) for r in rows])
+    seen = []
+
+    def merge_fn(strategy, count, same):
+        seen.append((type(count).__name__, same))
+        return strategy.reduce("sum", count, axis=None)
+    total = s.run(lambda x: jdist.get_replica_context().merge_call(
+        merge_fn, args=(x.shape[0], 7)), args=(v,))
+    assert seen == [("PerReplica", 7)]
+    result, = s.experimental_local_results(total)  # merge_fn's plain array: one tensor, as TF.
+    assert result.dtype == np.int32 and int(result) == sum(rows)

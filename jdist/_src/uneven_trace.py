@@ -90,6 +90,7 @@ class Merge:
     replica_outputs: tuple  # Per replica: indices of its array outputs among `run`'s results.
     replica_in_avals: tuple  # Per replica: the avals of its array arguments.
     run: Any  # Jitted: every replica's operand blocks, replica by replica -> result blocks.
+    numbers: frozenset  # Argument leaves that are Python numbers differing between replicas.
 
     def rebuild(self, arrays):
         it = iter(arrays)
@@ -116,8 +117,10 @@ class _ReplicaTrace:
                 "strategy.run, or a plain array a merge_fn returned) in a step on values of "
                 "different shapes; TF hands it to merge_fn as it is, which such a step cannot. "
                 "Pass it to merge_fn by closure, or to run as a Mirrored value.")
-        operands = [leaf for leaf in leaves if _is_operand(leaf)]
         merge = self._resolved.get(index)
+        if merge is not None and merge.numbers:  # Per-replica numbers: merge_fn's PerReplica.
+            leaves = [_number_array(x) if i in merge.numbers else x for i, x in enumerate(leaves)]
+        operands = [leaf for leaf in leaves if _is_operand(leaf)]
         if merge is None:
             statics = tuple(_OPERAND if _is_operand(leaf) else leaf for leaf in leaves)
             avals = tuple(jax.typeof(jnp.asarray(x)) for x in operands)
@@ -304,6 +307,8 @@ def _flat_trace(traced, eqn, mesh, out_tree, out_statics, out_unwrapped, out_pas
 
 def _resolve_merge(strategy, requests):
     """Traces the merge_fn of one merge_call on every replica's arguments (see module doc)."""
+    numbers = _differing_numbers(requests)
+    requests = [_numbers_as_operands(r, numbers) for r in requests]
     first, n = requests[0], len(requests)
     for request in requests[1:]:
         if request.tree != first.tree or len(request.avals) != len(first.avals) or any(
@@ -331,7 +336,36 @@ def _resolve_merge(strategy, requests):
     avals = [jax.ShapeDtypeStruct((1,) + a.shape, a.dtype) for r in requests for a in r.avals]
     closed = jax.make_jaxpr(merge_body)(*avals)
     return _merge_from(closed, record["tree"], record["leaves"], n,
-                       tuple(r.avals for r in requests))
+                       tuple(r.avals for r in requests), numbers)
+
+
+def _differing_numbers(requests):
+    """The argument leaves where the replicas passed Python numbers that differ
+    (``x.shape[0]`` on a partial batch): TF regroups them into a PerReplica, so they reach
+    merge_fn as one, of TF's tensors of them (int32, float32)."""
+    columns = zip(*(r.statics for r in requests)) if len({len(r.statics) for r in requests}) == 1 \
+        else ()
+    return frozenset(i for i, column in enumerate(columns)
+                     if all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                            for x in column) and len(set(column)) > 1)
+
+
+def _numbers_as_operands(request, numbers):
+    if not numbers:
+        return request
+    statics, avals, arrays = list(request.statics), [], iter(request.avals)
+    for i, leaf in enumerate(request.statics):
+        if i in numbers:
+            statics[i] = _OPERAND
+            avals.append(jax.typeof(_number_array(leaf)))
+        elif leaf is _OPERAND:
+            avals.append(next(arrays))
+    return dataclasses.replace(request, statics=tuple(statics), avals=tuple(avals))
+
+
+def _number_array(x):
+    """A Python number as TF converts it: an int to int32, a float to float32."""
+    return jnp.asarray(x, jnp.int32 if isinstance(x, int) else jnp.float32)
 
 
 def _merge_outputs(out_leaves, n):
@@ -355,7 +389,7 @@ def _merge_outputs(out_leaves, n):
     return flat
 
 
-def _merge_from(closed, out_tree, out_leaves, n, in_avals):
+def _merge_from(closed, out_tree, out_leaves, n, in_avals, numbers):
     statics, same, plain, outputs = [], [], [], [[] for _ in range(n)]
     position = 0
     for leaf in out_leaves:
@@ -379,7 +413,7 @@ def _merge_from(closed, out_tree, out_leaves, n, in_avals):
     return Merge(out_tree, tuple(statics), tuple(same), tuple(plain),
                   tuple(tuple(out_avals[i] for i in outs) for outs in outputs),
                   tuple(tuple(outs) for outs in outputs), in_avals,
-                  jax.jit(core.jaxpr_as_fun(closed)))
+                  jax.jit(core.jaxpr_as_fun(closed)), numbers)
 
 
 def _equal(a, b):
