@@ -90,22 +90,24 @@ def loss_fn(params, x, y):
 def make_train_step(optimizer):
     """The replica function: the global batch's mean loss, its gradient, one Adam update.
 
-    Each replica sums the loss over its rows; all-reducing the sums and the row counts gives the
-    mean over the global batch, exact for the partial last batch too (a mean of per-replica means
-    would weigh a replica's rows by its batch size). Every replica applies the same update, so the
+    The loss is ``jdist.nn.compute_average_loss`` (TF's ``tf.nn.compute_average_loss``): each
+    replica sums its rows' losses and divides by the global batch's row count, the all-reduced
+    sum of the replicas' rows, so the all-reduced SUM of the gradients is the gradient of the
+    global mean, exact for the partial last batch too (a mean of per-replica means would weigh
+    a replica's rows by its batch size). Every replica applies the same update, so the
     parameters stay Mirrored.
     """
     def train_step(params, opt_state, x, y):
         ctx = jdist.get_replica_context()
-        rows = ctx.all_reduce("sum", jnp.float32(x.shape[0]))
+        rows = ctx.all_reduce("sum", x.shape[0])
 
-        def loss_sum(p):
-            return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits_fn(p, x), y))
-        loss, grads = jax.value_and_grad(loss_sum)(params)
-        grads = jax.tree_util.tree_map(lambda g: g / rows, ctx.all_reduce("sum", grads))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        def loss_fn(p):
+            per_example = optax.softmax_cross_entropy_with_integer_labels(logits_fn(p, x), y)
+            return jdist.nn.compute_average_loss(per_example, global_batch_size=rows)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(ctx.all_reduce("sum", grads), opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, ctx.all_reduce("sum", loss) / rows
+        return params, opt_state, ctx.all_reduce("sum", loss)
     return train_step
 
 
