@@ -91,6 +91,42 @@ def test_a_zero_argument_function_is_re_iterable():
     assert len(list(dist)) == 3
 
 
+def _sum_steps(s, w, xs):
+    for x in xs:
+        w = s.run(lambda w, x: w + jdist.get_replica_context().all_reduce("sum", x.sum()),
+                  args=(w, x))
+    return w
+
+
+@pytest.mark.parametrize("compile_with", ["jdist.function", "jax.jit"])
+@pytest.mark.parametrize("fetch", ["next", "get_next", "get_next_as_optional"])
+def test_next_while_tracing_is_a_value_error(s, fetch, compile_with):
+    """TF's ``next(iterator)`` inside a ``tf.function`` fetches a new batch per call; a trace
+    would compile the batch in as a constant and reuse it on every call, so it raises."""
+    it = iter(dataset(s))
+    take = {"next": next, "get_next": lambda it: it.get_next(),
+            "get_next_as_optional": lambda it: it.get_next_as_optional()}[fetch]
+    compiled = (jdist.function if compile_with == "jdist.function" else jax.jit)(
+        lambda w: (take(it), w)[1])
+    with pytest.raises(ValueError, match="every call would reuse"):
+        compiled(jnp.float32(0))
+    assert gathered(s, next(it)).tolist() == [0, 1, 2, 3]  # The iterator is untouched.
+
+
+def test_batches_fetched_outside_and_an_iterator_made_inside_a_trace(s):
+    """What to do instead: pass the batches in (new ones per call); a dataset iterated from
+    its start inside the function is the same data on every call, as in TF."""
+    n = s.num_replicas_in_sync
+    dist = dataset(s, size=8 * n, batch=2 * n)  # Even batches: a trace takes one shape.
+    it = iter(dist)
+    steps = jdist.function(lambda w, xs: _sum_steps(s, w, xs))
+    sums = [float(jdist.to_host(steps(jnp.float32(0), [next(it) for _ in range(2)])))
+            for _ in range(2)]
+    assert sums == [sum(range(4 * n)), sum(range(4 * n, 8 * n))]
+    whole = jdist.function(lambda w: _sum_steps(s, w, dist))
+    assert float(jdist.to_host(whole(jnp.float32(0)))) == sum(range(8 * n))
+
+
 def test_next_inside_the_replica_function_is_a_value_error(s):
     it = iter(dataset(s))
 

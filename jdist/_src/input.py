@@ -28,6 +28,7 @@ import numpy as np
 from jdist._src import auto_shard
 from jdist._src import batch_blocks
 from jdist._src import context
+from jdist._src import dispatch
 from jdist._src import errors
 from jdist._src import input_batches
 from jdist._src.input_options import InputContext
@@ -337,6 +338,7 @@ class DistributedIterator:
         self._step = None  # A multi-worker PER_WORKER dataset's consumer-side step.
         self._finalizer = None
         self._ready = collections.deque()  # Elements handed over with an earlier one.
+        self._made_in_trace = dispatch.under_a_trace()
         self._start()
 
     def _start(self):
@@ -354,6 +356,14 @@ class DistributedIterator:
 
     def __next__(self):
         _check_not_in_replica("next(iterator)")
+        if not self._made_in_trace and dispatch.under_a_trace():
+            raise errors.InvalidArgumentError(
+                "next(iterator) was called while jdist.function or jax.jit traced a function, "
+                "on an iterator made outside it: the element would be compiled into the program "
+                "as a constant, so every call would reuse that batch (TF's traced iterator "
+                "fetches a new one per call). Take the batches outside and pass them in: "
+                "train(w, next(iterator)), or train(w, [next(iterator) for _ in range(k)]) "
+                "for k steps per call.")
         if self._ready:  # A block's later elements, handed over with its first.
             return self._ready.popleft()
         if self._finished:
