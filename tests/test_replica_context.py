@@ -71,6 +71,19 @@ def test_all_gather_concatenates_on_every_replica(n, axis):
     assert_local_results(s, out, [np.concatenate(comps, axis=axis)] * n)
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_all_gather_takes_tfs_options_argument(n):
+    s = mirrored(n)
+    comps = [np.full((2,), i, np.float32) for i in range(n)]
+    options = jdist.CommunicationOptions(bytes_per_pack=4)
+    out = s.run(lambda x: jdist.get_replica_context().all_gather(x, 0, options=options),
+                args=(per_replica(s, comps),))
+    assert_local_results(s, out, [np.concatenate(comps)] * n)
+    with pytest.raises(errors.InvalidArgumentError, match="CommunicationOptions"):
+        s.run(lambda x: jdist.get_replica_context().all_gather(x, 0, options="ring"),
+              args=(per_replica(s, comps),))
+
+
 def test_padded_mode_all_gather_of_uneven_batch_puts_real_rows_first():
     s = mirrored(3)
     comps = [np.array([5., 6.]), np.array([7.]), np.array([])]

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdist._src import errors
+from jdist._src import packing
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
 
@@ -474,12 +475,14 @@ class ReplicaContext:
         return self._binding.each_own(
             value, lambda own: self._collectives.all_reduce(op, own, options))
 
-    def all_gather(self, value, axis):
+    def all_gather(self, value, axis, options=None):
         """Concatenates each replica's ``value`` along ``axis``; every replica gets the result.
 
         Args:
           value: a nest of arrays; sizes along ``axis`` may differ only through padded batches.
           axis: the axis to concatenate along (negative counts from the end).
+          options: a `CommunicationOptions` or None, as in TF; checked, without effect (an
+            all-gather sends each value whole: there is nothing to pack).
 
         Returns:
           The nest of gathered arrays. When ``value``'s rows are a padded partial batch (axis 0,
@@ -488,6 +491,7 @@ class ReplicaContext:
           says how many are real.
         """
         self._require_current("all_gather")
+        packing.as_options(options)
         if self._binding is None or self.num_replicas_in_sync == 1:
             return self._collectives.all_gather(value, axis)
         return self._binding.each_own(value, lambda own: self._collectives.all_gather(own, axis))
