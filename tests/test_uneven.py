@@ -302,3 +302,24 @@ def test_merge_call_of_python_numbers_that_differ_between_replicas(n):
     assert seen == [("PerReplica", 7)]
     result, = s.experimental_local_results(total)  # merge_fn's plain array: one tensor, as TF.
     assert result.dtype == np.int32 and int(result) == sum(rows)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_a_collective_inside_jax_checkpoint_is_computed_as_without_it(n):
+    """``jax.checkpoint`` (flax's ``nn.remat``) only chooses what the backward pass recomputes:
+    an uneven step with a collective inside one gives the numbers of the same step without it.
+    It raised UnevenValuesError (the call was not inlined)."""
+    s = mirrored(n)
+    rows = [3, 0] + [1] * (n - 2)
+    v = per_replica(s, [np.arange(2 * r, dtype=np.float32).reshape(r, 2) for r in rows])
+
+    def step(remat):
+        def loss(w, x):
+            return jdist.get_replica_context().all_reduce("sum", jnp.sum(x * w)) ** 2
+        loss = jax.checkpoint(loss) if remat else loss
+        return lambda x: jax.value_and_grad(loss)(jnp.float32(2), x)
+    got, want = (s.run(step(remat), args=(v,)) for remat in (True, False))
+    for g, w in zip(got, want):
+        assert_local_results(s, g, s.experimental_local_results(w), 0, 0)
+    total = sum(float(np.arange(2 * r).sum()) for r in rows)
+    assert_local_results(s, got[1], [4 * total * n * np.arange(2 * r).sum() for r in rows], 0, 0)

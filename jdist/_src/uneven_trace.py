@@ -223,7 +223,7 @@ def _has_cut(jaxpr):
 
 
 # Call-like primitives: their sub-program runs once on the operands, so it can be inlined.
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "checkpoint",
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
                     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
