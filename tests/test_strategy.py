@@ -44,6 +44,7 @@ def test_devices_as_jax_devices_keep_their_order():
     (["abacus:0"], errors.UnknownDeviceError, "unknown device type"),
     (["nonsense"], errors.UnknownDeviceError, "cannot parse"),
     ([], errors.InvalidArgumentError, "at least one"),
+    (3.0, errors.InvalidArgumentError, "a list of devices"),
 ])
 def test_bad_devices_are_rejected_with_a_fix(devices, error, match):
     with pytest.raises(error, match=match):

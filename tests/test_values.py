@@ -106,6 +106,48 @@ def test_mirrored_supports_arithmetic_on_its_common_value():
     assert float(jnp.sin(m)) == pytest.approx(np.sin(3.0))
 
 
+def test_a_mirrored_iterates_as_its_array():
+    """Python iterates an object with ``__getitem__`` until IndexError, which a JAX array never
+    raises (it clamps indices): ``list(m)`` of a Mirrored never ended, ``a, b = m`` raised."""
+    s = mirrored(2)
+    m = s.run(lambda: jnp.arange(2.0))
+    a, b = m
+    assert (float(a), float(b)) == (0.0, 1.0) and len(m) == 2 and len(list(m)) == 2
+    with pytest.raises(TypeError):
+        list(s.run(lambda: jnp.float32(1.0)))
+
+
+VALUE_ENTRIES = {  # Each entry point with a value no device holds.
+    "reduce": lambda s, v: s.reduce("sum", v, axis=None),
+    "all_reduce": lambda s, v: s.run(
+        lambda: jdist.get_replica_context().all_reduce("sum", v)),
+    "all_gather": lambda s, v: s.run(lambda: jdist.get_replica_context().all_gather(v, 0)),
+    "cross-device reduce": lambda s, v: jdist.ReductionToOneDevice().reduce(
+        jdist.ReduceOp.SUM, v, "CPU:0"),
+    "broadcast_to": lambda s, v: s.extended.broadcast_to(v, "CPU:0"),
+}
+
+
+@pytest.mark.parametrize("value", ["text", np.array(["a"]), object()])
+@pytest.mark.parametrize("entry", sorted(VALUE_ENTRIES))
+def test_strings_and_objects_raise_a_typed_error_at_every_entry(entry, value):
+    with pytest.raises(errors.UnsupportedValueError, match="string|objects|numeric"):
+        VALUE_ENTRIES[entry](mirrored(3), value)
+
+
+@pytest.mark.parametrize("value", [None, {"a": 1.0}])
+def test_cross_device_reduce_takes_one_value(value):
+    with pytest.raises(errors.InvalidArgumentError, match="one value"):
+        jdist.ReductionToOneDevice().reduce(jdist.ReduceOp.SUM, value, "CPU:0")
+
+
+def test_a_dataset_of_distributed_values_is_a_typed_error():
+    s = mirrored(2)
+    v = s.experimental_distribute_values_from_function(lambda ctx: np.ones(2, np.float32))
+    with pytest.raises(errors.InvalidArgumentError, match="distributed already"):
+        list(s.experimental_distribute_dataset([v, v]))
+
+
 @pytest.mark.parametrize("n", REPLICA_COUNTS)
 def test_distribute_values_from_function_calls_value_fn_once_per_replica_in_order(n):
     s = mirrored(n)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdist._src import errors
+from jdist._src import host_values
 from jdist._src import packing
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
@@ -492,6 +493,7 @@ class ReplicaContext:
         """
         self._require_current("all_gather")
         packing.as_options(options)
+        host_values.check_arrays(value, "all_gather")
         if self._binding is None or self.num_replicas_in_sync == 1:
             return self._collectives.all_gather(value, axis)
         return self._binding.each_own(value, lambda own: self._collectives.all_gather(own, axis))

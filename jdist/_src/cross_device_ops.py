@@ -15,6 +15,7 @@ and ``ReplicaContext.all_reduce`` inside ``run`` use the strategy's ops.
 """
 
 import abc
+import collections.abc
 from typing import Any, List, Optional, Sequence, Tuple
 
 import jax
@@ -84,6 +85,10 @@ class CrossDeviceOps(abc.ABC):
         """
         op = ReduceOp.from_any(reduce_op, allow_strings=False)
         target = destinations_lib.resolve(destinations)
+        if per_replica_value is None or isinstance(per_replica_value, collections.abc.Mapping):
+            raise errors.InvalidArgumentError(  # TF converts it to one tensor, and cannot.
+                f"reduce takes one value, got {type(per_replica_value).__name__}; reduce each "
+                "leaf, or several values at once with batch_reduce.")
         check_reducible(op, per_replica_value)
         return self._reduce(op, per_replica_value, target, as_options(options))
 

@@ -20,6 +20,7 @@ from jax.sharding import SingleDeviceSharding
 from jdist._src import cross_host
 from jdist._src import devices as devices_lib
 from jdist._src import errors
+from jdist._src import host_values
 from jdist._src import replica_mesh
 from jdist._src.base import Destinations
 from jdist._src.replica_mesh import ReplicaMesh
@@ -113,6 +114,10 @@ def place(tensor, target: Target):
     if isinstance(tensor, PerReplica):
         raise errors.UnsupportedValueError(
             "broadcast takes one tensor, not a PerReplica value; reduce it first.")
+    if not isinstance(tensor, Mirrored) and not host_values.is_placeable(tensor):
+        raise errors.UnsupportedValueError(
+            f"broadcast takes one array or number, got {type(tensor).__name__} (a device holds "
+            "arrays and numbers of a numeric or bool dtype; broadcast each leaf of a nest).")
     x = cross_host.unwrap(tensor.value if isinstance(tensor, Mirrored) else tensor)
     x = x if isinstance(x, (jax.Array, np.ndarray)) else jnp.asarray(x)
     if isinstance(x, jax.core.Tracer):  # Inside a merge function: the program places it.

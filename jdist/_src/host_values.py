@@ -70,6 +70,20 @@ def check_host_numbers(value) -> None:
         f"{fix}.")
 
 
+def check_arrays(value, what: str) -> None:
+    """Raises `UnsupportedValueError` when a leaf of the nest ``value`` is something no device
+    holds (a string, an object), before JAX raises its own untyped error.
+
+    Example:
+      >>> check_arrays({"a": np.ones(2), "b": 3}, "all_gather")
+    """
+    for leaf in jax.tree_util.tree_leaves(value):
+        if not is_placeable(leaf):
+            raise errors.UnsupportedValueError(
+                f"{what} of a {type(leaf).__name__} value: a device holds arrays and numbers of "
+                "a numeric or bool dtype only (JAX has no strings or objects).")
+
+
 def check_placeable(values) -> None:
     """Raises `UnsupportedValueError` unless every one of ``values`` (one per replica) is an
     array or a number of a numeric or bool dtype: what a device can hold (TF also holds

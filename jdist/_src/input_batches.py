@@ -34,6 +34,7 @@ from jdist._src.numpy_dataset import NumpyDataset
 from jdist._src.numpy_dataset import UNKNOWN
 from jdist._src.values import DistributedValues
 from jdist._src.values import PerReplica
+from jdist._src.values import is_distributed
 from jdist._src.values import pad_components
 
 
@@ -215,10 +216,15 @@ def _host_batches(it, stash, convert=True):
 
 def to_host(element):
     """``element`` with every leaf as a NumPy array of a dtype a device can hold."""
-    return jax.tree_util.tree_map(_host_array, element)
+    return jax.tree_util.tree_map(_host_array, element, is_leaf=is_distributed)
 
 
 def _host_array(x):
+    if is_distributed(x):
+        raise errors.InvalidArgumentError(
+            f"a batch holds a {type(x).__name__}: it is distributed already. A distributed "
+            "dataset takes global batches of arrays (or, from distribute_datasets_from_function, "
+            "per-replica batches), which it splits or deals to the replicas itself.")
     a = np.asarray(x)
     if a.dtype.kind not in "biufc":
         raise errors.InvalidArgumentError(

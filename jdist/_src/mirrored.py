@@ -182,6 +182,12 @@ class MirroredStrategy(Strategy):
         else:
             if isinstance(devices, (str, jax.Device)):
                 devices = [devices]
+            try:
+                devices = list(devices)
+            except TypeError:
+                raise errors.InvalidArgumentError(
+                    "devices must be a list of devices or device names, got "
+                    f"{type(devices).__name__}.") from None
             resolved = [devices_lib.resolve(d) for d in devices]
             if not resolved:
                 raise errors.InvalidArgumentError("MirroredStrategy needs at least one device.")

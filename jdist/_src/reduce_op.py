@@ -6,6 +6,7 @@ import jax
 import numpy as np
 
 from jdist._src import errors
+from jdist._src import host_values
 
 
 class ReduceOp(enum.Enum):
@@ -46,7 +47,8 @@ class ReduceOp(enum.Enum):
 
 
 def check_reducible(op, value):
-    """Raises `UnsupportedValueError` when ``value`` (a nest) holds bools, which TF cannot reduce.
+    """Raises `UnsupportedValueError` when ``value`` (a nest) holds bools, which TF cannot reduce,
+    or values no device holds (strings, objects: `host_values.is_placeable`).
 
     TF adds the replicas' values (``add_n``), which has no bool kernel, so both SUM and MEAN of
     bool values raise there; every other dtype is summed in its own dtype (a MEAN of integers
@@ -64,6 +66,7 @@ def check_reducible(op, value):
         ...
         jdist._src.errors.UnsupportedValueError: ReduceOp.SUM of bool values ...
     """
+    host_values.check_arrays(value, str(op))
     for leaf in jax.tree_util.tree_leaves(value):
         dtype = getattr(leaf, "dtype", None)
         if isinstance(leaf, (bool, np.bool_)) or (dtype is not None and dtype == np.bool_):

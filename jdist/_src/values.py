@@ -297,6 +297,14 @@ class Mirrored(DistributedValues):
     def __getitem__(self, index):
         return self._value[index]
 
+    # Iteration is the array's: without these, Python would iterate through __getitem__ until
+    # an IndexError, which a JAX array never raises (it clamps indices), so it never ended.
+    def __iter__(self):
+        return iter(self._value)
+
+    def __len__(self):
+        return len(self._value)
+
     @property
     def shape(self):
         return self._value.shape
