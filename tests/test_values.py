@@ -356,3 +356,30 @@ def test_a_mirrored_knows_whether_run_returned_it(n):
     for value, expected in ((step_output, True), (declared, False)):
         assert isinstance(value, jdist.Mirrored) and value.num_replicas == n
         assert [values.is_step_output(k(value)) for k in keep] == [expected] * 4
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_per_replica_prng_keys(n):
+    """Typed PRNG keys per replica (from values_from_function, of one shape or ragged, or the
+    constructor) draw what each key draws alone; they gather, and do not reduce. Building
+    them raised TypeError ("Cannot interpret 'key<fry>' as a data type")."""
+    s = mirrored(n)
+    keys = s.experimental_distribute_values_from_function(
+        lambda ctx: jax.random.key(ctx.replica_id_in_sync_group))
+    split = s.experimental_distribute_values_from_function(
+        lambda ctx: jax.random.split(jax.random.key(7), ctx.replica_id_in_sync_group + 1))
+    built = jdist.PerReplica([jax.random.key(i) for i in range(n)]) if n > 1 else keys
+    draw = lambda k: jax.random.normal(k, ())  # noqa: E731
+    for value, last in ((keys, False), (split, True), (built, False)):
+        out = s.run(lambda k: draw(k[-1] if last else k), args=(value,))
+        want = [draw(jax.random.split(jax.random.key(7), i + 1)[-1] if last else jax.random.key(i))
+                for i in range(n)]
+        assert_local_results(s, out, want, 0, 0)
+    gathered = s.gather(s.run(lambda k: k[None], args=(keys,)), 0)
+    np.testing.assert_array_equal(jax.random.key_data(gathered),
+                                  [jax.random.key_data(jax.random.key(i)) for i in range(n)])
+    if n > 1:
+        with pytest.raises(errors.UnsupportedValueError, match="PRNG keys"):
+            s.reduce("sum", keys, axis=None)
+        with pytest.raises(errors.UnsupportedValueError, match="PRNG keys"):
+            s.run(lambda k: jdist.get_replica_context().all_reduce("sum", k), args=(keys,))

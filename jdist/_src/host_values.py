@@ -16,7 +16,7 @@ from jdist._src import errors
 # The dtype kinds a PerReplica may hold: its components must all be of one of them (TF's rule).
 _KINDS = (("bool", np.bool_), ("signed integer", np.signedinteger),
           ("unsigned integer", np.unsignedinteger), ("floating-point", np.floating),
-          ("complex", np.complexfloating))
+          ("complex", np.complexfloating), ("PRNG key", jax.dtypes.prng_key))
 
 
 @functools.lru_cache(maxsize=None)

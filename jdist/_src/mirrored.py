@@ -92,7 +92,7 @@ class MirroredExtended(StrategyExtended):
         """One value per replica, each on its replica's device: one sharded array when their
         shapes agree, else a ragged `PerReplica` (TF holds replicas of different shapes)."""
         arrays = [np.asarray(c) if not isinstance(c, jax.Array) else c for c in components]
-        dtypes = {np.dtype(a.dtype) for a in arrays}
+        dtypes = {a.dtype for a in arrays}  # JAX's dtypes: typed PRNG keys too.
         if len(dtypes) != 1:
             raise errors.InvalidArgumentError(
                 f"replica values must share a dtype, got {sorted(map(str, dtypes))}.")

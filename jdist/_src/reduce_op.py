@@ -68,8 +68,11 @@ def check_reducible(op, value):
     """
     host_values.check_arrays(value, str(op))
     for leaf in jax.tree_util.tree_leaves(value):
-        dtype = getattr(leaf, "dtype", None)
-        if isinstance(leaf, (bool, np.bool_)) or (dtype is not None and dtype == np.bool_):
+        kind = host_values.dtype_kind(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype)
+        if kind == "bool":
             raise errors.UnsupportedValueError(
                 f"{op} of bool values is not defined (TF raises too: it adds the values); cast "
                 "them to an integer dtype first, e.g. x.astype(jnp.int32).")
+        if kind == "PRNG key":
+            raise errors.UnsupportedValueError(
+                f"{op} of PRNG keys is not defined; reduce what the replicas drew with them.")

@@ -338,7 +338,7 @@ def _stack_or_keep(values):
     canonicalises them (float32 and float64 do, unless ``jax_enable_x64`` is on).
     """
     arrays = _components(values)
-    dtypes = {jax.dtypes.canonicalize_dtype(a.dtype) for a in arrays}
+    dtypes = {jax.dtypes.canonicalize_dtype(a.dtype, allow_extended_dtype=True) for a in arrays}
     if len(dtypes) > 1:
         raise errors.InvalidArgumentError(
             f"the replicas' values have dtypes {sorted(map(str, dtypes))}: one kind, but dtypes "
@@ -350,7 +350,7 @@ def _stack_or_keep(values):
 
 
 def _kind(array, index):
-    name = dtype_kind(np.dtype(array.dtype))
+    name = dtype_kind(array.dtype)
     if name is None:
         raise errors.UnsupportedValueError(
             f"PerReplica component {index} has dtype {array.dtype}, which cannot be placed on a "
@@ -396,6 +396,8 @@ def _stack(arrays):
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
         return jax.make_array_from_single_device_arrays(
             (len(arrays), *arrays[0].shape), sharding, [a[None] for a in arrays])
+    if jax.dtypes.issubdtype(arrays[0].dtype, jax.dtypes.extended):
+        return jax.numpy.stack(arrays)  # Typed PRNG keys have no NumPy form.
     # Dtypes of one kind that JAX canonicalises alike (float32 and float64 without x64) are
     # stacked in that dtype, as JAX would place each of them.
     dtype = (None if len({a.dtype for a in arrays}) == 1
