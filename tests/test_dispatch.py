@@ -202,3 +202,51 @@ def test_200_step_jitted_loop_raises_or_completes_never_aborts(compile_):
     else:
         assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
         assert "200 steps OK" in proc.stdout
+
+
+REENTERED = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
+import jax, jax.numpy as jnp, numpy as np, jdist
+s = jdist.MirroredStrategy()
+x = s.experimental_distribute_values_from_function(
+    lambda c: np.full((2,), c.replica_id_in_sync_group, np.float32))
+outer = s.experimental_distribute_values_from_function(
+    lambda c: np.full((2,), 10 + c.replica_id_in_sync_group, np.float32))
+ctx = jdist.get_replica_context
+def show(value):
+    return [np.asarray(v).tolist() for v in s.experimental_local_results(value)]
+cases = {
+    "function in run": lambda: show(s.run(jdist.function(
+        lambda v: ctx().all_reduce("sum", v.sum())), args=(x,))),
+    "function in function": lambda: show(jdist.function(lambda a: jdist.function(
+        lambda b: s.run(lambda v: ctx().all_reduce("sum", v * 2.0), args=(b,)))(a))(x)),
+    "reduce in function": lambda: np.asarray(
+        jdist.function(lambda: s.reduce("sum", outer, axis=None))()).tolist(),
+    "finalize in merge_fn": lambda: show(s.run(lambda v: ctx().merge_call(
+        lambda st, a: (st.experimental_finalize(), a)[1], args=(v,)), args=(x,))),
+    "outer value in merge_fn": lambda: s.run(lambda v: ctx().merge_call(
+        lambda st, a: st.reduce("sum", outer, axis=None), args=(v,)), args=(x,)),
+}
+for name, case in cases.items():
+    try:
+        print(name, "=", case())
+    except Exception as error:
+        print(name, "raises", type(error).__name__)
+"""
+
+
+def test_jdist_calls_inside_a_traced_launch_compute_or_raise_never_hang():
+    """Code a guarded program runs while it is traced (a jdist.function called in a replica
+    function or in another jdist.function, a merge_fn that reduces or waits) launched again
+    through the guard, whose lock its own launch held: each of these hung for ever."""
+    proc = subprocess.run([sys.executable, "-c", REENTERED], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "function in run = [6.0, 6.0, 6.0]",
+        "function in function = [[6.0, 6.0], [6.0, 6.0], [6.0, 6.0]]",
+        "reduce in function = [33.0, 33.0]",
+        "finalize in merge_fn = [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]",
+        "outer value in merge_fn raises WrongContextError",
+    ]

@@ -383,3 +383,16 @@ def test_per_replica_prng_keys(n):
             s.reduce("sum", keys, axis=None)
         with pytest.raises(errors.UnsupportedValueError, match="PRNG keys"):
             s.run(lambda k: jdist.get_replica_context().all_reduce("sum", k), args=(keys,))
+
+
+@pytest.mark.parametrize("where", ["jdist.function", "replica function"])
+def test_values_from_function_while_tracing_is_a_typed_error(where):
+    """It places values on the devices, which a trace cannot (JAX raised a ValueError)."""
+    s = mirrored(3)
+    make = lambda *_: s.experimental_distribute_values_from_function(  # noqa: E731
+        lambda ctx: np.float32(ctx.replica_id_in_sync_group))
+    with pytest.raises(errors.WrongContextError, match="traced"):
+        if where == "jdist.function":
+            jdist.function(make)()
+        else:
+            s.run(make, args=(jnp.float32(0),))

@@ -34,6 +34,7 @@ class DispatchGuard:
         self.observer = None  # Called at each launch: the multi-worker watchdog counts them.
         self._lock = threading.Lock()
         self._in_flight = ()
+        self._owner = None  # The thread inside a launch (it may be tracing that program).
 
     def dispatch(self, program, *args, spans_all_devices=True):
         """Runs ``program(*args)`` after the previous guarded program has finished.
@@ -66,17 +67,42 @@ class DispatchGuard:
             self.observer()
         if not self.enabled:
             return program(*args)
+        if self._owner == threading.get_ident():
+            return _launch_while_tracing(program, args, waited)
         with self._lock:
-            _wait(self._in_flight)
-            outputs = program(*args)
-            self._in_flight = waited(outputs)
+            self._owner = threading.get_ident()
+            try:
+                _wait(self._in_flight)
+                outputs = program(*args)
+                self._in_flight = waited(outputs)
+            finally:
+                self._owner = None
             return outputs
 
     def wait(self):
         """Blocks until the last guarded program has finished (used before host-side reads)."""
+        if self._owner == threading.get_ident():
+            return  # Inside a launch, which waited for the last program before tracing.
         with self._lock:
             _wait(self._in_flight)
             self._in_flight = ()
+
+
+def _launch_while_tracing(program, args, waited):
+    """A launch from inside another one on this thread: code its program runs while it is traced
+    (a merge_fn reducing a value of the cross-replica context, a `function` called in a replica
+    function). The outer launch waited for the previous program and dispatches its own only
+    when its trace ends, so this one runs alone; it is waited for before the trace goes on."""
+    if jax.sharding.get_abstract_mesh().manual_axes and not any(
+            isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
+        raise errors.WrongContextError(
+            "a merge_fn computed on a distributed value from outside the step (captured, not "
+            "passed in): jdist traces merge_fn into the step's program, which cannot run another "
+            "program on such a value. Pass the value to strategy.run and on to merge_call "
+            "(merge_call(fn, args=(value,))), or compute it before strategy.run.")
+    outputs = program(*args)
+    _wait(waited(outputs))
+    return outputs
 
 
 def _wait(arrays):
@@ -197,6 +223,8 @@ def function(fun=None, **jit_kwargs):
 
     def call(*args, **kwargs):
         with _inside_function(), batch_blocks.reading_blocks(blocks):
+            if under_a_trace():  # Called in a traced function: part of its program, launched with it.
+                return jitted(*args, **kwargs)
             return guard.dispatch(lambda: jitted(*args, **kwargs), spans_all_devices=False)
 
     def lower(*args, **kwargs):

@@ -16,6 +16,7 @@ import numpy as np
 
 from jdist._src import collectives
 from jdist._src import context
+from jdist._src import dispatch
 from jdist._src import errors
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import check_placeable
@@ -244,6 +245,11 @@ class Strategy(TF1Methods):
             check_host_numbers(leaf)  # Before any transfer: JAX would wrap 64-bit integers.
         if n == 1:  # The value itself, on the replica's device (as TF's device scope puts it).
             return jax.tree_util.tree_map(self._extended.place_one_replica_value, per_replica[0])
+        if dispatch.under_a_trace():
+            raise errors.WrongContextError(
+                "experimental_distribute_values_from_function was called while a function is "
+                "traced (jax.jit, jdist.function, a replica or merge function); it places values "
+                "on the devices, which a trace cannot. Call it outside and pass the values in.")
         columns = [list(c) for c in zip(*(jax.tree_util.tree_leaves(v) for v in per_replica))]
         for column in columns:
             check_placeable(column)
