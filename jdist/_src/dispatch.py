@@ -67,7 +67,7 @@ class DispatchGuard:
             self.observer()
         if not self.enabled:
             return program(*args)
-        if self._owner == threading.get_ident():
+        if self.inside_launch():
             return _launch_while_tracing(program, args, waited)
         with self._lock:
             self._owner = threading.get_ident()
@@ -79,9 +79,13 @@ class DispatchGuard:
                 self._owner = None
             return outputs
 
+    def inside_launch(self):
+        """Whether this thread is inside a launch (tracing its program, or code that runs)."""
+        return self._owner == threading.get_ident()
+
     def wait(self):
         """Blocks until the last guarded program has finished (used before host-side reads)."""
-        if self._owner == threading.get_ident():
+        if self.inside_launch():
             return  # Inside a launch, which waited for the last program before tracing.
         with self._lock:
             _wait(self._in_flight)
@@ -223,7 +227,7 @@ def function(fun=None, **jit_kwargs):
 
     def call(*args, **kwargs):
         with _inside_function(), batch_blocks.reading_blocks(blocks):
-            if under_a_trace():  # Called in a traced function: part of its program, launched with it.
+            if guard.inside_launch():  # Traced by a launch: part of that launch's program.
                 return jitted(*args, **kwargs)
             return guard.dispatch(lambda: jitted(*args, **kwargs), spans_all_devices=False)
 
