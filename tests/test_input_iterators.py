@@ -415,3 +415,12 @@ def test_importing_jdist_does_not_import_tensorflow():
             "list(s.experimental_distribute_dataset([np.zeros(2)])); "
             "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_next_under_an_eager_grad_fetches_a_new_batch_per_call():
+    """Only staging traces (jit, jdist.function, scan) replay a program; an eager jax.grad runs
+    its function on every call, so next(iterator) there is a new batch each time."""
+    s = jdist.OneDeviceStrategy("cpu:0")
+    it = iter(dataset(s, size=8, batch=4))
+    grads = [float(jax.grad(lambda w: jnp.sum(w * jnp.asarray(next(it))))(1.0)) for _ in range(2)]
+    assert grads == [0 + 1 + 2 + 3, 4 + 5 + 6 + 7]

@@ -180,6 +180,18 @@ def under_a_trace():
     return type(core.find_top_trace(())).__name__ != "EvalTrace"
 
 
+def under_a_staging_trace():
+    """Whether this thread's code is being staged into a program (``jax.jit``, `function`,
+    ``lax.scan``, at any depth), which runs it once and replays the program: an eager
+    ``jax.grad`` or ``jax.vmap`` alone runs it again on every call."""
+    trace = core.find_top_trace(())
+    while trace is not None:
+        if type(trace).__name__ == "DynamicJaxprTrace":
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 def function(fun=None, **jit_kwargs):
     """``jax.jit`` for functions that call ``strategy.run``: the ``tf.function`` of jdist.
 

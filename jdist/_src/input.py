@@ -338,7 +338,7 @@ class DistributedIterator:
         self._step = None  # A multi-worker PER_WORKER dataset's consumer-side step.
         self._finalizer = None
         self._ready = collections.deque()  # Elements handed over with an earlier one.
-        self._made_in_trace = dispatch.under_a_trace()
+        self._made_in_trace = dispatch.under_a_staging_trace()
         self._start()
 
     def _start(self):
@@ -356,7 +356,7 @@ class DistributedIterator:
 
     def __next__(self):
         _check_not_in_replica("next(iterator)")
-        if not self._made_in_trace and dispatch.under_a_trace():
+        if not self._made_in_trace and dispatch.under_a_staging_trace():
             raise errors.InvalidArgumentError(
                 "next(iterator) was called while jdist.function or jax.jit traced a function, "
                 "on an iterator made outside it: the element would be compiled into the program "
