@@ -245,7 +245,7 @@ class Strategy(TF1Methods):
             check_host_numbers(leaf)  # Before any transfer: JAX would wrap 64-bit integers.
         if n == 1:  # The value itself, on the replica's device (as TF's device scope puts it).
             return jax.tree_util.tree_map(self._extended.place_one_replica_value, per_replica[0])
-        if dispatch.under_a_trace():
+        if dispatch.under_a_staging_trace():
             raise errors.WrongContextError(
                 "experimental_distribute_values_from_function was called while a function is "
                 "traced (jax.jit, jdist.function, a replica or merge function); it places values "
