@@ -68,7 +68,8 @@ def check_reducible(op, value):
     """
     host_values.check_arrays(value, str(op))
     for leaf in jax.tree_util.tree_leaves(value):
-        kind = host_values.dtype_kind(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype)
+        dtype = getattr(leaf, "dtype", None)
+        kind = host_values.dtype_kind(np.asarray(leaf).dtype if dtype is None else dtype)
         if kind == "bool":
             raise errors.UnsupportedValueError(
                 f"{op} of bool values is not defined (TF raises too: it adds the values); cast "
