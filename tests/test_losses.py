@@ -129,6 +129,8 @@ def test_python_values_convert_as_tf_converts_them():
     out = jdist.nn.compute_average_loss([1.0, 2.0], sample_weight=[2, 1])
     assert out.dtype == jnp.float32 and float(out) == 2.0
     assert float(jdist.nn.scale_regularization_loss([1.0, 2.0])) == 3.0
+    with pytest.raises(errors.X64RequiredError):  # int64 in TF; JAX would wrap it.
+        jdist.nn.compute_average_loss([2**40, 1])
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

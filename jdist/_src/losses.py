@@ -133,9 +133,12 @@ def _tensor(value):
         host_values.check_host_numbers(value)
         return jnp.asarray(value)
     array = np.asarray(value)
-    held = {"f": np.float32, "i": np.int32}.get(array.dtype.kind, array.dtype)
-    host_values.check_host_numbers(array.astype(held))
-    return jnp.asarray(array, held)
+    if array.dtype.kind == "f":
+        array = array.astype(np.float32)
+    elif array.dtype.kind == "i" and array.size and -2**31 <= array.min() <= array.max() < 2**31:
+        array = array.astype(np.int32)  # Larger ones are int64 in TF: checked below.
+    host_values.check_host_numbers(array)
+    return jnp.asarray(array)
 
 
 def _weighted(loss, weight):
