@@ -198,6 +198,45 @@ def test_batches_that_drop_their_remainder_end_at_the_last_whole_round(drop_rema
     assert dealt.cardinality == steps
 
 
+def optional_rounds(s, dist):
+    """Each element's per-replica values as lists, read with ``get_next_as_optional``."""
+    it, rounds = iter(dist), []
+    while (opt := it.get_next_as_optional()).has_value():
+        rounds.append(jax.tree_util.tree_map(
+            lambda v: [np.asarray(x).tolist() for x in s.experimental_local_results(v)],
+            opt.get_value(), is_leaf=lambda v: isinstance(v, jdist.DistributedValues)))
+    return rounds
+
+
+def test_get_next_as_optional_hands_over_the_rounds_next_ends_before():
+    # TF's get_next_as_optional goes on while any replica has data, filling the others with
+    # dummies: empty batches, and zeros for single examples; next() ends at the last whole round.
+    s = mirrored(3)
+    batches = s.experimental_make_numpy_dataset(np.arange(15.0)).batch(2, drop_remainder=True)
+    dealt = s.distribute_datasets_from_function(lambda ctx: batches)
+    assert len(list(dealt)) == 2
+    assert optional_rounds(s, dealt)[2] == [[12.0, 13.0], [], []]
+    examples = s.distribute_datasets_from_function(
+        lambda ctx: s.experimental_make_numpy_dataset((np.arange(4), np.ones((4, 2), np.int32))))
+    assert [r[0] for r in optional_rounds(s, examples)] == [[0, 1, 2], [3, 0, 0]]
+    assert optional_rounds(s, examples)[1][1] == [[1, 1], [], []]
+    assert len(list(examples)) == 1
+
+
+def test_per_replica_datasets_of_different_lengths_end_as_in_tf():
+    s = mirrored(2)
+    options = jdist.InputOptions(experimental_fetch_to_device=False,
+                                 experimental_replication_mode="PER_REPLICA")
+
+    def dataset_fn(ctx):  # Replica 0 has 2 batches, replica 1 has 4.
+        return s.experimental_make_numpy_dataset(
+            np.arange(4 + 4 * ctx.input_pipeline_id)).batch(2, drop_remainder=True)
+    dealt = s.distribute_datasets_from_function(dataset_fn, options)
+    assert [[np.asarray(v).tolist() for v in s.experimental_local_results(b)]
+            for b in dealt] == [[[0, 1], [0, 1]], [[2, 3], [2, 3]]]
+    assert optional_rounds(s, dealt)[2:] == [[[], [4, 5]], [[], [6, 7]]]
+
+
 def test_reduce_folds_one_pass():
     s = mirrored(2)
     dist = s.experimental_distribute_dataset(

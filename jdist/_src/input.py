@@ -186,7 +186,7 @@ class _DealtPlan:
 
 def _deal(batches, n, fixed_shapes):
     """Groups of ``n`` consecutive per-replica batches (the last may be short, see
-    `input_batches.makes_a_step`)."""
+    `input_batches.makes_a_step`, or a `input_batches.TrailingRound`)."""
     try:
         while True:
             group = []
@@ -195,9 +195,10 @@ def _deal(batches, n, fixed_shapes):
                 if len(group) == n:
                     break
             group += [None] * (n - len(group))
-            if not input_batches.makes_a_step(group, fixed_shapes):
+            round_ = _round(group, fixed_shapes)
+            if round_ is None:
                 return
-            yield group
+            yield round_
             if group[-1] is None:
                 return
     finally:
@@ -217,12 +218,23 @@ def _zip_longest(iterators, fixed_shapes):
                     if batch is None:
                         alive[i] = None
                 group.append(batch)
-            if not input_batches.makes_a_step(group, fixed_shapes):
+            round_ = _round(group, fixed_shapes)
+            if round_ is None:
                 return
-            yield group
+            yield round_
     finally:
         for it in iterators:
             it.close()
+
+
+def _round(group, fixed_shapes):
+    """``group`` if it makes a step, a `input_batches.TrailingRound` if only TF's
+    ``get_next_as_optional`` takes it, None once no replica has data."""
+    if input_batches.makes_a_step(group, fixed_shapes):
+        return group
+    if any(b is not None for b in group):
+        return input_batches.TrailingRound(group)
+    return None
 
 
 class DistributedDataset:
@@ -355,6 +367,11 @@ class DistributedIterator:
         return self
 
     def __next__(self):
+        return self._next(trailing=False)
+
+    def _next(self, trailing):
+        """The next element; ``trailing``: whether a `input_batches.TrailingRound`'s counts (it
+        does for ``get_next_as_optional`` only, as in TF)."""
         _check_not_in_replica("next(iterator)")
         if not self._made_in_trace and dispatch.under_a_staging_trace():
             raise errors.InvalidArgumentError(
@@ -378,6 +395,10 @@ class DistributedIterator:
         except BaseException:
             self._finish()
             raise
+        if isinstance(element, input_batches.TrailingRound):
+            if trailing:
+                return element[0]
+            element = prefetch.END
         if element is prefetch.END:
             self._finish()
             raise StopIteration
@@ -398,9 +419,14 @@ class DistributedIterator:
                                          "elements.") from None
 
     def get_next_as_optional(self):
-        """An `Optional` with the next element, or an empty one once the data has ended."""
+        """An `Optional` with the next element, or an empty one once the data has ended.
+
+        As in TF, on statically shaped per-replica batches (``distribute_datasets_from_function``
+        with ``drop_remainder=True``, or single examples) it also hands over the last rounds in
+        which only some replicas have data, where ``next`` ends: the others get TF's dummies,
+        zeros with the first dimension 0 (one zero for a rank-0 value)."""
         try:
-            return Optional.from_value(self.__next__())
+            return Optional.from_value(self._next(trailing=True))
         except StopIteration:
             return Optional.empty(self._dataset._spec)
 

@@ -15,7 +15,7 @@ batch shares one shape and the step compiles once (the lengths enter it as a tra
 * `PerReplicaDealer` deals per-replica batches (``distribute_datasets_from_function``) to the
   replicas in order; replicas left without data get empty batches, while statically shaped
   elements (batches that drop their remainder, single examples) end the data where a step
-  would lack one (`makes_a_step`).
+  would lack one (`makes_a_step`), except for ``get_next_as_optional`` (`TrailingRound`).
 * `Placer` transfers: one ``jax.device_put`` call per element, each stacked leaf a host array
   ``(N, rows, *inner)`` with the replica sharding and each ragged leaf's chunks to their own
   devices, so each device receives its own block straight from host memory (a full batch is a
@@ -380,7 +380,12 @@ class PerReplicaDealer:
         self.rows = full_rows
 
     def __call__(self, group):
-        group = list(group) + [None] * (self.n - len(group))
+        if isinstance(group, TrailingRound):
+            return TrailingRound([self._element(list(group))])
+        return self._element(list(group))
+
+    def _element(self, group):
+        group += [None] * (self.n - len(group))
         present = [b for b in group if b is not None]
         tree = jax.tree_util.tree_structure(present[0])
         for b in present[1:]:
@@ -390,14 +395,13 @@ class PerReplicaDealer:
                     f"{tree} and {jax.tree_util.tree_structure(b)}.")
         template = jax.tree_util.tree_leaves(present[0])
         columns = [jax.tree_util.tree_leaves(b) if b is not None else None for b in group]
-        scalar = is_unbatched(present[0])  # Then every replica has one (`makes_a_step`).
+        scalar = is_unbatched(present[0])
         if not scalar:
             sizes = {batch_size(c) for c in columns if c is not None}
             self.rows = max(sizes | ({self.rows} if self.rows is not None else set()))
         placer, parts = self.placer, []
         for j, t in enumerate(template):
-            chunks = [c[j] if c is not None else np.zeros((0,) + t.shape[1:], t.dtype)
-                      for c in columns]
+            chunks = [c[j] if c is not None else _empty_like(t) for c in columns]
             if placer.plain or (self.n == 1 and (
                     scalar or not placer.pad or chunks[0].shape[0] == self.rows)):
                 parts.append(placer.whole(chunks[0]))
@@ -428,7 +432,8 @@ def makes_a_step(group, fixed_shapes=None):
     break their shape: seven batches over four replicas give one step, five scalars over two
     give ``[0, 1]`` and ``[2, 3]``. Other batches do while any replica has data, the others
     getting empty batches. ``fixed_shapes`` None (a source that declares nothing): decided by
-    the elements, rank-0 ones being single examples.
+    the elements, rank-0 ones being single examples. (TF's ``get_next_as_optional`` goes on
+    while any replica has data, whatever the shapes: see `TrailingRound`.)
     """
     present = [b for b in group if b is not None]
     if not present:
@@ -436,6 +441,19 @@ def makes_a_step(group, fixed_shapes=None):
     if fixed_shapes is None:
         fixed_shapes = is_unbatched(present[0])
     return len(present) == len(group) or not fixed_shapes
+
+
+class TrailingRound(list):
+    """A round of statically shaped per-replica batches in which some replica has none: no step
+    for ``next(iterator)`` (`makes_a_step`), but one for ``get_next_as_optional``, which in TF
+    always hands such rounds over, filling the missing replicas with TF's dummies (zeros, the
+    first dimension 0: `_empty_like`). Dealt, it holds the one element it makes."""
+
+
+def _empty_like(leaf):
+    """TF's dummy value for a replica without data (``input_lib._dummy_tensor_fn``): zeros of the
+    leaf's shape with the first dimension 0, or one zero for a rank-0 leaf."""
+    return np.zeros(leaf.shape[:0] if leaf.ndim == 0 else (0,) + leaf.shape[1:], leaf.dtype)
 
 
 def _struct(shape, dtype):
