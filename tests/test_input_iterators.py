@@ -11,6 +11,7 @@ import pytest
 
 import jdist
 from jdist import errors
+from jdist._src import tf_shuffle
 from jdist._src.numpy_dataset import NumpyDataset
 from jdist.testing import mirrored
 
@@ -438,6 +439,24 @@ def test_numpy_dataset_shuffles_differently_each_iteration():
     assert all(x <= i + 4 for i, x in enumerate(small))  # A small buffer shuffles locally.
     epochs = [int(x) for x in NumpyDataset(np.arange(5)).shuffle(5, seed=1).repeat(2)]
     assert sorted(epochs[:5]) == sorted(epochs[5:]) == list(range(5))
+
+
+@pytest.mark.parametrize("counter, key, want", [  # Random123's known-answer vectors.
+    ((0, 0, 0, 0), (0, 0), "6627e8d5 e169c58d bc57ac4c 9b00dbd8"),
+    ((0xffffffff,) * 4, (0xffffffff,) * 2, "408f276d 41c83b0e a20bc7c6 6d5451fd"),
+    ((0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344), (0xa4093822, 0x299f31d0),
+     "d16cfe09 94fdcceb 5001e420 24126ea1")])
+def test_shuffle_draws_from_philox4x32_10_as_tf_does(counter, key, want):
+    c0, c1, c2, c3 = counter
+    block = tf_shuffle.philox_blocks(key[1] << 32 | key[0], c3 << 32 | c2, c1 << 32 | c0, 1)
+    assert " ".join(f"{int(v):08x}" for v in block) == want
+
+
+def test_shuffle_order_follows_tf_buffer_rule():
+    # A buffer of 1 is the identity; a buffer of b never moves an element more than b - 1 ahead.
+    assert [int(x) for x in NumpyDataset(np.arange(9)).shuffle(1, seed=4)] == list(range(9))
+    order = [int(x) for x in NumpyDataset(np.arange(40)).shuffle(3, seed=4)]
+    assert sorted(order) == list(range(40)) and all(x <= i + 2 for i, x in enumerate(order))
 
 
 def test_element_spec_does_not_consume_a_shuffle_order():

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jdist._src import errors
+from jdist._src import tf_shuffle
 
 INFINITE = -1  # tf.data.INFINITE_CARDINALITY
 UNKNOWN = -2  # tf.data.UNKNOWN_CARDINALITY
@@ -65,7 +66,9 @@ class NumpyDataset:
         return self._then(_Batch(_positive(batch_size, "batch_size"), bool(drop_remainder)))
 
     def shuffle(self, buffer_size, seed=None, reshuffle_each_iteration=True):
-        """Shuffles with a ``buffer_size`` buffer, as tf.data does; a new order every iteration."""
+        """Shuffles with a ``buffer_size`` buffer in tf.data's order: ``seed`` gives the order
+        TF gives for that seed (`tf_shuffle`); a new order every iteration unless
+        ``reshuffle_each_iteration=False``, again TF's."""
         return self._then(_Shuffle(_positive(buffer_size, "buffer_size"), seed,
                                    bool(reshuffle_each_iteration)))
 
@@ -266,22 +269,12 @@ class _Batch:
 class _Shuffle:
 
     def __init__(self, buffer_size, seed, reshuffle):
-        self.buffer_size, self.reshuffle = buffer_size, reshuffle
-        self.seed = np.random.SeedSequence().entropy if seed is None else int(seed)
-        self.epochs = itertools.count()
+        self.buffer_size = buffer_size
+        self.seeds = tf_shuffle.IterationSeeds(tf_shuffle.op_seeds(seed), reshuffle)
 
     def wrap(self, upstream):
         def shuffled():
-            epoch = next(self.epochs) if self.reshuffle else 0
-            rng = np.random.default_rng([self.seed, epoch])
-            it = upstream()
-            buffer = list(itertools.islice(it, self.buffer_size))
-            for item in it:  # Streaming, as tf.data: emit a random slot, refill it.
-                slot = int(rng.integers(len(buffer)))
-                yield buffer[slot]
-                buffer[slot] = item
-            for slot in rng.permutation(len(buffer)):
-                yield buffer[slot]
+            return tf_shuffle.shuffled(upstream(), self.buffer_size, self.seeds.next())
         return shuffled
 
     def cardinality(self, count):

@@ -1,0 +1,131 @@
+"""tf.data's shuffle order, reproduced without TensorFlow: the order `NumpyDataset.shuffle` gives.
+
+``tf.data.Dataset.shuffle(buffer_size, seed=s)`` draws its order from TF's Philox4x32-10 stream
+(``random::PhiloxRandom`` read one 32-bit sample at a time, ``SingleSampleAdapter``):
+
+* the op's seeds are ``tf.compat.v1.random.get_seed(s)``: ``(87654321, s % (2**31 - 1))`` when no
+  global seed is set (`op_seeds`);
+* with ``reshuffle_each_iteration=True`` a seed generator seeded with them hands each new iterator
+  two samples as its seeds (`IterationSeeds`); otherwise every iterator uses the op's seeds;
+* the iterator keeps a ring buffer of ``buffer_size`` elements, filled before each output, and
+  outputs the element ``sample % count`` places after the buffer's oldest, which takes its place
+  (`shuffled`).
+
+Checked against TF 2.21 element by element (``tests/test_numpy_dataset_tf.py``).
+"""
+
+import sys
+
+import numpy as np
+
+from jdist._src import errors
+
+DEFAULT_GRAPH_SEED = 87654321  # TF's graph seed when none is set (``random_seed.py``).
+_MAXINT32 = 2**31 - 1
+_MASK = np.uint64(0xFFFFFFFF)
+_BLOCKS = 256  # Philox blocks computed at once (4 samples each).
+
+
+def philox_blocks(key, counter_hi, first_block, count):
+    """``count`` consecutive outputs of TF's ``PhiloxRandom(key, counter_hi)`` from block
+    ``first_block``, flattened to 4 uint32 samples each (as uint64 holding 32 bits)."""
+    k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64((key >> 32) & 0xFFFFFFFF)
+    block = np.arange(first_block, first_block + count, dtype=np.uint64)
+    c0, c1 = block & _MASK, block >> np.uint64(32)
+    c2 = np.full(count, counter_hi & 0xFFFFFFFF, np.uint64)
+    c3 = np.full(count, (counter_hi >> 32) & 0xFFFFFFFF, np.uint64)
+    for _ in range(10):  # Philox4x32's 10 rounds, the key raised after each.
+        p0, p1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & _MASK,
+                          (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _MASK)
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & _MASK, (k1 + np.uint64(0xBB67AE85)) & _MASK
+    return np.stack([c0, c1, c2, c3], axis=1).reshape(-1)
+
+
+class Samples:
+    """TF's ``SingleSampleAdapter<PhiloxRandom>(seed, seed2)``: its 32-bit samples in order."""
+
+    def __init__(self, seed, seed2):
+        self._seeds, self._block = (int(seed), int(seed2)), 0
+        self._samples, self._next = (), 0
+
+    def __call__(self) -> int:
+        if self._next == len(self._samples):
+            self._samples = philox_blocks(*self._seeds, self._block, _BLOCKS).tolist()
+            self._block, self._next = self._block + _BLOCKS, 0
+        self._next += 1
+        return self._samples[self._next - 1]
+
+
+def op_seeds(seed):
+    """The ``(seed, seed2)`` TF gives a shuffle created with op seed ``seed`` now
+    (``random_seed.get_seed``), or None for a nondeterministic order.
+
+    Raises:
+      InvalidArgumentError: ``seed`` is None while TensorFlow (imported by the program) has a
+        global seed: TF then derives the op seed from its own op counter, which jdist cannot
+        follow.
+    """
+    global_seed = _tf_global_seed()
+    if seed is None:
+        if global_seed is not None:
+            raise errors.InvalidArgumentError(
+                "shuffle() without a seed while tf.random.set_seed is in effect: TF derives "
+                "this shuffle's seed from its global seed and a count of the ops it has made, "
+                "which jdist cannot reproduce, so its order would not be TF's. Pass "
+                "shuffle(..., seed=s) (the same in the TF program gives the same order).")
+        return None
+    seeds = (DEFAULT_GRAPH_SEED if global_seed is None else global_seed % _MAXINT32,
+             int(seed) % _MAXINT32)
+    return (0, _MAXINT32) if seeds == (0, 0) else seeds
+
+
+def _tf_global_seed():
+    """``tf.random.set_seed``'s value if the program imported TensorFlow and set one."""
+    if "tensorflow" not in sys.modules:
+        return None
+    try:
+        from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+        return context.global_seed()
+    except (ImportError, AttributeError):
+        return None
+
+
+class IterationSeeds:
+    """The seeds of each new iterator of one shuffled dataset (TF's seed generator resource).
+
+    Args:
+      seeds: `op_seeds`' result (None: random seeds, as TF's for seed 0, 0).
+      reshuffle: ``reshuffle_each_iteration``.
+    """
+
+    def __init__(self, seeds, reshuffle):
+        if seeds is None:
+            seeds = tuple(int(x) for x in np.random.SeedSequence().generate_state(2, np.uint64))
+        self._seeds = seeds
+        self._generator = Samples(*seeds) if reshuffle else None
+
+    def next(self):
+        """The seeds of the next iterator."""
+        if self._generator is None:
+            return self._seeds
+        return self._generator(), self._generator()
+
+
+def shuffled(items, buffer_size, seeds):
+    """``items`` in tf.data's shuffle order for one iterator with ``seeds``."""
+    sample, buffer = Samples(*seeds), [None] * buffer_size
+    items, start, end, more = iter(items), 0, 0, True
+    while True:
+        while more and end - start < buffer_size:  # Filled before every output, as TF does.
+            try:
+                buffer[end % buffer_size] = next(items)
+                end += 1
+            except StopIteration:
+                more = False
+        if end == start:
+            return
+        index = (start + sample() % (end - start)) % buffer_size
+        yield buffer[index]
+        buffer[index] = buffer[start % buffer_size]
+        start += 1
