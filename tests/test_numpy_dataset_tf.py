@@ -20,28 +20,45 @@ from _tf_reference import strategies  # noqa: E402
 
 
 def pipeline(seed):
-    """A random shuffled pipeline: ``build(dataset)`` applies it to either library's dataset."""
+    """A random pipeline of NumpyDataset's verbs: ``build(dataset)`` applies it to either
+    library's dataset of ``data``."""
     rnd = random.Random(seed)
-    rows, buffer = rnd.randint(0, 60), rnd.choice([1, 2, 5, 10, 64, 1000])
-    op_seed = rnd.choice([0, 1, 7, 12345, 2**33 + 5, -3])
-    reshuffle, batch_first = rnd.random() < 0.6, rnd.random() < 0.3
-    repeat, size = rnd.choice([None, 2]), rnd.randint(1, 5)
+    rows = rnd.randint(0, 40)
+    data = rnd.choice([np.arange(rows), {"a": np.arange(rows), "b": np.arange(rows) * 10}])
+    verbs = {
+        "batch": lambda: ("batch", rnd.randint(1, 6), rnd.random() < 0.3),
+        "shuffle": lambda: ("shuffle", rnd.choice([1, 3, 8, 100]),
+                            rnd.choice([0, 5, 2**33 + 5, -3]), rnd.random() < 0.6),
+        "repeat": lambda: ("repeat", rnd.choice([1, 2, 3])),
+        "take": lambda: ("take", rnd.choice([-1, 0, 1, 3, 7])),
+        "skip": lambda: ("skip", rnd.choice([-1, 0, 1, 3])),
+        "shard": lambda: ("shard", 2, rnd.randint(0, 1)),
+        "prefetch": lambda: ("prefetch", rnd.choice([0, 2])),
+    }
+    names = ["shuffle"] + [rnd.choice(list(verbs)) for _ in range(rnd.randint(0, 4))]
+    rnd.shuffle(names)
+    ops = [verbs[name]() for name in names]
 
     def build(ds):
-        ds = ds.batch(size) if batch_first else ds
-        ds = ds.shuffle(buffer, seed=op_seed, reshuffle_each_iteration=reshuffle)
-        ds = ds.repeat(repeat) if repeat else ds
-        return ds if batch_first else ds.batch(size)
-    return np.arange(rows), build
+        for name, *args in ops:
+            ds = (ds.shuffle(args[0], seed=args[1], reshuffle_each_iteration=args[2])
+                  if name == "shuffle" else
+                  ds.batch(args[0], drop_remainder=args[1]) if name == "batch" else
+                  getattr(ds, name)(*args))
+        return ds
+    return data, build
 
 
 def epochs(iterate, count=3):
-    """``count`` passes of ``iterate()``, each a list of elements (as lists)."""
-    return [[np.asarray(x).tolist() for x in iterate()] for _ in range(count)]
+    """``count`` passes of ``iterate()``, each a list of elements (leaves as lists)."""
+    return [[[np.asarray(leaf).tolist() for leaf in tf.nest.flatten(x)] for x in iterate()]
+            for _ in range(count)]
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(60))
 def test_shuffled_pipelines_give_tf_orders_every_epoch(seed):
+    """Every epoch's order, repeats and tf.data's graph rewrites included (a repeat right after
+    a shuffle is fused with it; others make one more input after their last epoch)."""
     data, build = pipeline(seed)
     tf_dataset = build(tf.data.Dataset.from_tensor_slices(data))
     assert epochs(build(NumpyDataset(data)).__iter__) == epochs(tf_dataset.as_numpy_iterator)
@@ -62,6 +79,14 @@ def test_distributed_shuffled_numpy_data_matches_tf(n):
         return [[np.asarray(v).tolist() for v in s.experimental_local_results(e)] for e in dist]
     for _ in range(2):
         assert values(strategy, ours) == values(tf_strategy, theirs)
+
+
+def test_a_repeat_of_zero_after_a_shuffle_raises_as_in_tf():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="count must be greater"):
+        list(tf.data.Dataset.range(4).shuffle(4, seed=1).repeat(0))
+    with pytest.raises(errors.InvalidArgumentError, match="count must be greater"):
+        list(NumpyDataset(np.arange(4)).shuffle(4, seed=1).repeat(0))
+    assert list(NumpyDataset(np.arange(4)).repeat(0)) == []
 
 
 def test_a_global_seed_counts_as_in_tf_and_an_unseeded_shuffle_under_it_raises():

@@ -92,8 +92,10 @@ class NumpyDataset:
         return self._then(_Shard(num_shards, int(index)))
 
     def prefetch(self, buffer_size=None):
-        """Returns the dataset itself: distributed datasets already prefetch on a thread."""
-        return self
+        """The same elements: distributed datasets already prefetch on a thread. (Kept in the
+        pipeline: as in tf.data, a prefetch between ``shuffle`` and ``repeat`` changes which
+        shuffle orders the epochs get, `_Repeat`.)"""
+        return self._then(_Prefetch(buffer_size))
 
     def __iter__(self):
         for item in self._indices()():
@@ -134,13 +136,23 @@ class NumpyDataset:
         return jax.tree_util.tree_map(lambda a: _read_only(a[index]), self._data)
 
     def _indices(self):
-        ops = self._ops
+        # tf.data's graph optimisations first: the shuffle orders follow its pipeline as run.
+        ops = [op for op in self._ops if not op.is_noop]
+        if any(isinstance(a, _Shuffle) and isinstance(b, _Repeat) and b.count == 0
+               for a, b in zip(ops, ops[1:])):
+            raise errors.InvalidArgumentError(
+                "shuffle(...).repeat(0): tf.data fuses a repeat that follows a shuffle into one "
+                "op, which refuses a count of 0 (\"count must be greater than zero or equal to "
+                "-1\") when the data is read. Leave the repeat(0) out, or take(0) for no data.")
         if ops and isinstance(ops[0], _Batch):  # Batches of the rows in order: no per-row work.
             factory, ops = ops[0].of_rows(self._size), ops[1:]
         else:
             factory = lambda: iter(range(self._size))
+        previous = None
         for op in ops:
-            factory = op.wrap(factory)
+            factory = op.wrap(factory, fused=isinstance(previous, _Shuffle)) if isinstance(
+                op, _Repeat) else op.wrap(factory)
+            previous = op
         return factory
 
     def cardinality(self):
@@ -243,22 +255,24 @@ class _Batch:
         return lambda: (slice(start, min(start + self.size, size))
                         for start in range(0, stop, self.size))
 
+    is_noop = False
+
     def wrap(self, upstream):
-        def batches():
-            it = upstream()
-            while True:
-                first = next(it, None)
-                if first is None:
-                    return
-                rest = itertools.islice(it, self.size - 1)
-                if isinstance(first, int):  # Row indices: read into one array in C, no list.
-                    chunk = np.fromiter(itertools.chain((first,), rest), np.intp)
-                else:
-                    chunk = [_row_indices(x) for x in (first, *rest)]
-                if self.drop and len(chunk) < self.size:
-                    return
-                yield chunk if isinstance(first, int) else _stack(chunk)
-        return batches
+        return lambda: self._batches(upstream())  # Its input made at once, as tf.data's.
+
+    def _batches(self, it):
+        while True:
+            first = next(it, None)
+            if first is None:
+                return
+            rest = itertools.islice(it, self.size - 1)
+            if isinstance(first, int):  # Row indices: read into one array in C, no list.
+                chunk = np.fromiter(itertools.chain((first,), rest), np.intp)
+            else:
+                chunk = [_row_indices(x) for x in (first, *rest)]
+            if self.drop and len(chunk) < self.size:
+                return
+            yield chunk if isinstance(first, int) else _stack(chunk)
 
     def cardinality(self, count):
         if count < 0:
@@ -267,35 +281,50 @@ class _Batch:
 
 
 class _Shuffle:
+    is_noop = False
 
     def __init__(self, buffer_size, seed, reshuffle):
         self.buffer_size = buffer_size
         self.seeds = tf_shuffle.IterationSeeds(tf_shuffle.op_seeds(seed), reshuffle)
 
     def wrap(self, upstream):
-        def shuffled():
-            return tf_shuffle.shuffled(upstream(), self.buffer_size, self.seeds.next())
-        return shuffled
+        # Seeds drawn as the iterator is made; its input made at its first element (tf.data's).
+        return lambda: tf_shuffle.shuffled(upstream, self.buffer_size, self.seeds.next())
 
     def cardinality(self, count):
         return count
 
 
 class _Repeat:
+    """tf.data's repeat, down to the input iterators it makes (each makes a shuffle draw its
+    seeds): the first at once, one per further epoch and, for a finite count, one more after
+    the last (TF makes it before checking the count), unless tf.data fuses the repeat with a
+    shuffle just before it (``ShuffleAndRepeat``)."""
 
     def __init__(self, count):
         self.count = count
+        self.is_noop = count == 1
 
-    def wrap(self, upstream):
-        def repeated():
-            for _ in (itertools.count() if self.count is None else range(self.count)):
-                empty = True
-                for item in upstream():
-                    empty = False
-                    yield item
-                if empty:
-                    return
-        return repeated
+    def wrap(self, upstream, fused=False):
+        if self.count == 0:
+            return lambda: iter(())
+        return lambda: self._epochs(upstream(), upstream, not fused)
+
+    def _epochs(self, it, upstream, one_more):
+        epoch = 0
+        while True:
+            empty = True
+            for item in it:
+                empty = False
+                yield item
+            epoch += 1
+            if self.count is not None and epoch >= self.count:
+                if one_more:
+                    upstream()
+                return
+            if empty:
+                return
+            it = upstream()
 
     def cardinality(self, count):
         if count == 0 or self.count == 0:
@@ -305,14 +334,27 @@ class _Repeat:
         return count * self.count
 
 
+class _Prefetch:
+
+    def __init__(self, buffer_size):
+        self.is_noop = buffer_size == 0
+
+    def wrap(self, upstream):
+        return upstream
+
+    def cardinality(self, count):
+        return count
+
+
 class _Take:
 
     def __init__(self, count):
         self.count = count
+        self.is_noop = count < 0
 
     def wrap(self, upstream):
-        if self.count < 0:
-            return upstream
+        if self.count == 0:
+            return lambda: iter(())  # tf.data makes no input for it.
         return lambda: itertools.islice(upstream(), self.count)
 
     def cardinality(self, count):
@@ -325,10 +367,11 @@ class _Skip:
 
     def __init__(self, count):
         self.count = count
+        self.is_noop = count == 0
 
     def wrap(self, upstream):
-        if self.count < 0:
-            return lambda: iter(())
+        if self.count < 0:  # Everything skipped: the input is made (as tf.data does), not read.
+            return lambda: (upstream(), iter(()))[1]
         return lambda: itertools.islice(upstream(), self.count, None)
 
     def cardinality(self, count):
@@ -341,6 +384,7 @@ class _Shard:
 
     def __init__(self, num_shards, index):
         self.num, self.index = num_shards, index
+        self.is_noop = num_shards == 1
 
     def wrap(self, upstream):
         return lambda: itertools.islice(upstream(), self.index, None, self.num)

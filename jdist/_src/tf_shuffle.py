@@ -112,10 +112,11 @@ class IterationSeeds:
         return self._generator(), self._generator()
 
 
-def shuffled(items, buffer_size, seeds):
-    """``items`` in tf.data's shuffle order for one iterator with ``seeds``."""
+def shuffled(make_items, buffer_size, seeds):
+    """The items of ``make_items()`` (called at the first one, as tf.data makes a shuffle's
+    input) in tf.data's shuffle order for one iterator with ``seeds``."""
     sample, buffer = Samples(*seeds), [None] * buffer_size
-    items, start, end, more = iter(items), 0, 0, True
+    items, start, end, more = iter(make_items()), 0, 0, True
     while True:
         while more and end - start < buffer_size:  # Filled before every output, as TF does.
             try:
