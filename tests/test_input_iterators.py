@@ -459,6 +459,12 @@ def test_shuffle_order_follows_tf_buffer_rule():
     assert sorted(order) == list(range(40)) and all(x <= i + 2 for i, x in enumerate(order))
 
 
+@pytest.mark.parametrize("seed", [5.5, "3", [1]])
+def test_a_shuffle_seed_that_is_not_an_int_is_refused(seed):
+    with pytest.raises(errors.InvalidArgumentError, match="seed must be an int"):
+        NumpyDataset(np.arange(4)).shuffle(4, seed=seed)
+
+
 def test_element_spec_does_not_consume_a_shuffle_order():
     s = mirrored(2)
     make = lambda: s.experimental_make_numpy_dataset(np.arange(12)).shuffle(12, seed=5).batch(4)

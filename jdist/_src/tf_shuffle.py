@@ -66,6 +66,10 @@ def op_seeds(seed):
         global seed: TF then derives the op seed from its own op counter, which jdist cannot
         follow.
     """
+    if seed is not None and not isinstance(seed, (int, np.integer)):
+        raise errors.InvalidArgumentError(
+            f"shuffle's seed must be an int or None, got {type(seed).__name__} {seed!r} (TF "
+            "refuses it too).")
     global_seed = _tf_global_seed()
     if seed is None:
         if global_seed is not None:
