@@ -14,9 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 
 import jdist
 from jdist import errors
+from jdist._src import collectives
 from jdist.testing import REPLICA_COUNTS, mirrored, per_replica
 
 MEAN = jdist.ReduceOp.MEAN
@@ -235,3 +239,22 @@ def test_along_rows_each_replica_sums_its_rows_first(n, entry):
     comps = [rng.normal(size=(2, 256)).astype(np.float32) for _ in range(n)]
     total = functools.reduce(operator.add, [c[0] + c[1] for c in comps])  # In replica order.
     assert_every_result(s, entry(s, per_replica(s, comps)), total / np.float32(2 * n))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), count=st.sampled_from([1, 2, 3, 4, 8, 16, 64, 96, 256, 1024]),
+       dtype=st.sampled_from(["float32", "float16", "bfloat16"]))
+def test_a_power_of_two_count_multiplies_by_its_reciprocal_bit_for_bit(data, count, dtype):
+    """A count that is a power of two becomes a multiplication XLA fuses into its users (a
+    lax.pmean's form); the quotient is still the division's, bits included: NumPy's for normal
+    numbers, and XLA's own division's for all (XLA on CPUs flushes subnormals, as TF does)."""
+    dtype, uint = jnp.dtype(dtype), f"uint{8 * jnp.dtype(dtype).itemsize}"
+    bits = data.draw(st.lists(st.integers(0, 2**(8 * dtype.itemsize) - 1), min_size=1,
+                              max_size=16))
+    totals = np.array(bits, uint).view(dtype)
+    got = np.asarray(jax.jit(lambda t: collectives.finish(MEAN, t, count))(totals))
+    divided = jax.jit(lambda t: t / jax.lax.optimization_barrier(jnp.full(t.shape, count, dtype)))
+    np.testing.assert_array_equal(got.view(uint), np.asarray(divided(totals)).view(uint))
+    want = (totals.astype(np.float32) / np.float32(count)).astype(dtype)
+    normal = np.abs(want.astype(np.float32)) >= float(jnp.finfo(dtype).tiny)
+    np.testing.assert_array_equal(got.view(uint)[normal], want.view(uint)[normal])

@@ -123,6 +123,9 @@ def finish(op: ReduceOp, total, count, divisors: Optional[dict] = None):
         return total
     total = jnp.asarray(total)
     dtype = mean_dtype(total.dtype)
+    reciprocal = _exact_reciprocal(count, total.dtype, dtype)
+    if reciprocal is not None:  # Bit for bit the division, and XLA fuses it into its users.
+        return total.astype(dtype) * reciprocal
     key = (total.shape, total.dtype)
     divisor = None if divisors is None else divisors.get(key)
     if divisor is None:
@@ -134,6 +137,27 @@ def finish(op: ReduceOp, total, count, divisors: Optional[dict] = None):
         if divisors is not None:
             divisors[key] = divisor
     return total.astype(dtype) / divisor
+
+
+def _exact_reciprocal(count, total_dtype, dtype):
+    """``1 / divisor`` in ``dtype`` when ``count`` is a concrete int whose divisor (TF's cast
+    through ``total_dtype``) is a power of two with a normal reciprocal, else None.
+
+    Dividing by such a divisor and multiplying by its reciprocal both give the correctly rounded
+    value of the same real number, so the product is TF's quotient bit for bit. A division
+    must stay a division (see `finish`), and XLA then computes it in a loop of its own where an
+    optimiser's gradient uses it twice (one more pass over every gradient per step); a
+    multiplication it fuses into each user, as a hand-written ``lax.pmean``'s.
+    """
+    if not isinstance(count, (int, np.integer)) or isinstance(count, bool):
+        return None
+    divisor = float(np.asarray(count).astype(total_dtype).astype(dtype))
+    if divisor < 2 or math.frexp(divisor)[0] != 0.5:  # XLA drops a product by 1 unflushed.
+        return None
+    reciprocal = np.asarray(1.0 / divisor, dtype)
+    if float(reciprocal) * divisor != 1.0 or float(reciprocal) < float(jnp.finfo(dtype).tiny):
+        return None
+    return jnp.asarray(reciprocal)
 
 
 def mean_count(shape: Sequence[int], axes: Optional[Tuple[int, ...]], num_replicas: int,
