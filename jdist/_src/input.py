@@ -370,8 +370,8 @@ class DistributedIterator:
         return self._next(trailing=False)
 
     def _next(self, trailing):
-        """The next element; ``trailing``: whether a `input_batches.TrailingRound`'s counts (it
-        does for ``get_next_as_optional`` only, as in TF)."""
+        """The next element; ``trailing``: whether an `input_batches.TrailingRound` is one (for
+        ``get_next_as_optional`` only, as in TF)."""
         _check_not_in_replica("next(iterator)")
         if not self._made_in_trace and dispatch.under_a_staging_trace():
             raise errors.InvalidArgumentError(

@@ -245,6 +245,7 @@ def _positive(value, name):
 
 
 class _Batch:
+    is_noop = False
 
     def __init__(self, size, drop_remainder):
         self.size, self.drop = size, drop_remainder
@@ -254,8 +255,6 @@ class _Batch:
         stop = size - size % self.size if self.drop else size
         return lambda: (slice(start, min(start + self.size, size))
                         for start in range(0, stop, self.size))
-
-    is_noop = False
 
     def wrap(self, upstream):
         return lambda: self._batches(upstream())  # Its input made at once, as tf.data's.
