@@ -161,27 +161,10 @@ class _DealtPlan:
         return input_batches.PerReplicaDealer(self.placer, self.full_rows).spec(first)
 
     def cardinality(self):
-        counts = [s.cardinality() for s in self.sources]
-        if INFINITE in counts:
-            return INFINITE
-        if UNKNOWN in counts or any(c < 0 for c in counts):
-            return UNKNOWN
-        if self._whole_rounds():  # A step needs one element on every replica.
-            return min(counts) if self.per_replica else counts[0] // self.n
-        if self.per_replica:
-            return max(counts)
-        if self.workers > 1:  # The steps follow the longest pipeline, which other workers hold.
-            return UNKNOWN
-        return -(-counts[0] // self.n)
-
-    def _whole_rounds(self):
-        """Whether the data ends at the last step every replica has an element for
-        (`input_batches.makes_a_step`, which decides it during iteration, without reading
-        ahead, where the sources declare nothing)."""
-        if self.fixed_shapes is not None and self.workers == 1:  # (Workers: multi_worker_input.)
-            return self.fixed_shapes
-        first = self.sources[0].first()
-        return first is not None and input_batches.is_unbatched(first)
+        # TF's (``input_lib``: ``_cardinality(self._datasets[0])``): the first dataset
+        # ``dataset_fn`` returned (this worker's; replica 0's in PER_REPLICA mode), counted in
+        # per-replica batches, not in steps.
+        return self.sources[0].cardinality()
 
 
 def _deal(batches, n, fixed_shapes):
@@ -281,8 +264,11 @@ class DistributedDataset:
 
     @property
     def cardinality(self):
-        """The number of elements: an int, ``INFINITE_CARDINALITY`` (-1) or
-        ``UNKNOWN_CARDINALITY`` (-2). A property, as in TF 2.21 (``dd.cardinality == 3``).
+        """TF 2.21's ``cardinality`` property: an int, ``INFINITE_CARDINALITY`` (-1) or
+        ``UNKNOWN_CARDINALITY`` (-2). For ``experimental_distribute_dataset`` the number of
+        global batches (elements); for ``distribute_datasets_from_function`` TF's count of the
+        first dataset ``dataset_fn`` returned, in per-replica batches (five batches over two
+        replicas: 5, for 3 elements).
 
         Example:
           >>> import numpy as np, jdist
