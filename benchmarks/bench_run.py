@@ -151,7 +151,8 @@ def bench_throughput(strategy, mesh, rounds=ROUNDS):
     jdist_block()
     hand_times, jdist_times = [], []
     for i in range(rounds):  # Alternating which goes first, so drift hits both alike.
-        for block, times in ((hand_block, hand_times), (jdist_block, jdist_times))[::1 - 2 * (i % 2)]:
+        pairs = ((hand_block, hand_times), (jdist_block, jdist_times))
+        for block, times in pairs[::1 - 2 * (i % 2)]:
             times.append(timed(block))
     return (STEPS_PER_BLOCK / statistics.median(hand_times),
             STEPS_PER_BLOCK / statistics.median(jdist_times))

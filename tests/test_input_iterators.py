@@ -238,6 +238,21 @@ def test_per_replica_datasets_of_different_lengths_end_as_in_tf():
     assert optional_rounds(s, dealt)[2:] == [[[], [4, 5]], [[], [6, 7]]]
 
 
+def test_get_next_as_optional_is_empty_where_the_first_dataset_is():
+    # TF (input_lib): on one worker, get_next_as_optional is empty at once when the cardinality,
+    # the first dataset's, is 0, even where other replicas' datasets have batches; for does not.
+    s = mirrored(2)
+    options = jdist.InputOptions(experimental_fetch_to_device=False,
+                                 experimental_replication_mode="PER_REPLICA")
+    dealt = s.distribute_datasets_from_function(  # Replica 0 has no data, replica 1 two batches.
+        lambda ctx: s.experimental_make_numpy_dataset(np.arange(4 * ctx.input_pipeline_id))
+        .batch(2), options)
+    assert dealt.cardinality == 0
+    assert [[np.asarray(v).tolist() for v in s.experimental_local_results(b)] for b in dealt] == [
+        [[], [0, 1]], [[], [2, 3]]]
+    assert optional_rounds(s, dealt) == []
+
+
 def test_reduce_folds_one_pass():
     s = mirrored(2)
     dist = s.experimental_distribute_dataset(

@@ -337,6 +337,10 @@ class DistributedIterator:
         self._finalizer = None
         self._ready = collections.deque()  # Elements handed over with an earlier one.
         self._made_in_trace = dispatch.under_a_staging_trace()
+        # TF's get_next_as_optional is empty at once on one worker where the (first) dataset's
+        # cardinality is 0, even if other replicas' datasets have elements (input_lib).
+        self._no_optional = (dataset._strategy.extended.input_pipeline()[0] == 1
+                             and dataset.cardinality == 0)
         self._start()
 
     def _start(self):
@@ -410,7 +414,11 @@ class DistributedIterator:
         As in TF, on statically shaped per-replica batches (``distribute_datasets_from_function``
         with ``drop_remainder=True``, or single examples) it also hands over the last rounds in
         which only some replicas have data, where ``next`` ends: the others get TF's dummies,
-        zeros with the first dimension 0 (one zero for a rank-0 value)."""
+        zeros with the first dimension 0 (one zero for a rank-0 value). And as in TF, on one
+        worker it is empty from the start where `DistributedDataset.cardinality` is 0 (a
+        PER_REPLICA dataset whose first replica has no data), whatever the others hold."""
+        if self._no_optional:
+            return Optional.empty(self._dataset._spec)
         try:
             return Optional.from_value(self._next(trailing=True))
         except StopIteration:
