@@ -472,6 +472,8 @@ def test_shuffle_order_follows_tf_buffer_rule():
     assert [int(x) for x in NumpyDataset(np.arange(9)).shuffle(1, seed=4)] == list(range(9))
     order = [int(x) for x in NumpyDataset(np.arange(40)).shuffle(3, seed=4)]
     assert sorted(order) == list(range(40)) and all(x <= i + 2 for i, x in enumerate(order))
+    huge = NumpyDataset(np.arange(10)).shuffle(2**40, seed=4)  # The buffer holds what comes.
+    assert sorted(int(x) for x in huge) == list(range(10))
 
 
 @pytest.mark.parametrize("seed", [5.5, "3", [1]])

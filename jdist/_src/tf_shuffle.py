@@ -119,15 +119,20 @@ class IterationSeeds:
 def shuffled(make_items, buffer_size, seeds):
     """The items of ``make_items()`` (called at the first one, as tf.data makes a shuffle's
     input) in tf.data's shuffle order for one iterator with ``seeds``."""
-    sample, buffer = Samples(*seeds), [None] * buffer_size
+    sample, buffer = Samples(*seeds), []  # Grown as filled: buffer_size may be huge.
     items, start, end, more = iter(make_items()), 0, 0, True
     while True:
         while more and end - start < buffer_size:  # Filled before every output, as TF does.
             try:
-                buffer[end % buffer_size] = next(items)
-                end += 1
+                item = next(items)
             except StopIteration:
                 more = False
+                break
+            if end < buffer_size:
+                buffer.append(item)
+            else:
+                buffer[end % buffer_size] = item
+            end += 1
         if end == start:
             return
         index = (start + sample() % (end - start)) % buffer_size
