@@ -154,10 +154,9 @@ def _exact_reciprocal(count, total_dtype, dtype):
     divisor = float(np.asarray(count).astype(total_dtype).astype(dtype))
     if divisor < 2 or math.frexp(divisor)[0] != 0.5:  # XLA drops a product by 1 unflushed.
         return None
-    reciprocal = np.asarray(1.0 / divisor, dtype)
-    if float(reciprocal) * divisor != 1.0 or float(reciprocal) < float(jnp.finfo(dtype).tiny):
+    if 1.0 / divisor < float(jnp.finfo(dtype).tiny):  # Exact in ``dtype`` once it is normal.
         return None
-    return jnp.asarray(reciprocal)
+    return jnp.asarray(1.0 / divisor, dtype)
 
 
 def mean_count(shape: Sequence[int], axes: Optional[Tuple[int, ...]], num_replicas: int,

@@ -70,6 +70,24 @@ def check_host_numbers(value) -> None:
         f"{fix}.")
 
 
+def python_numbers_as_tf(value) -> np.ndarray:
+    """Python numbers (or nested lists of them) typed as TF's ``convert_to_tensor`` types them,
+    whatever JAX's mode: floats float32, ints int32 (int64 beyond its range, which
+    `check_host_numbers` then refuses without x64).
+
+    Example:
+      >>> python_numbers_as_tf([1, 2]).dtype, python_numbers_as_tf(0.5).dtype
+      (dtype('int32'), dtype('float32'))
+    """
+    array = np.asarray(value)
+    if array.dtype.kind == "f":
+        array = array.astype(np.float32)
+    elif array.dtype.kind == "i" and array.size and -2**31 <= array.min() <= array.max() < 2**31:
+        array = array.astype(np.int32)
+    check_host_numbers(array)
+    return array
+
+
 def check_arrays(value, what: str) -> None:
     """Raises `UnsupportedValueError` when a leaf of the nest ``value`` is something no device
     holds (a string, an object), before JAX raises its own untyped error.
@@ -78,10 +96,15 @@ def check_arrays(value, what: str) -> None:
       >>> check_arrays({"a": np.ones(2), "b": 3}, "all_gather")
     """
     for leaf in jax.tree_util.tree_leaves(value):
-        if not is_placeable(leaf):
-            raise errors.UnsupportedValueError(
-                f"{what} of a {type(leaf).__name__} value: a device holds arrays and numbers of "
-                "a numeric or bool dtype only (JAX has no strings or objects).")
+        check_array(leaf, what)
+
+
+def check_array(leaf, what: str) -> None:
+    """`check_arrays` of one leaf (for callers that walk the leaves anyway)."""
+    if not is_placeable(leaf):
+        raise errors.UnsupportedValueError(
+            f"{what} of a {type(leaf).__name__} value: a device holds arrays and numbers of "
+            "a numeric or bool dtype only (JAX has no strings or objects).")
 
 
 def check_placeable(values) -> None:

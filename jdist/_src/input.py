@@ -337,10 +337,7 @@ class DistributedIterator:
         self._finalizer = None
         self._ready = collections.deque()  # Elements handed over with an earlier one.
         self._made_in_trace = dispatch.under_a_staging_trace()
-        # TF's get_next_as_optional is empty at once on one worker where the (first) dataset's
-        # cardinality is 0, even if other replicas' datasets have elements (input_lib).
-        self._no_optional = (dataset._strategy.extended.input_pipeline()[0] == 1
-                             and dataset.cardinality == 0)
+        self._no_optional = None  # Worked out at the first get_next_as_optional.
         self._start()
 
     def _start(self):
@@ -417,6 +414,11 @@ class DistributedIterator:
         zeros with the first dimension 0 (one zero for a rank-0 value). And as in TF, on one
         worker it is empty from the start where `DistributedDataset.cardinality` is 0 (a
         PER_REPLICA dataset whose first replica has no data), whatever the others hold."""
+        if self._no_optional is None:
+            # TF's is empty at once on one worker where the (first) dataset's cardinality is 0,
+            # even if other replicas' datasets have elements (input_lib).
+            self._no_optional = (self._dataset._strategy.extended.input_pipeline()[0] == 1
+                                 and self._dataset.cardinality == 0)
         if self._no_optional:
             return Optional.empty(self._dataset._spec)
         try:

@@ -132,13 +132,7 @@ def _tensor(value):
     if isinstance(value, (np.ndarray, np.generic)):
         host_values.check_host_numbers(value)
         return jnp.asarray(value)
-    array = np.asarray(value)
-    if array.dtype.kind == "f":
-        array = array.astype(np.float32)
-    elif array.dtype.kind == "i" and array.size and -2**31 <= array.min() <= array.max() < 2**31:
-        array = array.astype(np.int32)  # Larger ones are int64 in TF: checked below.
-    host_values.check_host_numbers(array)
-    return jnp.asarray(array)
+    return jnp.asarray(host_values.python_numbers_as_tf(value))
 
 
 def _weighted(loss, weight):

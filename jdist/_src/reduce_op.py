@@ -66,8 +66,8 @@ def check_reducible(op, value):
         ...
         jdist._src.errors.UnsupportedValueError: ReduceOp.SUM of bool values ...
     """
-    host_values.check_arrays(value, str(op))
-    for leaf in jax.tree_util.tree_leaves(value):
+    for leaf in jax.tree_util.tree_leaves(value):  # One walk of the nest: reduce is per step.
+        host_values.check_array(leaf, str(op))
         dtype = getattr(leaf, "dtype", None)
         kind = host_values.dtype_kind(np.asarray(leaf).dtype if dtype is None else dtype)
         if kind == "bool":

@@ -22,6 +22,7 @@ from jax.interpreters import ad
 
 from jdist._src import context
 from jdist._src import errors
+from jdist._src import host_values
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import ARRAYS
@@ -364,8 +365,8 @@ def _numbers_as_operands(request, numbers):
 
 
 def _number_array(x):
-    """A Python number as TF converts it: an int to int32, a float to float32."""
-    return jnp.asarray(x, jnp.int32 if isinstance(x, int) else jnp.float32)
+    """A Python number as TF converts it (an int to int32, a float to float32)."""
+    return jnp.asarray(host_values.python_numbers_as_tf(x))
 
 
 def _merge_outputs(out_leaves, n):
