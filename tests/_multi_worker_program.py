@@ -71,9 +71,36 @@ def _replica_collectives(s, jdist, np):
     }
 
 
+def _in_tf_layout(s, np, data, batch):
+    """``data`` (a nest of arrays) with the rows of each global batch of ``batch`` rows
+    arranged so that TF's DATA sharding over several workers (the default AUTO on a
+    NumpyDataset: replica ``g`` gets chunk ``chunk_order[g]``) hands replica ``g`` the rows one
+    process hands it: the comparisons with 1 process x 4 devices stay one to one. The rule
+    itself is checked against TF in ``test_auto_shard.py`` and by ``_auto_shard``."""
+    from jdist._src import auto_shard  # pylint: disable=import-outside-toplevel
+    workers = s.extended.input_pipeline()[0]
+    order = auto_shard.chunk_order(workers, s.num_replicas_in_sync // workers)
+    if order is None:
+        return data
+
+    def arranged(a):
+        out = a.copy()
+        for start in range(0, len(a), batch):
+            rows = a[start:start + batch]
+            per = -(-len(rows) // len(order))
+            chunks = [rows[j * per:(j + 1) * per] for j in range(len(order))]
+            placed = [None] * len(order)
+            for g, j in enumerate(order):
+                assert len(chunks[j]) == len(chunks[g]), "chunks of one size only"
+                placed[j] = chunks[g]
+            out[start:start + batch] = np.concatenate(placed)
+        return out
+    return tuple(map(arranged, data)) if isinstance(data, tuple) else arranged(data)
+
+
 def _dataset(s, jdist, np):
     x = np.arange(26, dtype=np.float32).reshape(13, 2)
-    dataset = s.experimental_make_numpy_dataset(x).batch(6)  # 6, 6, then a partial 1.
+    dataset = s.experimental_make_numpy_dataset(_in_tf_layout(s, np, x, 6)).batch(6)  # 6, 6, 1.
 
     def step(batch):
         c = jdist.get_replica_context()
@@ -109,7 +136,7 @@ def _training(s, jdist, np):
     rng = np.random.default_rng(0)
     x, w_true = rng.normal(size=(64, 3)).astype(np.float32), np.array([[1.], [-2.], [.5]])
     y = (x @ w_true).astype(np.float32)
-    dataset = s.experimental_make_numpy_dataset((x, y)).batch(20)  # 20, 20, 20, 4.
+    dataset = s.experimental_make_numpy_dataset(_in_tf_layout(s, np, (x, y), 20)).batch(20)
 
     def step(w, batch):
         c = jdist.get_replica_context()
@@ -178,13 +205,13 @@ def _auto_shard(s, jdist, np):
     per step, this worker's replicas' real rows (padded mode: the workers' steps differ)."""
     out = {}
     dataset = s.experimental_make_numpy_dataset(np.arange(18, dtype=np.float32)).batch(7)
-    for policy in ("OFF", "DATA", "AUTO"):
+    for policy in ("OFF", "DATA", "AUTO", None):  # None: TF's default, AUTO.
         options = jdist.InputOptions(auto_shard_policy=policy, pad_partial_batches=True)
         steps = []
         for batch in s.experimental_distribute_dataset(dataset, options):
             lengths = batch.lengths or [None] * s.num_replicas_in_sync
             steps.append({i: rows[:lengths[int(i)]] for i, rows in _replicas(s, batch).items()})
-        out[policy] = steps
+        out[str(policy)] = steps
     try:
         s.experimental_distribute_dataset(dataset, jdist.InputOptions(auto_shard_policy="FILE"))
         out["FILE"] = None
@@ -250,7 +277,8 @@ def _exact_uneven(s, jdist, np):
     traces, out, counts, ctx = [], {}, [], jdist.get_replica_context
     step = _tf_step(jdist, 8, traces)
     params = {"w": jnp.zeros((3, 3)), "b": jnp.zeros((3,))}
-    dataset = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset((x, y)).batch(8))
+    dataset = s.experimental_distribute_dataset(
+        s.experimental_make_numpy_dataset(_in_tf_layout(s, np, (x, y), 8)).batch(8))
     for epoch in range(2):
         for i, (xb, yb) in enumerate(dataset):
             params, *outputs = s.run(step, args=(params, xb, yb))

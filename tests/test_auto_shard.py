@@ -1,6 +1,7 @@
 """AutoShardPolicy (TF's auto-sharding of experimental_distribute_dataset across workers): the
-rules one process can check. The rows two workers receive are compared with NumPy in
-``test_multi_worker.py``; on one worker every policy is a no-op."""
+rules one process can check, against NumPy and, where TF is installed, against TF's own
+per-worker pipelines. The rows two workers receive are checked in ``test_multi_worker.py``; on
+one worker every policy is a no-op."""
 
 import numpy as np
 import pytest
@@ -24,12 +25,43 @@ def _rows(batches):
     return [{k: v.tolist() for k, v in b.items()} for b in batches]
 
 
-@pytest.mark.parametrize("index, expected", [
-    (0, [[0, 1], [4, 5], [7, 8], [11, 12]]), (1, [[2, 3], [6], [9, 10], [13]])])
-def test_data_keeps_chunks_w_plus_r_times_workers(index, expected):
-    batches = [{"x": np.arange(7)}, {"x": np.arange(7, 14)}]
-    got = auto_shard.worker_batches(iter(batches), P.DATA, 2, 2, index)
-    assert _rows(got) == [{"x": e} for e in expected]
+@pytest.mark.parametrize("workers, replicas, order", [
+    (1, 4, None), (4, 1, None), (2, 2, (0, 2, 1, 3)), (2, 3, (0, 2, 4, 1, 3, 5)),
+    (3, 2, (0, 3, 1, 4, 2, 5))])
+def test_chunk_order_is_w_plus_r_times_workers(workers, replicas, order):
+    assert auto_shard.chunk_order(workers, replicas) == order
+
+
+def _tf_data_shards(batch_sizes, workers, replicas):
+    """TF's DATA sharding in NumPy: each global batch of rows cut into N chunks of ceil(B/N)
+    (trailing ones shorter or empty); worker w keeps chunks w, w + W, ... for its replicas."""
+    n, start, steps = workers * replicas, 0, []
+    for size in batch_sizes:
+        rows, per = np.arange(start, start + size), -(-size // n)
+        chunks = [rows[j * per:(j + 1) * per] for j in range(n)]
+        steps.append([chunks[w + r * workers].tolist() for w in range(workers)
+                      for r in range(replicas)])
+        start += size
+    return steps
+
+
+@pytest.mark.parametrize("workers, replicas", [(2, 2), (2, 3), (3, 2), (4, 2)])
+@pytest.mark.parametrize("batch_sizes", [[8, 8], [7, 7, 4], [12, 5], [6, 3]])
+@pytest.mark.parametrize("pad", [False, True])
+def test_global_split_in_data_order_gives_tf_s_rows(workers, replicas, batch_sizes, pad):
+    """The split every worker makes of the same global batches, reordered by `chunk_order`,
+    gives each global replica TF's DATA chunk (here on one process with W x R devices)."""
+    s = mirrored(workers * replicas)
+    placer = input_batches.Placer(s, fetch_to_device=False, pad=pad)
+    splitter = input_batches.GlobalBatchSplitter(placer, max(batch_sizes),
+                                                 auto_shard.chunk_order(workers, replicas))
+    start, got = 0, []
+    for size in batch_sizes:
+        value = splitter(np.arange(start, start + size))
+        lengths = value.lengths or [None] * (workers * replicas)
+        got.append([np.asarray(x)[:k].tolist() for x, k in zip(value.values, lengths)])
+        start += size
+    assert got == _tf_data_shards(batch_sizes, workers, replicas)
 
 
 @pytest.mark.parametrize("index, expected", [
@@ -37,12 +69,12 @@ def test_data_keeps_chunks_w_plus_r_times_workers(index, expected):
     (1, [[0, 1], [2], [3, 4], [5, 6], [7, 8], [9]])])
 def test_off_rebatches_the_row_stream(index, expected):
     batches = [{"x": np.arange(7)}, {"x": np.arange(7, 10)}]  # A partial last batch.
-    got = auto_shard.worker_batches(iter(batches), P.OFF, 2, 2, index, full_rows=7)
+    got = auto_shard.rebatched_for_worker(iter(batches), 2, 2, index, full_rows=7)
     assert _rows(got) == [{"x": e} for e in expected]
 
 
 class _TwoWorkers:
-    """What `worker_source` reads of a strategy's extended: worker 0 of 2, 2 replicas each."""
+    """What `worker_share` reads of a strategy's extended: worker 0 of 2, 2 replicas each."""
     worker_devices = (0, 1, 2, 3)
 
     @staticmethod
@@ -54,20 +86,46 @@ class _TwoWorkers:
         return (0, 1)
 
 
+class _OneWorker(_TwoWorkers):
+    @staticmethod
+    def input_pipeline():
+        return 1, 0
+
+
+def _source(data):
+    return input_batches.Source(data, "experimental_distribute_dataset")
+
+
+@pytest.mark.parametrize("asked", [None, P.AUTO, P.DATA])
+def test_data_and_auto_split_the_global_batches_in_tf_s_order(asked):
+    share = auto_shard.worker_share(_source([{"x": np.arange(8)}]), asked, _TwoWorkers)
+    assert share == auto_shard.Share(order=(0, 2, 1, 3))
+
+
+@pytest.mark.parametrize("asked", [None] + list(P))
+def test_one_worker_splits_in_order(asked):
+    assert auto_shard.worker_share(_source([np.arange(8)]), asked, _OneWorker) == (
+        auto_shard.Share())
+
+
 def test_off_without_a_known_batch_size_raises():
     batches = [{"x": np.arange(7)}, {"x": np.arange(7, 10)}]
-    source = input_batches.Source(batches, "experimental_distribute_dataset")
     with pytest.raises(errors.InvalidArgumentError, match="does not declare"):
-        auto_shard.worker_source(source, P.OFF, _TwoWorkers)
-    assert auto_shard.worker_source(source, P.DATA, _TwoWorkers) is not None  # Needs no B.
+        auto_shard.worker_share(_source(batches), P.OFF, _TwoWorkers)
+
+
+@pytest.mark.parametrize("policy, match", [(P.FILE, "reads no files"), (P.HINT, "SHARD_HINT")])
+def test_file_and_hint_on_data_without_files_raise(policy, match):
+    with pytest.raises(errors.InvalidArgumentError, match=match):
+        auto_shard.worker_share(_source([np.arange(8)]), policy, _TwoWorkers)
 
 
 def test_off_takes_a_numpy_dataset_s_declared_batch_size():
     dataset = mirrored(1).experimental_make_numpy_dataset({"x": np.arange(10)}).batch(7)
-    source = input_batches.Source(dataset, "experimental_distribute_dataset")
-    assert auto_shard.off_batch_rows(source) == 7
-    share = auto_shard.worker_source(source, P.OFF, _TwoWorkers)
-    assert _rows(share.open()) == [{"x": e} for e in [[0, 1], [2, 3], [4, 5], [6], [7, 8], [9]]]
+    assert auto_shard.off_batch_rows(_source(dataset)) == 7
+    share = auto_shard.worker_share(_source(dataset), P.OFF, _TwoWorkers)
+    assert _rows(share.pipeline.open()) == [
+        {"x": e} for e in [[0, 1], [2, 3], [4, 5], [6], [7, 8], [9]]]
 
 
 @pytest.mark.parametrize("value, policy", [
@@ -82,19 +140,16 @@ def test_as_policy_rejects(value):
         jdist.InputOptions(auto_shard_policy=value)
 
 
-@pytest.mark.parametrize("asked, on_dataset, is_tf, policy", [
-    (None, None, False, None), (P.OFF, None, False, P.OFF), (None, P.DATA, True, P.DATA),
-    (P.AUTO, None, False, P.DATA), (P.DATA, P.DATA, True, P.DATA)])
-def test_effective_policy(asked, on_dataset, is_tf, policy):
-    assert auto_shard.effective_policy(asked, on_dataset, is_tf) is policy
+@pytest.mark.parametrize("asked, on_dataset, policy", [
+    (None, None, P.AUTO), (P.OFF, None, P.OFF), (None, P.DATA, P.DATA), (P.FILE, None, P.FILE),
+    (P.DATA, P.DATA, P.DATA)])
+def test_effective_policy_is_tf_s_auto_unless_asked(asked, on_dataset, policy):
+    assert auto_shard.effective_policy(asked, on_dataset) is policy
 
 
-@pytest.mark.parametrize("asked, on_dataset, is_tf, match", [
-    (P.FILE, None, False, "file readers"), (P.HINT, None, False, "SHARD_HINT"),
-    (P.AUTO, None, True, "input_pipeline_id"), (P.OFF, P.DATA, True, "set one of them")])
-def test_effective_policy_errors(asked, on_dataset, is_tf, match):
-    with pytest.raises(errors.InvalidArgumentError, match=match):
-        auto_shard.effective_policy(asked, on_dataset, is_tf)
+def test_effective_policy_refuses_two_different_asks():
+    with pytest.raises(errors.InvalidArgumentError, match="set one of them"):
+        auto_shard.effective_policy(P.OFF, P.DATA)
 
 
 @pytest.mark.parametrize("policy", list(P))
@@ -112,9 +167,92 @@ def test_one_worker_is_a_no_op(policy):
 def test_tf_dataset_policy():
     tf = pytest.importorskip("tensorflow")
     dataset = tf.data.Dataset.range(8).batch(4)
-    assert auto_shard.tf_dataset_policy(dataset) is None  # TF's default AUTO: jdist's reading.
+    assert auto_shard.tf_dataset_policy(dataset) is None  # TF's default AUTO: not asked.
     for tf_policy, policy in ((tf.data.experimental.AutoShardPolicy.OFF, P.OFF),
                               (tf.data.experimental.AutoShardPolicy.DATA, P.DATA)):
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf_policy
         assert auto_shard.tf_dataset_policy(dataset.with_options(options)) is policy
+
+
+def _tf_pipeline_rows(tf, dataset, workers, replicas, index):
+    """Worker ``index``'s per-replica batches as TF's input_lib builds them (the oracle: TF's
+    own `_make_rebatch_fn` and `auto_shard_dataset`), as lists."""
+    from tensorflow.python.distribute import input_lib, input_ops
+    n = workers * replicas
+    rebatch = input_lib.DistributedDataset._make_rebatch_fn(None, dataset, workers, n)
+    sharded = input_ops.auto_shard_dataset(rebatch(dataset, index), workers, index, n)
+    return [np.asarray(b).tolist() for b in sharded.as_numpy_iterator()]
+
+
+@pytest.mark.parametrize("workers, replicas", [(2, 2), (2, 3), (3, 2)])
+@pytest.mark.parametrize("batch_sizes", [[8, 8], [7, 7, 4], [6, 3]])
+def test_data_order_is_tf_s_data_sharding(workers, replicas, batch_sizes):
+    """The chunk order jdist splits in (`_tf_data_shards`) against TF's per-worker pipelines."""
+    tf = pytest.importorskip("tensorflow")
+    dataset = tf.data.Dataset.range(sum(batch_sizes)).batch(batch_sizes[0])
+    expected = _tf_data_shards(
+        [min(batch_sizes[0], sum(batch_sizes) - i) for i in range(0, sum(batch_sizes),
+                                                                   batch_sizes[0])],
+        workers, replicas)
+    for w in range(workers):
+        got = _tf_pipeline_rows(tf, dataset, workers, replicas, w)
+        assert got == [c for step in expected for c in step[w * replicas:(w + 1) * replicas]]
+
+
+def _tf_datasets(tf, tmp_path):
+    files = []
+    for f in range(3):
+        files.append(str(tmp_path / f"part{f}.tfrecord"))
+        with tf.io.TFRecordWriter(files[-1]) as writer:
+            for i in range(5):
+                writer.write(tf.io.serialize_tensor(tf.constant(f * 100 + i, tf.int64)).numpy())
+    records = tf.data.TFRecordDataset(files).map(lambda r: tf.io.parse_tensor(r, tf.int64))
+
+    def with_policy(dataset, policy):
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = policy
+        return dataset.with_options(options)
+    tf_policy = tf.data.experimental.AutoShardPolicy
+    return {"range": tf.data.Dataset.range(18).batch(7),
+            "range_off": with_policy(tf.data.Dataset.range(18).batch(7), tf_policy.OFF),
+            "range_data": with_policy(tf.data.Dataset.range(18).batch(7), tf_policy.DATA),
+            "files_auto": records.batch(4),  # TF finds the reader: FILE sharding.
+            "files_data": with_policy(records.batch(4), tf_policy.DATA),
+            "no_batch_op": tf.data.Dataset.from_tensor_slices(np.arange(18).reshape(3, 6))}
+
+
+@pytest.mark.parametrize("name", ["range", "range_off", "range_data", "files_auto",
+                                  "files_data", "no_batch_op"])
+@pytest.mark.parametrize("index", [0, 1])
+def test_tf_data_is_sharded_by_tf_s_own_pipeline(name, index, tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    dataset = _tf_datasets(tf, tmp_path)[name]
+    share = auto_shard.worker_share(_source(dataset), None, type(
+        "W", (_TwoWorkers,), {"input_pipeline": staticmethod(lambda: (2, index))}))
+    got = [np.asarray(b).tolist() for b in share.pipeline.open()]
+    assert got == _tf_pipeline_rows(tf, dataset, 2, 2, index)
+    if name == "files_auto":  # FILE: worker 0 reads files 0 and 2, worker 1 file 1.
+        assert sorted(sum(got, [])) == [f * 100 + i for f in ((0, 2), (1,))[index]
+                                        for i in range(5)]
+
+
+@pytest.mark.parametrize("asked", [P.OFF, P.DATA])
+def test_a_policy_asked_in_input_options_reaches_tf(asked, tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    datasets = _tf_datasets(tf, tmp_path)
+    share = auto_shard.worker_share(_source(datasets["range"]), asked, _TwoWorkers)
+    on_dataset = datasets["range_off" if asked is P.OFF else "range_data"]
+    assert [np.asarray(b).tolist() for b in share.pipeline.open()] == _tf_pipeline_rows(
+        tf, on_dataset, 2, 2, 0)
+
+
+def test_too_few_files_is_tf_s_error(tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    path = str(tmp_path / "one.tfrecord")
+    with tf.io.TFRecordWriter(path) as writer:
+        writer.write(b"x")
+    share = auto_shard.worker_share(_source(tf.data.TFRecordDataset([path]).batch(2)), None,
+                                    _TwoWorkers)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not enough"):
+        list(share.pipeline.open())

@@ -1,36 +1,38 @@
 """Auto-sharding of ``experimental_distribute_dataset`` across workers (TF's ``AutoShardPolicy``).
 
-jdist's default (no policy asked for) reads the same global batches on every worker and splits
-each one over ALL replicas by TF's consecutive ``ceil(B / N)`` rule, each worker keeping its
-own replicas' rows: every step equals what one process with all the devices computes.
+With ``W`` workers of ``R`` replicas (``N = W * R``) each worker feeds its own replicas the rows
+TF's ``input_lib`` gives them: it rebatches the dataset for its replicas, then auto-shards it
+(``auto_shard_dataset``) under the dataset's policy (a ``tf.data`` dataset's
+``options().experimental_distribute.auto_shard_policy``, or ``InputOptions(auto_shard_policy)``)
+or, when none is asked for, TF's default ``AUTO``:
 
-A policy is an explicit opt-in (``InputOptions(auto_shard_policy=...)``, or on a
-``tf.data`` dataset ``options().experimental_distribute.auto_shard_policy`` set to anything but
-its default ``AUTO``). With ``W`` workers of ``R`` replicas (``N = W * R``) and global batches of
-``B`` rows, each worker then reads the whole dataset and feeds its own replicas, ``R``
-per-replica batches per step, exactly as TF's ``input_lib`` builds each worker's pipeline:
-
+* ``DATA``: TF turns the rebatch into its legacy one (each global batch cut into ``N``
+  consecutive chunks of ``ceil(B / N)`` rows, trailing ones shorter or empty) and shards the
+  chunk stream: worker ``w`` keeps chunks ``w, w + W, ...``, so its replica ``r``, the global
+  replica ``w * R + r``, gets chunk ``w + r * W`` of each global batch (`chunk_order`). Every
+  worker reads the same global batches, so jdist splits each one as one process does and only
+  reorders the chunks: no exchange between the workers per step.
+* ``AUTO``: TF shards by file where it finds file readers, else by data. A `NumpyDataset` or a
+  Python iterable reads no files: ``DATA``.
 * ``OFF``: TF rebatches each worker's copy into the sub-batch sizes of
   ``tf.data.experimental.batch_sizes_for_worker(B, W, R, w)`` (``N`` sizes ``ceil`` / ``floor``
   of ``B / N``, worker 0's list rotated by ``w * R``), as a stream of rows (``unbatch`` then
   ``batch`` cycling through the sizes). Each global batch therefore spans ``W`` steps on every
   worker, and every worker processes every row.
-* ``DATA``: TF rewrites that rebatch into the legacy one (each global batch cut into ``N``
-  consecutive chunks of ``ceil(B / N)`` rows, trailing ones shorter or empty) and shards the
-  chunk stream at its end: worker ``w`` keeps chunks ``w, w + W, ...``, so its replica ``r``
-  gets chunk ``w + r * W`` of each global batch (one step per global batch).
-* ``AUTO``: TF shards by file where it finds a file reader and falls back to ``DATA``
-  otherwise; a `NumpyDataset` or a Python iterable reads no files, so it is ``DATA``. On a
-  ``tf.data`` dataset jdist cannot see the readers: an error.
-* ``FILE`` / ``HINT``: they rewrite the ``tf.data`` graph (readers, ``SHARD_HINT``), which jdist
-  cannot do: an error naming what to do instead.
+* ``FILE`` / ``HINT``: TF rewrites the graph at its file readers (``SHARD_HINT``
+  placeholders); a `NumpyDataset` or an iterable has none, so TF's iterator fails
+  ("unshardable source"): jdist raises when the dataset is distributed.
 
-With one worker every policy is a no-op (jdist's default reading).
+A ``tf.data`` dataset on several workers is rebatched and auto-sharded by TF itself (the same
+``rebatch`` and ``auto_shard_dataset`` as TF's ``input_lib``), so every policy, the search for
+readers under ``AUTO`` and TF's errors (too few files for the workers) are TF's own.
+
+With one worker every policy is a no-op, as in TF.
 """
 
 import enum
 import itertools
-from typing import Iterator, List, Optional
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import jax
 import numpy as np
@@ -76,33 +78,46 @@ def as_policy(value) -> Optional[AutoShardPolicy]:
 
 
 def tf_dataset_policy(dataset) -> Optional[AutoShardPolicy]:
-    """The policy a ``tf.data`` dataset asks for: None for TF's default ``AUTO`` (jdist keeps its
-    own default reading then; set the policy explicitly to opt in)."""
+    """The policy a ``tf.data`` dataset's options ask for: None for TF's default ``AUTO``."""
     policy = as_policy(dataset.options().experimental_distribute.auto_shard_policy)
     return None if policy is AutoShardPolicy.AUTO else policy
 
 
-def effective_policy(asked: Optional[AutoShardPolicy], on_dataset: Optional[AutoShardPolicy],
-                     is_tf: bool) -> Optional[AutoShardPolicy]:
-    """OFF, DATA or None (jdist's default) for what the options and the dataset ask for.
+def effective_policy(asked: Optional[AutoShardPolicy],
+                     on_dataset: Optional[AutoShardPolicy]) -> AutoShardPolicy:
+    """The policy the options (``asked``) and the dataset ask for; TF's ``AUTO`` if neither.
 
     Raises:
-      InvalidArgumentError: the two ask for different policies; FILE or HINT; AUTO on tf.data.
+      InvalidArgumentError: the two ask for different policies.
     """
     if asked is not None and on_dataset is not None and asked is not on_dataset:
         raise errors.InvalidArgumentError(
             f"InputOptions asks for AutoShardPolicy.{asked.name} but the tf.data dataset's "
             f"options for {on_dataset.name}; set one of them.")
     policy = asked if asked is not None else on_dataset
-    if policy in (AutoShardPolicy.FILE, AutoShardPolicy.HINT) or (
-            policy is AutoShardPolicy.AUTO and is_tf):
-        raise errors.InvalidArgumentError(
-            f"AutoShardPolicy.{policy.name} rewrites the tf.data graph (its file readers"
-            f"{' or SHARD_HINT placeholders' if policy is AutoShardPolicy.HINT else ''}), which "
-            "jdist cannot do. Use AutoShardPolicy.DATA or OFF, or shard the files yourself in "
-            "strategy.distribute_datasets_from_function(dataset_fn) with "
-            "input_context.input_pipeline_id / num_input_pipelines.")
-    return AutoShardPolicy.DATA if policy is AutoShardPolicy.AUTO else policy
+    return AutoShardPolicy.AUTO if policy is None else policy
+
+
+def chunk_order(num_workers: int, replicas_per_worker: int) -> Optional[Tuple[int, ...]]:
+    """TF's ``DATA`` sharding as an order of chunks: the global replica ``w * R + r`` receives
+    chunk ``w + r * W`` of each global batch cut into ``N`` chunks; None where that is the
+    identity (one worker, or one replica per worker).
+
+    Args:
+      num_workers: ``W``.
+      replicas_per_worker: ``R``.
+
+    Returns:
+      Per global replica, the index of its chunk, or None.
+
+    Example:
+      >>> chunk_order(2, 2), chunk_order(2, 1)
+      ((0, 2, 1, 3), None)
+    """
+    if num_workers == 1 or replicas_per_worker == 1:
+        return None
+    return tuple(w + r * num_workers for w in range(num_workers)
+                 for r in range(replicas_per_worker))
 
 
 def batch_sizes_for_worker(global_batch_size: int, num_workers: int,
@@ -130,52 +145,32 @@ def batch_sizes_for_worker(global_batch_size: int, num_workers: int,
     return worker_0[offset:] + worker_0[:offset]
 
 
-def worker_batches(batches: Iterator, policy: AutoShardPolicy, num_workers: int,
-                   num_replicas_per_worker: int, worker_index: int,
-                   full_rows: Optional[int] = None) -> Iterator:
-    """This worker's stream of per-replica batches under ``policy`` (see the module doc).
+def rebatched_for_worker(batches: Iterator, num_workers: int, replicas_per_worker: int,
+                        worker_index: int, full_rows: int) -> Iterator:
+    """``OFF``'s stream of per-replica batches for one worker: the rows of ``batches`` cut
+    by TF's sub-batch sizes (`batch_sizes_for_worker`, cycled), as TF's ``rebatch`` cuts them.
 
     Args:
       batches: the global batches (NumPy nests with a leading batch axis).
-      policy: ``OFF`` or ``DATA``.
       num_workers: ``W``.
-      num_replicas_per_worker: ``R``.
+      replicas_per_worker: ``R``.
       worker_index: ``w``.
-      full_rows: ``B``, the full batch size (needed by ``OFF``; `off_batch_rows`).
+      full_rows: ``B``, the full batch size (`off_batch_rows`).
 
     Returns:
       An iterator of per-replica batches, to be dealt ``R`` per step to this worker's replicas.
 
     Example:
-      >>> rows = [np.arange(8)]
-      >>> [b.tolist() for b in worker_batches(iter(rows), AutoShardPolicy.DATA, 2, 2, 1)]
-      [[2, 3], [6, 7]]
+      >>> rows = [np.arange(7), np.arange(7, 10)]
+      >>> [b.tolist() for b in rebatched_for_worker(iter(rows), 2, 2, 1, 7)]
+      [[0, 1], [2], [3, 4], [5, 6], [7, 8], [9]]
     """
-    if policy is AutoShardPolicy.DATA:
-        return _data_shard(batches, num_workers, num_replicas_per_worker, worker_index)
-    if full_rows is None:
-        raise errors.InvalidArgumentError("AutoShardPolicy.OFF needs the full batch size.")
-    return _rebatch(batches, num_workers, num_replicas_per_worker, worker_index, full_rows)
-
-
-def _data_shard(batches, w_count, r_count, w):
-    n = w_count * r_count
-    for batch in batches:
-        leaves, tree = jax.tree_util.tree_flatten(batch)
-        size = _rows(leaves)
-        per = -(-size // n)
-        for j in range(w, n, w_count):
-            lo, hi = min(j * per, size), min((j + 1) * per, size)
-            yield jax.tree_util.tree_unflatten(tree, [a[lo:hi] for a in leaves])
-
-
-def _rebatch(batches, w_count, r_count, w, full_rows):
-    """``unbatch().batch(sizes)`` cycling through TF's sizes for this worker."""
-    pending, tree, sizes = [], None, None
+    pending, tree, sizes, want = [], None, None, None
     for batch in batches:
         leaves, tree = jax.tree_util.tree_flatten(batch)
         if sizes is None:
-            sizes = itertools.cycle(batch_sizes_for_worker(full_rows, w_count, r_count, w))
+            sizes = itertools.cycle(batch_sizes_for_worker(
+                full_rows, num_workers, replicas_per_worker, worker_index))
             want = next(sizes)
         pending = [np.concatenate([p, a]) for p, a in zip(pending, leaves)] if pending else [
             np.asarray(a) for a in leaves]
@@ -195,42 +190,41 @@ def _rows(leaves):
 
 
 def off_batch_rows(source) -> int:
-    """The full batch size ``B`` that ``OFF`` rebatches by: the one the dataset declares (a
-    `NumpyDataset`'s ``batch``, a tf.data batch dimension), or for tf.data what TF's own
-    ``compute_batch_size`` finds by walking the graph to its ``batch``.
+    """The full batch size ``B`` that ``OFF`` rebatches a `NumpyDataset` or an iterable by: the
+    one it declares (a `NumpyDataset`'s ``batch``).
 
     Raises:
-      InvalidArgumentError: no full batch size is known. TF then falls back to its legacy
-        rebatch, which jdist does not reproduce, so it refuses rather than guess.
+      InvalidArgumentError: no full batch size is known. TF would then fall back to its legacy
+        rebatch, which jdist does not reproduce for Python data, so it refuses rather than
+        guess.
     """
     rows = source.static_rows()
-    if rows is None and source.is_tf:
-        rows = _tf_batch_size(source.dataset)
     if rows is None:
         raise errors.InvalidArgumentError(
             "AutoShardPolicy.OFF cuts the data into TF's per-worker batch sizes, computed from "
             "the dataset's full batch size, which this dataset does not declare (a list or "
-            "generator of batches, or a tf.data pipeline without a batch op). Batch it with "
+            "generator of batches). Batch it with "
             "strategy.experimental_make_numpy_dataset(data).batch(global_batch_size) or "
             "tf.data's .batch(global_batch_size), or read each worker's own data with "
             "distribute_datasets_from_function.")
     return rows
 
 
-def _tf_batch_size(dataset):
-    """TF's ``compute_batch_size`` of a tf.data dataset, or None where it finds none (-1)."""
-    try:  # TF's own graph walk, the one its rebatch uses (not part of TF's public API).
-        from tensorflow.python.data.experimental.ops import distribute  # pylint: disable=import-outside-toplevel
-        size = int(distribute.compute_batch_size(dataset))
-    except Exception:  # pylint: disable=broad-except  # No TF, or a TF without it: unknown.
-        return None
-    return size if size > 0 else None
+class Share(NamedTuple):
+    """How this worker reads ``experimental_distribute_dataset``'s data (`worker_share`).
+
+    Either ``pipeline`` is None and the worker splits the global batches over all replicas as
+    one process does, replica ``g`` taking chunk ``order[g]`` (``order`` None: chunk ``g``);
+    or ``pipeline`` is this worker's own `input_batches.Source` of per-replica batches, dealt
+    ``R`` per step to its replicas and kept in step with the other workers'.
+    """
+    order: Optional[Tuple[int, ...]] = None
+    pipeline: Optional[input_batches.Source] = None
 
 
-def worker_source(source, asked, extended):
-    """This worker's share of ``experimental_distribute_dataset``'s data under a policy, as a
-    `input_batches.Source` of per-replica batches (a PER_WORKER pipeline); None for jdist's
-    default reading (no policy, or one worker).
+def worker_share(source, asked: Optional[AutoShardPolicy], extended) -> Share:
+    """This worker's share of ``experimental_distribute_dataset``'s data, as TF's ``input_lib``
+    gives it (see the module doc).
 
     Args:
       source: the dataset's `input_batches.Source`.
@@ -239,26 +233,62 @@ def worker_source(source, asked, extended):
 
     Raises:
       InvalidArgumentError: see `effective_policy`; workers with different replica counts;
-        ``OFF`` on a dataset without a known full batch size (`off_batch_rows`).
+        ``FILE`` / ``HINT`` on data without files; ``OFF`` on an iterable without a declared
+        full batch size (`off_batch_rows`).
     """
     workers, index = extended.input_pipeline()
     if workers == 1:  # TF shards only across workers.
-        return None
+        return Share()
     on_dataset = tf_dataset_policy(source.dataset) if source.is_tf else None
-    policy = effective_policy(asked, on_dataset, source.is_tf)
-    if policy is None:
-        return None
+    policy = effective_policy(asked, on_dataset)
     local = len(extended.local_replica_ids())
     if local * workers != len(extended.worker_devices):
         raise errors.InvalidArgumentError(
-            f"AutoShardPolicy.{policy.name} needs the same number of replicas on every worker "
-            f"(TF's rule); this worker has {local} of {len(extended.worker_devices)}.")
-    rows = off_batch_rows(source) if policy is AutoShardPolicy.OFF else None
+            f"auto-sharding (AutoShardPolicy.{policy.name}) needs the same number of replicas "
+            f"on every worker (TF's rule); this worker has {local} of "
+            f"{len(extended.worker_devices)}.")
+    if source.is_tf:
+        dataset = _tf_worker_dataset(source.dataset, asked, workers, local, index)
+        return Share(pipeline=input_batches.Source(dataset, "experimental_distribute_dataset"))
+    if policy in (AutoShardPolicy.FILE, AutoShardPolicy.HINT):
+        raise errors.InvalidArgumentError(
+            f"AutoShardPolicy.{policy.name} shards tf.data pipelines at their file readers"
+            f"{' (SHARD_HINT placeholders)' if policy is AutoShardPolicy.HINT else ''}; a "
+            f"{type(source.dataset).__name__} reads no files, so TF's iterator would fail "
+            "('unshardable source'). Use AutoShardPolicy.DATA (TF's AUTO gives it here) or "
+            "OFF, or read each worker's own data with distribute_datasets_from_function.")
+    if policy is not AutoShardPolicy.OFF:  # DATA, and AUTO without files.
+        return Share(order=chunk_order(workers, local))
+    rows = off_batch_rows(source)
 
-    def share():
+    def rebatched():
         batches = source.open()
         try:
-            yield from worker_batches(batches, policy, workers, local, index, rows)
+            yield from rebatched_for_worker(batches, workers, local, index, rows)
         finally:
             batches.close()
-    return input_batches.Source(share, "experimental_distribute_dataset")
+    return Share(pipeline=input_batches.Source(rebatched, "experimental_distribute_dataset"))
+
+
+def _tf_worker_dataset(dataset, asked, num_workers, replicas_per_worker, worker_index):
+    """This worker's pipeline of a ``tf.data`` dataset, built by TF's own functions as its
+    ``input_lib`` builds it: ``rebatch`` into this worker's sub-batch sizes (TF's legacy
+    rebatch where the graph has no batch op to size them), then ``auto_shard_dataset`` under
+    the dataset's policy (``asked`` set on its options first)."""
+    # Not TF's public API: the functions its input_lib calls (TF is installed: this is tf.data).
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.data.experimental.ops import distribute  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.distribute import input_ops  # pylint: disable=import-outside-toplevel
+    if asked is not None:
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy(int(asked)))
+        dataset = dataset.with_options(options)
+    replicas = num_workers * replicas_per_worker
+    size = int(distribute.compute_batch_size(dataset))
+    if size == -1:
+        dataset = distribute._LegacyRebatchDataset(dataset, replicas)  # pylint: disable=protected-access
+    else:
+        dataset = dataset.rebatch(distribute.batch_sizes_for_worker(
+            size, num_workers, replicas_per_worker, worker_index))
+    return input_ops.auto_shard_dataset(dataset, num_workers, worker_index, replicas)

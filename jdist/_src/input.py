@@ -105,14 +105,15 @@ def _check_not_in_replica(what):
 class _GlobalPlan:
     """Elements from global batches (``experimental_distribute_dataset``)."""
 
-    def __init__(self, strategy, source, options):
+    def __init__(self, strategy, source, options, order=None):
         self.source = source
         self.placer = _placer(strategy, options)
         self.full_rows = source.static_rows()
-        self.blocks = _block_feed(strategy, source, self.placer)
+        self.order = order  # Replica i's chunk of each batch (`auto_shard.chunk_order`).
+        self.blocks = None if order else _block_feed(strategy, source, self.placer)
 
     def open(self):
-        splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows)
+        splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows, self.order)
         if self.blocks is not None:
             blocks = self.source.open_blocks(self.blocks.size)
             return self.blocks(blocks, splitter), _unchanged, None
@@ -131,9 +132,10 @@ class _GlobalPlan:
 class _DealtPlan:
     """Elements from per-replica batches (``distribute_datasets_from_function``)."""
 
-    def __init__(self, strategy, sources, per_replica):
+    def __init__(self, strategy, sources, per_replica, counted=None):
         self.extended = strategy.extended
         self.sources = sources
+        self.counted = counted or sources[0]  # The source whose batches `cardinality` counts.
         self.per_replica = per_replica  # PER_REPLICA mode: one source per replica.
         self.n = strategy.num_replicas_in_sync
         self.workers = strategy.extended.input_pipeline()[0]  # Several under MultiWorkerMirroredStrategy.
@@ -163,8 +165,8 @@ class _DealtPlan:
     def cardinality(self):
         # TF's (``input_lib``: ``_cardinality(self._datasets[0])``): the first dataset
         # ``dataset_fn`` returned (this worker's; replica 0's in PER_REPLICA mode), counted in
-        # per-replica batches, not in steps.
-        return self.sources[0].cardinality()
+        # per-replica batches, not in steps; an auto-sharded dataset's own count (`counted`).
+        return self.counted.cardinality()
 
 
 def _deal(batches, n, fixed_shapes):
@@ -464,10 +466,13 @@ def distribute_dataset(strategy, dataset, options=None):
     n = strategy.num_replicas_in_sync
     if n > 1 and strategy.extended.mesh is not None and source.is_unbatched():
         raise input_batches.unbatched_error(n)
-    share = auto_shard.worker_source(source, options.auto_shard_policy, strategy.extended)
-    if share is None:  # jdist's default: every worker reads the global batches.
-        return DistributedDataset(strategy, _GlobalPlan(strategy, source, options), options)
-    plan = _DealtPlan(strategy, [share], per_replica=False)  # This worker's PER_WORKER share.
+    share = auto_shard.worker_share(source, options.auto_shard_policy, strategy.extended)
+    if share.pipeline is None:  # Every worker splits the same global batches.
+        return DistributedDataset(strategy, _GlobalPlan(strategy, source, options, share.order),
+                                  options)
+    # This worker's own pipeline, dealt as PER_WORKER ones are; counted as TF counts it: in
+    # batches of the dataset as given.
+    plan = _DealtPlan(strategy, [share.pipeline], per_replica=False, counted=source)
     plan.placer = _placer(strategy, options)
     return DistributedDataset(strategy, plan, options)
 

@@ -310,12 +310,15 @@ class GlobalBatchSplitter:
       placer: the `Placer` of the strategy.
       full_rows: the leading size of a full global batch when known in advance; otherwise the
         largest batch seen so far sets the per-replica size.
+      order: per replica, the index of the chunk it receives (TF's ``DATA`` sharding over
+        several workers, `auto_shard.chunk_order`); None: replica ``i`` receives chunk ``i``.
     """
 
-    def __init__(self, placer, full_rows=None):
+    def __init__(self, placer, full_rows=None, order=None):
         self.placer = placer
         self.n = placer.n
         self.rows = None if full_rows is None else -(-full_rows // self.n)
+        self.order = order
 
     def __call__(self, batch):
         leaves, tree = jax.tree_util.tree_flatten(batch)
@@ -333,10 +336,11 @@ class GlobalBatchSplitter:
         if placer.plain or (n == 1 and (size == rows or not placer.pad)):
             parts = [placer.whole(a) for a in leaves]
         elif size == n * rows:  # A full batch: a free reshape, no padding, lengths None.
-            parts = [(a.reshape((n, rows) + a.shape[1:]), None, STACKED) for a in leaves]
+            order = slice(None) if self.order is None else list(self.order)
+            parts = [(a.reshape((n, rows) + a.shape[1:])[order], None, STACKED) for a in leaves]
         else:
             bounds = [(min(i * per_replica, size), min((i + 1) * per_replica, size))
-                      for i in range(n)]
+                      for i in (range(n) if self.order is None else self.order)]
             parts = [placer.split([a[lo:hi] for lo, hi in bounds], rows) for a in leaves]
         return jax.tree_util.tree_unflatten(tree, placer.place(parts))
 

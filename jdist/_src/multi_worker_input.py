@@ -1,7 +1,7 @@
 """Input across workers: each worker places its own replicas' rows; PER_WORKER pipelines in step.
 
 * `LocalRowsPlacer` places only THIS worker's replicas' rows of each split batch
-  (``experimental_distribute_dataset``: every worker reads the same global batches).
+  (``experimental_distribute_dataset`` on data every worker reads whole: TF's ``DATA`` order).
 * `per_worker_feed` runs a ``distribute_datasets_from_function`` dataset in ``PER_WORKER``
   mode over several workers. Each worker reads its OWN pipeline and deals its per-replica
   batches to its own replicas, ``L`` (its local replica count) per step. The workers' steps
