@@ -115,6 +115,10 @@ def _dataset(s, jdist, np):
         out[f"batch{i}_gather"] = {"global": np.asarray(s.gather(doubled, 0)).tolist()}
         out[f"batch{i}_mean0"] = {"global": np.asarray(s.reduce("mean", batch, axis=0)).tolist()}
         out[f"batch{i}_local"] = {"replicas": _replicas(s, batch)}
+        nests = s.experimental_local_results({"b": batch, "k": 1})  # One per local replica.
+        out[f"batch{i}_nest"] = {"replicas": {str(r): [np.asarray(v["b"]).tolist(), v["k"]]
+                                              for r, v in zip(s.extended.local_replica_ids(),
+                                                              nests, strict=True)}}
     contexts = []
     s.distribute_datasets_from_function(lambda c: contexts.append(c) or [np.zeros((1,))])
     per_replica = jdist.InputOptions(
@@ -158,7 +162,7 @@ def _training(s, jdist, np):
 def _record(s, jdist, np, result):
     """What one worker sees of a reduce_to / broadcast_to result: its kind, where it lies (replica
     indices of its devices), and its value or the typed error reading it raises."""
-    devices = list(s.extended.worker_devices)
+    devices = list(s.extended.replica_devices)
     if isinstance(result, jdist.Mirrored):
         return {"kind": "Mirrored", "on": "all", "value": np.asarray(
             s.experimental_local_results(result)[0]).tolist()}
@@ -173,7 +177,7 @@ def _cross_host(s, jdist, np):
     """reduce_to / batch_reduce_to / broadcast_to and CrossDeviceOps towards the devices of every
     worker: replica 3's device is worker 1's in 2 x 2, given as a TF name and as a jax.Device."""
     import functools  # pylint: disable=import-outside-toplevel
-    ext, names, devs = s.extended, s.extended.device_names, s.extended.worker_devices
+    ext, names, devs = s.extended, s.extended.device_names, s.extended.replica_devices
     v = s.experimental_distribute_values_from_function(
         lambda c: np.arange(3, dtype=np.float32) * (c.replica_id_in_sync_group + 1) - 1)
     ordered = lambda xs: functools.reduce(lambda a, b: a * 2 + b, xs)  # noqa: E731
@@ -354,7 +358,7 @@ def _disagreeing(s, worker):
     ids = s.extended.local_replica_ids()
     shapes = [(1,), (2,), (3,), (4 + worker,)]
     return uneven_multi_worker.ragged_from_local(
-        s.extended.worker_devices, ids, [np.zeros(shapes[i], np.float32) for i in ids], shapes,
+        s.extended.replica_devices, ids, [np.zeros(shapes[i], np.float32) for i in ids], shapes,
         np.float32)
 
 
@@ -437,6 +441,10 @@ def main(out_path, fault=None):
         results.update(part(s, jdist, np))
     results["_seconds"] = time.time() - t0
     results["_devices"] = [jax.process_count(), jax.local_device_count()]
+    ext = s.extended  # TF's worker_devices / parameter_devices: this worker's; jdist's all.
+    results["_worker_devices"] = [[d.id for d in ext.worker_devices],
+                                  [d.id for d in ext.parameter_devices],
+                                  [d.id for d in ext.replica_devices]]
     with open(f"{out_path}.{jax.process_index()}", "w") as f:
         json.dump(results, f)
 

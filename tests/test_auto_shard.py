@@ -75,7 +75,7 @@ def test_off_rebatches_the_row_stream(index, expected):
 
 class _TwoWorkers:
     """What `worker_share` reads of a strategy's extended: worker 0 of 2, 2 replicas each."""
-    worker_devices = (0, 1, 2, 3)
+    replica_devices = (0, 1, 2, 3)
 
     @staticmethod
     def input_pipeline():

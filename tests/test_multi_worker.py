@@ -86,6 +86,10 @@ def test_two_workers_equal_one_process(tmp_path):
     workers = [json.load(open(f"{out2}.{i}")) for i in range(2)]
     one = json.load(open(f"{out1}.0"))
     assert [w["_devices"] for w in workers] == [[2, 2], [2, 2]] and one["_devices"] == [1, 4]
+    everyone = [0, 1, 2048, 2049]  # Device ids: 2048 x process + local index.
+    assert [w["_worker_devices"] for w in workers] == [
+        [everyone[:2], everyone[:2], everyone], [everyone[2:], everyone[2:], everyone]]
+    assert one["_worker_devices"] == [[0, 1, 2, 3]] * 3
     _compare(workers, one)
     # Each worker reads its own input pipeline: InputContext(2 pipelines, worker index, 4).
     assert workers[0]["input_context"]["replicas"] == {"0": [2, 0, 4]}

@@ -242,11 +242,11 @@ def worker_share(source, asked: Optional[AutoShardPolicy], extended) -> Share:
     on_dataset = tf_dataset_policy(source.dataset) if source.is_tf else None
     policy = effective_policy(asked, on_dataset)
     local = len(extended.local_replica_ids())
-    if local * workers != len(extended.worker_devices):
+    if local * workers != len(extended.replica_devices):
         raise errors.InvalidArgumentError(
             f"auto-sharding (AutoShardPolicy.{policy.name}) needs the same number of replicas "
             f"on every worker (TF's rule); this worker has {local} of "
-            f"{len(extended.worker_devices)}.")
+            f"{len(extended.replica_devices)}.")
     if source.is_tf:
         dataset = _tf_worker_dataset(source.dataset, asked, workers, local, index)
         return Share(pipeline=input_batches.Source(dataset, "experimental_distribute_dataset"))

@@ -268,7 +268,7 @@ class Placer:
             # A whole leaf (one replica) goes where `run` wants its arguments, replicated on the
             # mesh, so `run` uses it as it is instead of placing it again on every step.
             self._targets = {WHOLE: jax.sharding.NamedSharding(extended.mesh, spec()),
-                             RAGGED: list(extended.worker_devices),
+                             RAGGED: list(extended.replica_devices),
                              STACKED: jax.sharding.NamedSharding(
                                  extended.mesh, spec(extended.replica_axis))}
 

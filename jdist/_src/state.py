@@ -92,7 +92,7 @@ def replicated_sharding(strategy: Optional[Any] = None) -> NamedSharding:
       (True, 2)
     """
     strategy = context.get_strategy() if strategy is None else strategy
-    return _replicated_sharding(tuple(strategy.extended.worker_devices))
+    return _replicated_sharding(tuple(strategy.extended.replica_devices))
 
 
 @functools.lru_cache(maxsize=None)

@@ -182,8 +182,8 @@ class Strategy(TF1Methods):
             plain value.
 
         Returns:
-          A tuple with one entry per local replica. A nest gives ``num_replicas_in_sync``
-          copies of itself with each distributed leaf replaced by that replica's component
+          A tuple with one entry per local replica. A nest gives one copy of itself per
+          replica of this worker (``num_replicas_in_sync`` on one worker) with each distributed leaf replaced by that replica's component
           (plain leaves are repeated), as TF does; a plain value gives a 1-tuple. Components
           are read from their own devices, without a gather.
 
@@ -200,18 +200,17 @@ class Strategy(TF1Methods):
         distributed = [x for x in leaves if isinstance(x, DistributedValues)]
         if not distributed and not isinstance(value, (tuple, list, collections.abc.Mapping)):
             return (value,)
-        n = self.num_replicas_in_sync
-        if any(x.num_replicas != n for x in distributed):
+        if any(x.num_replicas != self.num_replicas_in_sync for x in distributed):
             raise errors.InvalidArgumentError(
                 f"experimental_local_results got a nest holding values of "
                 f"{sorted({x.num_replicas for x in distributed})} replicas from a strategy with "
-                f"{n}; use the strategy that produced them.")
+                f"{self.num_replicas_in_sync}; use the strategy that produced them.")
         per_leaf = [local_results(x) if isinstance(x, DistributedValues) else None
                     for x in leaves]
-        return tuple(
+        return tuple(  # One per replica of this worker, as TF's (its `worker_devices`).
             jax.tree_util.tree_unflatten(tree, [x if r is None else r[i]
                                                 for x, r in zip(leaves, per_leaf)])
-            for i in range(n))
+            for i in range(len(self._extended.local_replica_ids())))
 
     def experimental_distribute_values_from_function(self, value_fn):
         """Builds per-replica values by calling ``value_fn`` once per replica, in order.

@@ -67,18 +67,25 @@ class StrategyExtended:
         self._mirrored_target = Target(len(self._devices), True, self._devices, None)
 
     @property
-    def worker_devices(self) -> Tuple[jax.Device, ...]:
-        """The devices the replicas run on, one per replica (a tuple of ``jax.Device``)."""
+    def replica_devices(self) -> Tuple[jax.Device, ...]:
+        """Every replica's device, in replica order, on every worker (a tuple of
+        ``jax.Device``; jdist's name: TF has no list across workers)."""
         return self._devices
+
+    @property
+    def worker_devices(self) -> Tuple[jax.Device, ...]:
+        """The devices of this worker's replicas, as in TF (every replica's on one worker;
+        ``len(worker_devices) * num_workers == num_replicas_in_sync``)."""
+        return tuple(self._devices[i] for i in self.local_replica_ids())
 
     @property
     def parameter_devices(self) -> Tuple[jax.Device, ...]:
-        """The devices that hold mirrored values: every replica's device."""
-        return self._devices
+        """The devices that hold this worker's copies of mirrored values: `worker_devices`."""
+        return self.worker_devices
 
     @property
     def device_names(self) -> Tuple[str, ...]:
-        """The TF-style names of ``worker_devices`` (``"/cpu:0"``; with the job and task under
+        """The TF-style names of `replica_devices` (``"/cpu:0"``; with the job and task under
         several workers)."""
         return self._device_names
 
