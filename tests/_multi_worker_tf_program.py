@@ -1,8 +1,8 @@
 """One program run as TF's ``MultiWorkerMirroredStrategy`` (``tf``) and as jdist's (``jdist``),
 2 workers x 1 CPU replica each, by ``test_multi_worker_tf.py``: every distributed dataset below
-read to its end with ``get_next_as_optional``, writing per step this worker's replicas' values,
+(and a ``distribute_datasets_from_function`` one) read to its end with ``get_next_as_optional``, writing per step this worker's replicas' values,
 each leaf's all-reduced sum, the gathered global batch, and the dataset's cardinality, to
-``<out>.<worker>`` as JSON.
+``<out>.<worker>`` as JSON; then values from a function, of a different length per replica.
 
 Usage: ``python _multi_worker_tf_program.py tf|jdist OUT FILE...`` (``tf`` reads ``TF_CONFIG``;
 ``jdist`` is started by ``python -m jdist.launch``).
@@ -57,9 +57,13 @@ def main():
         return [context().all_reduce("sum", total(v)) for v in tf.nest.flatten(batch)]
 
     results = {}
-    for name, dataset in datasets(tf, files).items():
-        distributed = strategy.experimental_distribute_dataset(dataset)
-        iterator, steps = iter(distributed), []
+    distributed = {name: strategy.experimental_distribute_dataset(dataset)
+                   for name, dataset in datasets(tf, files).items()}
+    # Each worker's own pipeline (PER_WORKER): worker 0's 5 rows end a step before worker 1's 8.
+    distributed["from_function"] = strategy.distribute_datasets_from_function(
+        lambda ctx: tf.data.Dataset.range(5 + 3 * ctx.input_pipeline_id).batch(2))
+    for name, dataset in distributed.items():
+        iterator, steps = iter(dataset), []
         while True:
             optional = iterator.get_next_as_optional()
             if not optional.has_value():
@@ -72,7 +76,15 @@ def main():
                 "sums": [float(np.asarray(strategy.experimental_local_results(v)[0]))
                          for v in summed],
                 "gather": tf.nest.map_structure(lambda v: host(strategy.gather(v, 0)), batch)})
-        results[name] = {"cardinality": int(distributed.cardinality), "steps": steps}
+        results[name] = {"cardinality": int(dataset.cardinality), "steps": steps}
+    ragged = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.arange(ctx.replica_id_in_sync_group + 2, dtype=np.float32) * 1.5)
+    results["values_from_function"] = {
+        "local": [host(v) for v in strategy.experimental_local_results(ragged)],
+        "sums": [float(np.asarray(strategy.experimental_local_results(v)[0]))
+                 for v in strategy.run(step, args=(ragged,))],
+        "gather": host(strategy.gather(ragged, 0)),
+        "reduce": host(strategy.reduce("sum", ragged, axis=0))}
     with open(f"{out}.{worker}", "w", encoding="utf-8") as f:
         json.dump(results, f)
 
