@@ -2,7 +2,9 @@
 2 workers x 1 CPU replica each, by ``test_multi_worker_tf.py``: every distributed dataset below
 (and a ``distribute_datasets_from_function`` one) read to its end with ``get_next_as_optional``, writing per step this worker's replicas' values,
 each leaf's all-reduced sum, the gathered global batch, and the dataset's cardinality, to
-``<out>.<worker>`` as JSON; then values from a function, of a different length per replica.
+``<out>.<worker>`` as JSON; then values from a function, of a different length per replica,
+and TF's custom training loop over a partial last batch (``_training``, to within float
+rounding: TF's matmul and XLA's may round differently).
 
 Usage: ``python _multi_worker_tf_program.py tf|jdist OUT FILE...`` (``tf`` reads ``TF_CONFIG``;
 ``jdist`` is started by ``python -m jdist.launch``).
@@ -33,6 +35,55 @@ def datasets(tf, files):
             "files": records.batch(4),  # FILE: worker 1 reads one file of three, ends first.
             "files_data": with_policy(records.batch(4), policy.DATA),
             "static": tf.data.Dataset.range(20).batch(6, drop_remainder=True)}
+
+
+def training_data(tf, np):
+    """13 rows in batches of 6: the last batch's one row goes to worker 0, worker 1 gets none."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(13, 3)), rng.normal(size=(13, 1))
+    return tf.data.Dataset.from_tensor_slices((x.astype(np.float32), y.astype(np.float32))).batch(6)
+
+
+def tf_training(tf, strategy, np):
+    """TF's custom loop: per-example loss averaged over the global batch size, gradients
+    all-reduced, SGD on a mirrored variable; two epochs. Returns the losses and weights."""
+    with strategy.scope():
+        w = tf.Variable(tf.zeros((3, 1)), aggregation=tf.VariableAggregation.MEAN)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            per_example = tf.reduce_sum((tf.matmul(x, w) - y) ** 2, axis=1)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=6)
+        grad = tf.distribute.get_replica_context().all_reduce("sum", tape.gradient(loss, w))
+        w.assign_sub(0.1 * grad)
+        return loss
+
+    @tf.function
+    def train_step(batch):
+        return strategy.reduce("sum", strategy.run(step, args=batch), axis=None)
+    losses = [float(train_step(batch)) for _ in range(2)
+              for batch in strategy.experimental_distribute_dataset(training_data(tf, np))]
+    return {"losses": losses, "w": w.numpy().ravel().tolist()}
+
+
+def jdist_training(tf, strategy, np):
+    """`tf_training` ported to jdist: the same loop with jax.grad and arrays."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    import jdist  # pylint: disable=import-outside-toplevel
+
+    def step(w, x, y):
+        def loss_fn(w):
+            per_example = jnp.sum((x @ w - y) ** 2, axis=1)
+            return jdist.nn.compute_average_loss(per_example, global_batch_size=6)
+        loss, grad = jax.value_and_grad(loss_fn)(w)
+        return w - 0.1 * jdist.get_replica_context().all_reduce("sum", grad), loss
+    w, losses = jnp.zeros((3, 1)), []
+    for _ in range(2):
+        for batch in strategy.experimental_distribute_dataset(training_data(tf, np)):
+            w, loss = strategy.run(step, args=(w, *batch))
+            losses.append(float(strategy.reduce("sum", loss, axis=None)))
+    return {"losses": losses, "w": np.asarray(w).ravel().tolist()}
 
 
 def main():
@@ -85,6 +136,7 @@ def main():
                  for v in strategy.run(step, args=(ragged,))],
         "gather": host(strategy.gather(ragged, 0)),
         "reduce": host(strategy.reduce("sum", ragged, axis=0))}
+    results["_training"] = (tf_training if mode == "tf" else jdist_training)(tf, strategy, np)
     with open(f"{out}.{worker}", "w", encoding="utf-8") as f:
         json.dump(results, f)
 
