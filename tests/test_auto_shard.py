@@ -222,29 +222,61 @@ def _tf_datasets(tf, tmp_path):
             "no_batch_op": tf.data.Dataset.from_tensor_slices(np.arange(18).reshape(3, 6))}
 
 
-@pytest.mark.parametrize("name", ["range", "range_off", "range_data", "files_auto",
-                                  "files_data", "no_batch_op"])
+def _worker(index):
+    return type("W", (_TwoWorkers,), {"input_pipeline": staticmethod(lambda: (2, index))})
+
+
+def _jdist_rows(share, source, index, replicas=2):
+    """Worker ``index``'s per-replica batches in order: its own pipeline's, or its replicas'
+    chunks of the global batches split in `Share.order` (what `GlobalBatchSplitter` gives)."""
+    if share.pipeline is not None:
+        return [np.asarray(b).tolist() for b in share.pipeline.open()]
+    rows = []
+    for batch in source.open():
+        per = -(-len(batch) // len(share.order))
+        mine = share.order[index * replicas:(index + 1) * replicas]
+        rows += [batch[j * per:(j + 1) * per].tolist() for j in mine]
+    return rows
+
+
+@pytest.mark.parametrize("name, split", [
+    ("range", True), ("range_off", False), ("range_data", True), ("files_auto", False),
+    ("files_data", True), ("no_batch_op", True)])
 @pytest.mark.parametrize("index", [0, 1])
-def test_tf_data_is_sharded_by_tf_s_own_pipeline(name, index, tmp_path):
+def test_tf_data_gives_tf_s_rows(name, split, index, tmp_path):
+    """Sharded by data (DATA, or AUTO without readers): the global split in TF's order, no
+    pipeline of its own; otherwise TF's own pipeline. Either way TF's rows."""
     tf = pytest.importorskip("tensorflow")
     dataset = _tf_datasets(tf, tmp_path)[name]
-    share = auto_shard.worker_share(_source(dataset), None, type(
-        "W", (_TwoWorkers,), {"input_pipeline": staticmethod(lambda: (2, index))}))
-    got = [np.asarray(b).tolist() for b in share.pipeline.open()]
+    share = auto_shard.worker_share(_source(dataset), None, _worker(index))
+    assert (share.pipeline is None) == split
+    got = _jdist_rows(share, _source(dataset), index)
     assert got == _tf_pipeline_rows(tf, dataset, 2, 2, index)
     if name == "files_auto":  # FILE: worker 0 reads files 0 and 2, worker 1 file 1.
         assert sorted(sum(got, [])) == [f * 100 + i for f in ((0, 2), (1,))[index]
                                         for i in range(5)]
 
 
-@pytest.mark.parametrize("asked", [P.OFF, P.DATA])
-def test_a_policy_asked_in_input_options_reaches_tf(asked, tmp_path):
+@pytest.mark.parametrize("asked, on_dataset", [
+    (P.OFF, "range_off"), (P.DATA, "range_data"), (P.DATA, "files_data")])
+def test_a_policy_asked_in_input_options_is_tf_s(asked, on_dataset, tmp_path):
     tf = pytest.importorskip("tensorflow")
     datasets = _tf_datasets(tf, tmp_path)
-    share = auto_shard.worker_share(_source(datasets["range"]), asked, _TwoWorkers)
-    on_dataset = datasets["range_off" if asked is P.OFF else "range_data"]
-    assert [np.asarray(b).tolist() for b in share.pipeline.open()] == _tf_pipeline_rows(
-        tf, on_dataset, 2, 2, 0)
+    plain = datasets["files_auto" if on_dataset.startswith("files") else "range"]
+    share = auto_shard.worker_share(_source(plain), asked, _TwoWorkers)
+    assert _jdist_rows(share, _source(plain), 0) == _tf_pipeline_rows(
+        tf, datasets[on_dataset], 2, 2, 0)
+
+
+def test_reads_files(tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    datasets = _tf_datasets(tf, tmp_path)
+    files = [str(f) for f in sorted(tmp_path.glob("*.tfrecord"))]
+    interleaved = tf.data.Dataset.from_tensor_slices(files).interleave(tf.data.TFRecordDataset)
+    assert [auto_shard.reads_files(d) for d in (
+        datasets["range"], datasets["no_batch_op"], datasets["files_auto"], interleaved,
+        tf.data.TextLineDataset(files), tf.data.FixedLengthRecordDataset(files, 4))] == [
+            False, False, True, True, True, True]
 
 
 def test_too_few_files_is_tf_s_error(tmp_path):

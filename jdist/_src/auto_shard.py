@@ -23,15 +23,19 @@ or, when none is asked for, TF's default ``AUTO``:
   placeholders); a `NumpyDataset` or an iterable has none, so TF's iterator fails
   ("unshardable source"): jdist raises when the dataset is distributed.
 
-A ``tf.data`` dataset on several workers is rebatched and auto-sharded by TF itself (the same
-``rebatch`` and ``auto_shard_dataset`` as TF's ``input_lib``), so every policy, the search for
-readers under ``AUTO`` and TF's errors (too few files for the workers) are TF's own.
+A ``tf.data`` dataset whose rows TF shards by data (``DATA``, or ``AUTO`` on a graph without
+file readers, `reads_files`) is split like the others, with no exchange per step. Otherwise (a
+reader under ``AUTO``, ``FILE``, ``OFF``, ``HINT``) each worker's pipeline is rebatched and
+auto-sharded by TF itself (the same ``rebatch`` and ``auto_shard_dataset`` as TF's
+``input_lib``), so the file sharding, its fallback to data and TF's errors (too few files for
+the workers) are TF's own, and the workers keep in step as ``PER_WORKER`` pipelines do.
 
 With one worker every policy is a no-op, as in TF.
 """
 
 import enum
 import itertools
+import re
 from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import jax
@@ -247,6 +251,10 @@ def worker_share(source, asked: Optional[AutoShardPolicy], extended) -> Share:
             f"auto-sharding (AutoShardPolicy.{policy.name}) needs the same number of replicas "
             f"on every worker (TF's rule); this worker has {local} of "
             f"{len(extended.replica_devices)}.")
+    if policy is AutoShardPolicy.AUTO and not (source.is_tf and reads_files(source.dataset)):
+        policy = AutoShardPolicy.DATA  # TF finds no file to shard by, so it shards by data.
+    if policy is AutoShardPolicy.DATA:  # Every worker reads the same global batches.
+        return Share(order=chunk_order(workers, local))
     if source.is_tf:
         dataset = _tf_worker_dataset(source.dataset, asked, workers, local, index)
         return Share(pipeline=input_batches.Source(dataset, "experimental_distribute_dataset"))
@@ -257,8 +265,6 @@ def worker_share(source, asked: Optional[AutoShardPolicy], extended) -> Share:
             f"{type(source.dataset).__name__} reads no files, so TF's iterator would fail "
             "('unshardable source'). Use AutoShardPolicy.DATA (TF's AUTO gives it here) or "
             "OFF, or read each worker's own data with distribute_datasets_from_function.")
-    if policy is not AutoShardPolicy.OFF:  # DATA, and AUTO without files.
-        return Share(order=chunk_order(workers, local))
     rows = off_batch_rows(source)
 
     def rebatched():
@@ -268,6 +274,29 @@ def worker_share(source, asked: Optional[AutoShardPolicy], extended) -> Share:
         finally:
             batches.close()
     return Share(pipeline=input_batches.Source(rebatched, "experimental_distribute_dataset"))
+
+
+# TF's file readers (`kReaderDatasetOps` of its auto_shard rewrite), matched in any version.
+_READER_OPS = re.compile(r"(ArrayRecordDataset|FixedLengthRecordDataset|RecordIODataset|"
+                         r"SSTableDataset|TextLineDataset|TFRecordDataset)(V\d+)?")
+
+
+def reads_files(dataset) -> bool:
+    """Whether TF's ``AUTO`` might shard the ``tf.data`` ``dataset`` by file: its graph (or a
+    function in it, an ``interleave``'s say) has one of TF's reader ops, or a ``Placeholder``
+    source (TF's other file-sharding pattern). Without either TF's file sharding finds nothing
+    and ``AUTO`` shards by data; with one, TF's own rewrite decides (`worker_share`).
+
+    Example:
+      >>> import tensorflow as tf  # doctest: +SKIP
+      >>> reads_files(tf.data.Dataset.range(8).batch(4))  # doctest: +SKIP
+      False
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    graph = tf.compat.v1.GraphDef.FromString(
+        dataset._as_serialized_graph().numpy())  # pylint: disable=protected-access
+    ops = [n.op for n in graph.node] + [n.op for f in graph.library.function for n in f.node_def]
+    return "Placeholder" in ops or any(_READER_OPS.fullmatch(op) for op in ops)
 
 
 def _tf_worker_dataset(dataset, asked, num_workers, replicas_per_worker, worker_index):
