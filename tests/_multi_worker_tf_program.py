@@ -137,6 +137,17 @@ def main():
         "gather": host(strategy.gather(ragged, 0)),
         "reduce": host(strategy.reduce("sum", ragged, axis=0))}
     results["_training"] = (tf_training if mode == "tf" else jdist_training)(tf, strategy, np)
+    ext, resolver = strategy.extended, strategy.cluster_resolver
+    results["surface"] = {
+        "num_replicas_in_sync": strategy.num_replicas_in_sync,
+        "worker_devices": len(ext.worker_devices), "parameter_devices": len(
+            ext.parameter_devices), "should_checkpoint": ext.should_checkpoint,
+        "should_save_summary": ext.should_save_summary,
+        "should_init": ext.experimental_should_init,
+        "between_graph": ext.experimental_between_graph,
+        "task": [resolver.task_type, resolver.task_id],
+        "cluster": {job: len(tasks) for job, tasks in  # The launchers pick other ports.
+                    resolver.cluster_spec().as_dict().items()}}
     with open(f"{out}.{worker}", "w", encoding="utf-8") as f:
         json.dump(results, f)
 

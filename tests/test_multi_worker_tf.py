@@ -2,8 +2,10 @@
 on loopback: the same distributed datasets (TF's default auto-sharding by data and by file, OFF,
 a worker whose data ends first, statically shaped batches, a PER_WORKER pipeline) and ragged values
 from a function give each worker the same per-replica batches, all-reduced sums, gathered batches,
-cardinality and end of data, and TF's custom training loop (a partial last batch leaving one
-worker's replica empty) the same losses and weights. Every process is
+cardinality and end of data, TF's custom training loop (a partial last batch leaving one
+worker's replica empty) the same losses and weights, and the strategy's surface (replica and
+device counts, chief-only checkpoints and summaries, every worker initialising, the task) the
+same values. Every process is
 bounded in time and ended by this test, by PID (`test_multi_worker._finish`)."""
 
 import json

@@ -105,11 +105,6 @@ class MultiWorkerExtended(MirroredExtended):
         return True
 
     @property
-    def experimental_should_init(self):
-        """Whether this worker initialises state (the chief)."""
-        return self.should_init
-
-    @property
     def worker_index(self):
         """This worker's index: the process index, 0 for the chief."""
         return self._cluster.index

@@ -58,6 +58,10 @@ class StrategyExtended:
     should_checkpoint: bool = True
     should_save_summary: bool = True
     should_init: bool = True
+    #: TF's: every worker initialises its own copy (TF's multi-worker strategy too).
+    experimental_should_init: bool = True
+    #: TF's: whether every worker runs its own copy of the program (several workers).
+    experimental_between_graph: bool = False
 
     def __init__(self, container_strategy: Any, devices: Sequence[jax.Device]):
         self._container_strategy_ref = container_strategy
