@@ -128,6 +128,10 @@ def main():
                          for v in summed],
                 "gather": tf.nest.map_structure(lambda v: host(strategy.gather(v, 0)), batch)})
         results[name] = {"cardinality": int(dataset.cardinality), "steps": steps}
+    # TF's replica-context all_gather across workers needs a tf.function (eagerly it fails).
+    compiled = tf.function if mode == "tf" else (lambda f: f)
+    gathered = compiled(lambda v: strategy.run(lambda v: context().all_gather(v * 2.0, 0),
+                                               args=(v,)))
     ragged = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.arange(ctx.replica_id_in_sync_group + 2, dtype=np.float32) * 1.5)
     results["values_from_function"] = {
@@ -135,7 +139,9 @@ def main():
         "sums": [float(np.asarray(strategy.experimental_local_results(v)[0]))
                  for v in strategy.run(step, args=(ragged,))],
         "gather": host(strategy.gather(ragged, 0)),
-        "reduce": host(strategy.reduce("sum", ragged, axis=0))}
+        "reduce": host(strategy.reduce("sum", ragged, axis=0)),
+        "reduce_mean": host(strategy.reduce("mean", ragged, axis=0)),
+        "all_gather": [host(v) for v in strategy.experimental_local_results(gathered(ragged))]}
     results["_training"] = (tf_training if mode == "tf" else jdist_training)(tf, strategy, np)
     ext, resolver = strategy.extended, strategy.cluster_resolver
     results["surface"] = {
