@@ -87,9 +87,14 @@ class _TwoWorkers:
 
 
 class _OneWorker(_TwoWorkers):
+    """One worker with all 4 replicas."""
     @staticmethod
     def input_pipeline():
         return 1, 0
+
+    @staticmethod
+    def local_replica_ids():
+        return (0, 1, 2, 3)
 
 
 def _source(data):
@@ -103,7 +108,8 @@ def test_data_and_auto_split_the_global_batches_in_tf_s_order(asked):
 
 
 @pytest.mark.parametrize("asked", [None] + list(P))
-def test_one_worker_splits_in_order(asked):
+def test_one_worker_without_a_declared_batch_size_splits_in_order(asked):
+    """TF's legacy rebatch, where no batch size is known: the split of one process."""
     assert auto_shard.worker_share(_source([np.arange(8)]), asked, _OneWorker) == (
         auto_shard.Share())
 
@@ -114,10 +120,19 @@ def test_off_without_a_known_batch_size_raises():
         auto_shard.worker_share(_source(batches), P.OFF, _TwoWorkers)
 
 
-@pytest.mark.parametrize("policy, match", [(P.FILE, "reads no files"), (P.HINT, "SHARD_HINT")])
-def test_file_and_hint_on_data_without_files_raise(policy, match):
-    with pytest.raises(errors.InvalidArgumentError, match=match):
-        auto_shard.worker_share(_source([np.arange(8)]), policy, _TwoWorkers)
+def test_file_across_workers_on_data_without_files_raises():
+    with pytest.raises(errors.InvalidArgumentError, match="reads no files"):
+        auto_shard.worker_share(_source([np.arange(8)]), P.FILE, _TwoWorkers)
+
+
+@pytest.mark.parametrize("policy, workers", [
+    (P.HINT, _TwoWorkers), (P.FILE, _OneWorker), (P.HINT, _OneWorker), (P.OFF, _OneWorker)])
+def test_no_hint_and_file_on_one_worker_leave_off_s_rebatch(policy, workers):
+    """No SHARD_HINT to shard at, and TF skips FILE on one worker: OFF's rebatch remains."""
+    dataset = mirrored(1).experimental_make_numpy_dataset({"x": np.arange(10)}).batch(7)
+    share = auto_shard.worker_share(_source(dataset), policy, workers)
+    off = auto_shard.worker_share(_source(dataset), P.OFF, workers)
+    assert _rows(share.pipeline.open()) == _rows(off.pipeline.open())
 
 
 def test_off_takes_a_numpy_dataset_s_declared_batch_size():
@@ -152,16 +167,31 @@ def test_effective_policy_refuses_two_different_asks():
         auto_shard.effective_policy(P.OFF, P.DATA)
 
 
-@pytest.mark.parametrize("policy", list(P))
-def test_one_worker_is_a_no_op(policy):
+def _steps(strategy, dataset, options=None):
+    return [[np.asarray(x).tolist() for x in strategy.experimental_local_results(b)]
+            for b in strategy.experimental_distribute_dataset(dataset, options)]
+
+
+@pytest.mark.parametrize("policy", [None] + list(P))
+def test_one_worker_policies_split_a_partial_batch_as_tf(policy):
+    """TF rebatches on one worker too: DATA (and AUTO without files) cuts each batch in
+    ceil(B/N) chunks; OFF, FILE and HINT cut the row stream by batch_sizes_for_worker, so a
+    partial batch fills the first replicas (checked against TF in test_one_worker_tf_split)."""
     s = mirrored(4)
-    dataset = s.experimental_make_numpy_dataset(np.arange(7.0)).batch(7)
-    options = jdist.InputOptions(auto_shard_policy=policy)
-    (batch,) = list(s.experimental_distribute_dataset(dataset, options))
-    (default,) = list(s.experimental_distribute_dataset(dataset))
-    assert [np.asarray(x).tolist() for x in s.experimental_local_results(batch)] == [
-        [0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0]] == [
-            np.asarray(x).tolist() for x in s.experimental_local_results(default)]
+    dataset = s.experimental_make_numpy_dataset(np.arange(18.0)).batch(7)  # 7, 7, 4.
+    full = [[[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0]],
+            [[7.0, 8.0], [9.0, 10.0], [11.0, 12.0], [13.0]]]
+    last = ([[14.0, 15.0], [16.0, 17.0], [], []] if policy in (P.OFF, P.FILE, P.HINT)
+            else [[14.0], [15.0], [16.0], [17.0]])
+    assert _steps(s, dataset, jdist.InputOptions(auto_shard_policy=policy)) == full + [last]
+
+
+@pytest.mark.parametrize("policy", [None] + list(P))
+def test_one_replica_is_never_rebatched(policy):
+    s = mirrored(1)
+    dataset = s.experimental_make_numpy_dataset(np.arange(10.0)).batch(4)
+    assert _steps(s, dataset, jdist.InputOptions(auto_shard_policy=policy)) == [
+        [[0.0, 1.0, 2.0, 3.0]], [[4.0, 5.0, 6.0, 7.0]], [[8.0, 9.0]]]
 
 
 def test_tf_dataset_policy():
@@ -288,3 +318,39 @@ def test_too_few_files_is_tf_s_error(tmp_path):
                                     _TwoWorkers)
     with pytest.raises(tf.errors.InvalidArgumentError, match="not enough"):
         list(share.pipeline.open())
+
+
+def _policy_dataset(tf, dataset, policy):
+    if policy is None:
+        return dataset
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy(
+        int(policy))
+    return dataset.with_options(options)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("name, policy", [
+    ("files", None), ("files", P.DATA), ("files", P.OFF), ("range", None), ("range", P.OFF),
+    ("range", P.FILE), ("range", P.HINT), ("range", P.DATA), ("static", P.OFF),
+    ("static", None)])
+def test_one_worker_tf_split(n, name, policy, tmp_path):
+    """jdist's MirroredStrategy against TF's on one worker, per step and replica: TF's rebatch
+    (OFF, FILE, HINT, AUTO on files) and its legacy one (DATA, AUTO without files)."""
+    tf = pytest.importorskip("tensorflow")
+    from _tf_reference import strategies
+    s, tf_strategy = strategies(n)
+    if tf_strategy is None:
+        pytest.skip("TensorFlow's devices were configured before this test.")
+    path = str(tmp_path / "rows.tfrecord")
+    with tf.io.TFRecordWriter(path) as writer:
+        for i in range(18):
+            writer.write(tf.io.serialize_tensor(tf.constant(i, tf.int64)).numpy())
+    dataset = {"files": tf.data.TFRecordDataset([path]).map(
+                   lambda r: tf.ensure_shape(tf.io.parse_tensor(r, tf.int64), [])).batch(7),
+               "range": tf.data.Dataset.range(18).batch(7),
+               "static": tf.data.Dataset.range(20).batch(6, drop_remainder=True)}[name]
+    dataset = _policy_dataset(tf, dataset, policy)
+    want = [[np.asarray(x).tolist() for x in tf_strategy.experimental_local_results(b)]
+            for b in tf_strategy.experimental_distribute_dataset(dataset)]
+    assert _steps(s, dataset) == want

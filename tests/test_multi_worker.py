@@ -139,13 +139,13 @@ def _check_cross_host(workers, one):
 
 def _expected_shards(policy, workers, per_worker):
     """Per step, each replica's rows of 18 rows batched by 7, as TF shards them (NumPy):
-    one worker: each batch cut over all replicas in ceil(B/N) chunks;
+    one worker (but OFF): each batch cut over all replicas in ceil(B/N) chunks;
     DATA: replica (w, r) gets chunk w + r * W; OFF: worker w cuts the row stream by
     batch_sizes_for_worker (worker 0's sizes rotated by w * R), R sub-batches per step."""
     batches, n = np.split(np.arange(18), [7, 14]), workers * per_worker
     chunks = [[b[j * -(-len(b) // n):(j + 1) * -(-len(b) // n)] for j in range(n)]
               for b in batches]
-    if workers == 1:
+    if workers == 1 and policy != "OFF":  # OFF rebatches the row stream on one worker too.
         return [dict(enumerate(c)) for c in chunks]
     if policy == "DATA":
         return [{w * per_worker + r: c[w + r * workers] for w in range(workers)
@@ -165,8 +165,8 @@ def _expected_shards(policy, workers, per_worker):
 
 def _check_auto_shard(workers, one):
     """AutoShardPolicy OFF / DATA / AUTO and the default (AUTO, = DATA for a NumpyDataset) on 2
-    workers x 2 replicas give TF's rows; on one process (1 x 4) every policy is a no-op; FILE
-    raises on 2 (a NumpyDataset reads no files)."""
+    workers x 2 replicas give TF's rows, and on one process (1 x 4), where OFF still rebatches
+    the row stream; FILE raises on 2 (a NumpyDataset reads no files)."""
     for policy in ("OFF", "DATA", "AUTO", "None"):  # None: TF's default AUTO.
         tf_policy = "DATA" if policy in ("AUTO", "None") else policy
         for runs, shape in (([one], (1, 4)), (workers, (2, 2))):

@@ -19,9 +19,11 @@ or, when none is asked for, TF's default ``AUTO``:
   of ``B / N``, worker 0's list rotated by ``w * R``), as a stream of rows (``unbatch`` then
   ``batch`` cycling through the sizes). Each global batch therefore spans ``W`` steps on every
   worker, and every worker processes every row.
-* ``FILE`` / ``HINT``: TF rewrites the graph at its file readers (``SHARD_HINT``
-  placeholders); a `NumpyDataset` or an iterable has none, so TF's iterator fails
-  ("unshardable source"): jdist raises when the dataset is distributed.
+* ``FILE``: TF rewrites the graph at its file readers; a `NumpyDataset` or an iterable has
+  none, so across workers TF's iterator fails ("unshardable source") and jdist raises when the
+  dataset is distributed; on one worker TF skips the rewrite, which leaves ``OFF``'s rebatch.
+* ``HINT``: TF shards at the ``SHARD_HINT`` placeholders of a tf.data graph; data without any
+  is not sharded, which leaves ``OFF``'s rebatch.
 
 A ``tf.data`` dataset whose rows TF shards by data (``DATA``, or ``AUTO`` on a graph without
 file readers, `reads_files`) is split like the others, with no exchange per step. Otherwise (a
@@ -30,7 +32,12 @@ auto-sharded by TF itself (the same ``rebatch`` and ``auto_shard_dataset`` as TF
 ``input_lib``), so the file sharding, its fallback to data and TF's errors (too few files for
 the workers) are TF's own, and the workers keep in step as ``PER_WORKER`` pipelines do.
 
-With one worker every policy is a no-op, as in TF.
+With one worker TF still rebatches, so the policy still matters there: ``DATA`` and ``AUTO``
+without files split each global batch as above (in order), while ``OFF``, ``FILE`` and
+``HINT``, and ``AUTO`` on a tf.data graph with readers, cut the row stream by
+``batch_sizes_for_worker(B, 1, N, 0)``: a partial last batch of 4 rows on 4 replicas of a
+``B = 7`` dataset gives ``[r r] [r r] [] []``, not ``[r] [r] [r] [r]``. One replica is never
+rebatched.
 """
 
 import enum
@@ -228,7 +235,8 @@ class Share(NamedTuple):
 
 def worker_share(source, asked: Optional[AutoShardPolicy], extended) -> Share:
     """This worker's share of ``experimental_distribute_dataset``'s data, as TF's ``input_lib``
-    gives it (see the module doc).
+    gives it (see the module doc): on one worker too, where TF still rebatches (its ``OFF`` /
+    ``FILE`` rebatch splits a partial batch unlike the ``DATA`` one).
 
     Args:
       source: the dataset's `input_batches.Source`.
@@ -237,15 +245,15 @@ def worker_share(source, asked: Optional[AutoShardPolicy], extended) -> Share:
 
     Raises:
       InvalidArgumentError: see `effective_policy`; workers with different replica counts;
-        ``FILE`` / ``HINT`` on data without files; ``OFF`` on an iterable without a declared
-        full batch size (`off_batch_rows`).
+        ``FILE`` across workers on data without files; ``OFF`` across workers on an iterable
+        without a declared full batch size (`off_batch_rows`).
     """
     workers, index = extended.input_pipeline()
-    if workers == 1:  # TF shards only across workers.
+    local = len(extended.local_replica_ids())
+    if local * workers == 1:  # TF neither rebatches nor shards for one replica.
         return Share()
     on_dataset = tf_dataset_policy(source.dataset) if source.is_tf else None
     policy = effective_policy(asked, on_dataset)
-    local = len(extended.local_replica_ids())
     if local * workers != len(extended.replica_devices):
         raise errors.InvalidArgumentError(
             f"auto-sharding (AutoShardPolicy.{policy.name}) needs the same number of replicas "
@@ -258,13 +266,15 @@ def worker_share(source, asked: Optional[AutoShardPolicy], extended) -> Share:
     if source.is_tf:
         dataset = _tf_worker_dataset(source.dataset, asked, workers, local, index)
         return Share(pipeline=input_batches.Source(dataset, "experimental_distribute_dataset"))
-    if policy in (AutoShardPolicy.FILE, AutoShardPolicy.HINT):
+    if policy is AutoShardPolicy.FILE and workers > 1:
         raise errors.InvalidArgumentError(
-            f"AutoShardPolicy.{policy.name} shards tf.data pipelines at their file readers"
-            f"{' (SHARD_HINT placeholders)' if policy is AutoShardPolicy.HINT else ''}; a "
+            f"AutoShardPolicy.FILE shards tf.data pipelines at their file readers; a "
             f"{type(source.dataset).__name__} reads no files, so TF's iterator would fail "
             "('unshardable source'). Use AutoShardPolicy.DATA (TF's AUTO gives it here) or "
             "OFF, or read each worker's own data with distribute_datasets_from_function.")
+    # OFF; HINT (data without SHARD_HINT: nothing to shard); FILE on one worker (TF skips it).
+    if workers == 1 and source.static_rows() is None:
+        return Share()  # TF's legacy rebatch of each batch: the split of one process.
     rows = off_batch_rows(source)
 
     def rebatched():

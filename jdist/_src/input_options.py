@@ -92,10 +92,11 @@ class InputOptions:
         zero-padded to the size of a full batch, so one program serves every batch, and the
         step must mask the padding itself with ``get_replica_context().row_mask()`` /
         ``valid_rows`` (``reduce(axis=0)``, ``gather`` and ``all_gather`` skip it).
-      auto_shard_policy: how ``experimental_distribute_dataset`` shards its data across
-        workers, a `jdist.AutoShardPolicy` (TF keeps it in ``tf.data.Options``, which jdist
-        also reads). None (default): the tf.data dataset's own policy, else TF's default
-        ``AUTO`` (`jdist._src.auto_shard`; no effect on one worker).
+      auto_shard_policy: how ``experimental_distribute_dataset`` rebatches its data and
+        shards it across workers, a `jdist.AutoShardPolicy` (TF keeps it in
+        ``tf.data.Options``, which jdist also reads). None (default): the tf.data dataset's
+        own policy, else TF's default ``AUTO`` (`jdist._src.auto_shard`; on one worker it
+        still decides how a partial batch is split).
     """
 
     def __init__(self, experimental_fetch_to_device=None,
