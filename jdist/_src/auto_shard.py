@@ -303,8 +303,11 @@ def reads_files(dataset) -> bool:
       False
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    graph = tf.compat.v1.GraphDef.FromString(
-        dataset._as_serialized_graph().numpy())  # pylint: disable=protected-access
+    try:
+        graph = tf.compat.v1.GraphDef.FromString(
+            dataset._as_serialized_graph().numpy())  # pylint: disable=protected-access
+    except Exception:  # pylint: disable=broad-except  # Not serialisable: TF's rewrite decides.
+        return True
     ops = [n.op for n in graph.node] + [n.op for f in graph.library.function for n in f.node_def]
     return "Placeholder" in ops or any(_READER_OPS.fullmatch(op) for op in ops)
 
