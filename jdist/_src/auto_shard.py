@@ -205,9 +205,9 @@ def off_batch_rows(source) -> int:
     one it declares (a `NumpyDataset`'s ``batch``).
 
     Raises:
-      InvalidArgumentError: no full batch size is known. TF would then fall back to its legacy
-        rebatch, which jdist does not reproduce for Python data, so it refuses rather than
-        guess.
+      InvalidArgumentError: no full batch size is known. Across workers TF would then fall
+        back to its legacy rebatch, which jdist does not reproduce for Python data, so it
+        refuses rather than guess (on one worker that rebatch is the plain split).
     """
     rows = source.static_rows()
     if rows is None:
@@ -275,15 +275,21 @@ def worker_share(source, asked: Optional[AutoShardPolicy], extended) -> Share:
     # OFF; HINT (data without SHARD_HINT: nothing to shard); FILE on one worker (TF skips it).
     if workers == 1 and source.static_rows() is None:
         return Share()  # TF's legacy rebatch of each batch: the split of one process.
+    return Share(pipeline=_rebatched_source(source, workers, local, index))
+
+
+def _rebatched_source(source, num_workers, replicas_per_worker, worker_index):
+    """``OFF``'s per-replica batches of a `NumpyDataset` or an iterable, as a source."""
     rows = off_batch_rows(source)
 
     def rebatched():
         batches = source.open()
         try:
-            yield from rebatched_for_worker(batches, workers, local, index, rows)
+            yield from rebatched_for_worker(batches, num_workers, replicas_per_worker,
+                                            worker_index, rows)
         finally:
             batches.close()
-    return Share(pipeline=input_batches.Source(rebatched, "experimental_distribute_dataset"))
+    return input_batches.Source(rebatched, "experimental_distribute_dataset")
 
 
 # TF's file readers (`kReaderDatasetOps` of its auto_shard rewrite), matched in any version.
