@@ -354,3 +354,15 @@ def test_one_worker_tf_split(n, name, policy, tmp_path):
     want = [[np.asarray(x).tolist() for x in tf_strategy.experimental_local_results(b)]
             for b in tf_strategy.experimental_distribute_dataset(dataset)]
     assert _steps(s, dataset) == want
+    assert _optional_steps(s, dataset) == _optional_steps(tf_strategy, dataset)
+
+
+def _optional_steps(strategy, dataset):
+    """Every step ``get_next_as_optional`` hands over (trailing rounds included), per replica."""
+    iterator, steps = iter(strategy.experimental_distribute_dataset(dataset)), []
+    while True:
+        optional = iterator.get_next_as_optional()
+        if not optional.has_value():
+            return steps
+        steps.append([np.asarray(x).tolist()
+                      for x in strategy.experimental_local_results(optional.get_value())])
