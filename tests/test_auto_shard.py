@@ -13,6 +13,13 @@ from jdist._src import input_batches
 from jdist._src.auto_shard import AutoShardPolicy as P
 from jdist.testing import mirrored
 
+try:  # TF's logical devices are configured when _tf_reference is imported, before any TF op.
+    import tensorflow  # noqa: F401
+except ImportError:
+    strategies = None
+else:
+    from _tf_reference import strategies
+
 
 @pytest.mark.parametrize("batch, workers, replicas, index, sizes", [
     (7, 2, 2, 0, [2, 2, 2, 1]), (7, 2, 2, 1, [2, 1, 2, 2]),  # TF's docstring example.
@@ -338,7 +345,6 @@ def test_one_worker_tf_split(n, name, policy, tmp_path):
     """jdist's MirroredStrategy against TF's on one worker, per step and replica: TF's rebatch
     (OFF, FILE, HINT, AUTO on files) and its legacy one (DATA, AUTO without files)."""
     tf = pytest.importorskip("tensorflow")
-    from _tf_reference import strategies
     s, tf_strategy = strategies(n)
     if tf_strategy is None:
         pytest.skip("TensorFlow's devices were configured before this test.")

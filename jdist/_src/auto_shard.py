@@ -42,7 +42,6 @@ rebatched.
 
 import enum
 import itertools
-import re
 from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import jax
@@ -292,30 +291,30 @@ def _rebatched_source(source, num_workers, replicas_per_worker, worker_index):
     return input_batches.Source(rebatched, "experimental_distribute_dataset")
 
 
-# TF's file readers (`kReaderDatasetOps` of its auto_shard rewrite), matched in any version.
-_READER_OPS = re.compile(r"(ArrayRecordDataset|FixedLengthRecordDataset|RecordIODataset|"
-                         r"SSTableDataset|TextLineDataset|TFRecordDataset)(V\d+)?")
+# TF's file readers (`kReaderDatasetOps` of its auto_shard rewrite; versions share the prefix)
+# and its other file-sharding pattern, a Placeholder source.
+_FILE_SHARDING_OPS = (b"ArrayRecordDataset", b"FixedLengthRecordDataset", b"RecordIODataset",
+                      b"SSTableDataset", b"TextLineDataset", b"TFRecordDataset", b"Placeholder")
 
 
 def reads_files(dataset) -> bool:
-    """Whether TF's ``AUTO`` might shard the ``tf.data`` ``dataset`` by file: its graph (or a
-    function in it, an ``interleave``'s say) has one of TF's reader ops, or a ``Placeholder``
-    source (TF's other file-sharding pattern). Without either TF's file sharding finds nothing
-    and ``AUTO`` shards by data; with one, TF's own rewrite decides (`worker_share`).
+    """Whether TF's ``AUTO`` might shard the ``tf.data`` ``dataset`` by file: its serialised
+    graph (functions included, an ``interleave``'s say) names one of TF's reader ops or a
+    ``Placeholder``. Without any TF's file sharding finds nothing and ``AUTO`` shards by
+    data; with one (or a name that only looks like one, in a string constant), TF's own rewrite
+    decides (`worker_share`). The bytes are searched, not parsed: an in-memory dataset's graph
+    holds its data.
 
     Example:
       >>> import tensorflow as tf  # doctest: +SKIP
       >>> reads_files(tf.data.Dataset.range(8).batch(4))  # doctest: +SKIP
       False
     """
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     try:
-        graph = tf.compat.v1.GraphDef.FromString(
-            dataset._as_serialized_graph().numpy())  # pylint: disable=protected-access
+        graph = dataset._as_serialized_graph().numpy()  # pylint: disable=protected-access
     except Exception:  # pylint: disable=broad-except  # Not serialisable: TF's rewrite decides.
         return True
-    ops = [n.op for n in graph.node] + [n.op for f in graph.library.function for n in f.node_def]
-    return "Placeholder" in ops or any(_READER_OPS.fullmatch(op) for op in ops)
+    return any(op in graph for op in _FILE_SHARDING_OPS)
 
 
 def _tf_worker_dataset(dataset, asked, num_workers, replicas_per_worker, worker_index):
