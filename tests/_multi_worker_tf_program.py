@@ -34,6 +34,8 @@ def datasets(tf, files):
                 {"x": tf.range(22, dtype=tf.float32), "y": tf.range(22) % 3}).batch(6),
             "files": records.batch(4),  # FILE: worker 1 reads one file of three, ends first.
             "files_data": with_policy(records.batch(4), policy.DATA),
+            # Only file 1's rows pass: worker 0's pipeline (files 0 and 2) yields no batch.
+            "files_one_worker_empty": records.filter(lambda r: r // 100 == 1).batch(2),
             "static": tf.data.Dataset.range(20).batch(6, drop_remainder=True)}
 
 

@@ -188,6 +188,22 @@ class Source:
                    for x in flat]
         return tf.nest.pack_sequence_as(specs, structs)
 
+    def empty_spec(self):
+        """A tf.data source's element spec with TF's dummy dimensions (unknown ones 0, as
+        ``input_lib._dummy_tensor_fn`` makes them): the structure of the empty batches a worker
+        whose pipeline yielded nothing gives its replicas. None for other sources (or an
+        element of unknown rank)."""
+        if not self.is_tf:
+            return None
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        specs = self._obj.element_spec
+        flat = tf.nest.flatten(specs)
+        if not all(isinstance(x, tf.TensorSpec) and x.shape.rank is not None for x in flat):
+            return None
+        structs = [jax.ShapeDtypeStruct(tuple(0 if d is None else d for d in x.shape.as_list()),
+                                        x.dtype.as_numpy_dtype) for x in flat]
+        return tf.nest.pack_sequence_as(specs, structs)
+
     def _tf_shapes(self):
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
         shapes = []

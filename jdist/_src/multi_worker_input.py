@@ -154,6 +154,8 @@ class _Lockstep:
     def _known_template(self):
         if self._template is None:
             first = self._source.first()  # A declared spec, or the first batch (if any).
+            if first is None:  # tf.data: TF's dummies from its element spec.
+                first = self._source.empty_spec()
             self._template = None if first is None else _template(first)
         return self._template
 
