@@ -334,7 +334,8 @@ class GlobalBatchSplitter:
         self.placer = placer
         self.n = placer.n
         self.rows = None if full_rows is None else -(-full_rows // self.n)
-        self.order = order
+        self._chunks = range(self.n) if order is None else list(order)  # Replica i's chunk.
+        self._stacked = slice(None) if order is None else list(order)  # The same, as an index.
 
     def __call__(self, batch):
         leaves, tree = jax.tree_util.tree_flatten(batch)
@@ -352,11 +353,11 @@ class GlobalBatchSplitter:
         if placer.plain or (n == 1 and (size == rows or not placer.pad)):
             parts = [placer.whole(a) for a in leaves]
         elif size == n * rows:  # A full batch: a free reshape, no padding, lengths None.
-            order = slice(None) if self.order is None else list(self.order)
-            parts = [(a.reshape((n, rows) + a.shape[1:])[order], None, STACKED) for a in leaves]
+            parts = [(a.reshape((n, rows) + a.shape[1:])[self._stacked], None, STACKED)
+                     for a in leaves]
         else:
             bounds = [(min(i * per_replica, size), min((i + 1) * per_replica, size))
-                      for i in (range(n) if self.order is None else self.order)]
+                      for i in self._chunks]
             parts = [placer.split([a[lo:hi] for lo, hi in bounds], rows) for a in leaves]
         return jax.tree_util.tree_unflatten(tree, placer.place(parts))
 
