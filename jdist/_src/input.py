@@ -110,7 +110,8 @@ class _GlobalPlan:
         self.placer = _placer(strategy, options)
         self.full_rows = source.static_rows()
         self.order = order  # Replica i's chunk of each batch (`auto_shard.chunk_order`).
-        self.blocks = None if order else _block_feed(strategy, source, self.placer)
+        # Only ever with several workers, where no process holds whole batches: no blocks.
+        self.blocks = _block_feed(strategy, source, self.placer)
 
     def open(self):
         splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows, self.order)

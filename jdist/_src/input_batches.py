@@ -179,26 +179,24 @@ class Source:
         return False
 
     def _tf_static_spec(self):
-        import tensorflow as tf  # pylint: disable=import-outside-toplevel
-        specs = self._obj.element_spec
-        flat = tf.nest.flatten(specs)
-        if not all(isinstance(x, tf.TensorSpec) and x.shape.is_fully_defined() for x in flat):
-            return None
-        structs = [jax.ShapeDtypeStruct(tuple(x.shape.as_list()), x.dtype.as_numpy_dtype)
-                   for x in flat]
-        return tf.nest.pack_sequence_as(specs, structs)
+        return self._tf_spec(unknown_as_zero=False)
 
     def empty_spec(self):
         """A tf.data source's element spec with TF's dummy dimensions (unknown ones 0, as
         ``input_lib._dummy_tensor_fn`` makes them): the structure of the empty batches a worker
         whose pipeline yielded nothing gives its replicas. None for other sources (or an
         element of unknown rank)."""
-        if not self.is_tf:
-            return None
+        return self._tf_spec(unknown_as_zero=True) if self.is_tf else None
+
+    def _tf_spec(self, unknown_as_zero):
+        """The tf.data element spec as ``jax.ShapeDtypeStruct`` s: unknown dimensions 0 when
+        ``unknown_as_zero``, else None unless every shape is fully defined."""
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
         specs = self._obj.element_spec
         flat = tf.nest.flatten(specs)
-        if not all(isinstance(x, tf.TensorSpec) and x.shape.rank is not None for x in flat):
+        known = (lambda x: x.shape.rank is not None) if unknown_as_zero else (
+            lambda x: x.shape.is_fully_defined())
+        if not all(isinstance(x, tf.TensorSpec) and known(x) for x in flat):
             return None
         structs = [jax.ShapeDtypeStruct(tuple(0 if d is None else d for d in x.shape.as_list()),
                                         x.dtype.as_numpy_dtype) for x in flat]

@@ -183,9 +183,10 @@ class Strategy(TF1Methods):
 
         Returns:
           A tuple with one entry per local replica. A nest gives one copy of itself per
-          replica of this worker (``num_replicas_in_sync`` on one worker) with each distributed leaf replaced by that replica's component
-          (plain leaves are repeated), as TF does; a plain value gives a 1-tuple. Components
-          are read from their own devices, without a gather.
+          replica of this worker (``num_replicas_in_sync`` on one worker) with each
+          distributed leaf replaced by that replica's component (plain leaves are repeated),
+          as TF does; a plain value gives a 1-tuple. Components are read from their own
+          devices, without a gather.
 
         Example:
           >>> import jdist
