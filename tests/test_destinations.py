@@ -17,7 +17,7 @@ from jdist import errors
 from jdist._src import cross_host
 from jdist._src import destinations
 from jdist._src import devices
-from jdist.testing import mirrored, per_replica
+from jdist.testing import REPLICA_COUNTS, mirrored, per_replica
 
 FakeDevice = collections.namedtuple("FakeDevice", "process_index platform id")
 FAKES = [FakeDevice(p, "cpu", 10 * p + i) for p in range(3) for i in range(2)]
@@ -111,3 +111,23 @@ def test_remote_array_as_destination_and_tensor():
 
 def test_one_process_places_without_agreement():
     assert not cross_host.active() and not cross_host.is_global(jnp.ones(2))
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+def test_a_merge_functions_value_is_a_destination(n):
+    # TF takes a tensor as destinations; on one replica merge_fn's value is one (here traced),
+    # on several a PerReplica: either stands for the strategy's devices.
+    s = mirrored(n)
+    comps = [np.float32([1, 2]) * (r + 1) for r in range(n)]
+    v = per_replica(s, comps) if n > 1 else comps[0]
+
+    def step(x):
+        return jdist.get_replica_context().merge_call(lambda st, v: (
+            st.extended.reduce_to("SUM", v, destinations=v),
+            st.extended.batch_reduce_to("MEAN", [(v, v), (v, v)])), args=(x,))
+    total, means = s.run(step, args=(v,))
+    for got in s.experimental_local_results(total):
+        np.testing.assert_array_equal(got, np.sum(comps, axis=0))
+    for mean in means:
+        for got in s.experimental_local_results(mean):
+            np.testing.assert_array_equal(got, np.mean(comps, axis=0))

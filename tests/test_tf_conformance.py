@@ -150,6 +150,39 @@ def test_gather(n, dtype):
                        known_dtypes(dtype))
 
 
+def gather_along(how, strategy, value, axis, get_replica_context):
+    """``strategy.gather`` (``how`` "gather") or the replica context's ``all_gather`` of ``value``
+    along ``axis``."""
+    if how == "gather":
+        return strategy.gather(value, axis=axis)
+    return strategy.run(lambda x: get_replica_context().all_gather(x, axis), args=(value,))
+
+
+@pytest.mark.parametrize("ops", [None, "ReductionToOneDevice"])
+@pytest.mark.parametrize("axis", [-1, -2, 1])
+@pytest.mark.parametrize("dtype", ["float32", "int32", "float16"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_gather_along_a_negative_axis(n, dtype, axis, ops):
+    # TF's default ops on several devices gather all but int32 values with CollectiveAllReduce,
+    # which raises on a negative axis; ReductionToOneDevice concatenates along it.
+    strategy, tf_strategy = both(n)
+    if ops is not None:
+        strategy = jdist.MirroredStrategy(strategy.extended.worker_devices,
+                                          cross_device_ops=jdist.ReductionToOneDevice())
+        tf_strategy = reduction_to_one_device(n)
+    rows = [np.arange(6, dtype=dtype).reshape(2, 3) + 10 * i for i in range(n)]
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: rows[ctx.replica_id_in_sync_group])
+    tf_value = tf_strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(rows[ctx.replica_id_in_sync_group]))
+    for how in ["gather", "all_gather"]:
+        assert_matches(
+            outcome(strategy, lambda: gather_along(how, strategy, value, axis,
+                                                   jdist.get_replica_context)),
+            outcome(tf_strategy, lambda: gather_along(how, tf_strategy, tf_value, axis,
+                                                      tf.distribute.get_replica_context)))
+
+
 @pytest.mark.xfail(strict=True, reason=INT64_IS_INT32)
 def test_int64_batches_keep_their_dtype():
     strategy, tf_strategy = both(2)
@@ -215,6 +248,12 @@ REPLICA_OUTPUTS = {
         lambda s, v: s.reduce("MEAN", v, axis=0), args=(x,)),
     "merge_reduce_sums": lambda ops, ctx, x: ctx.merge_call(
         lambda s, v: s.reduce("SUM", v, axis=None), args=(weighted(ops, ctx, x),)),
+    "merge_reduce_to": lambda ops, ctx, x: ctx.merge_call(  # On one replica: a plain tensor.
+        lambda s, v: s.extended.reduce_to("SUM", v, destinations=v),
+        args=(weighted(ops, ctx, x),)),
+    "merge_batch_reduce_to": lambda ops, ctx, x: ctx.merge_call(
+        lambda s, v: s.extended.batch_reduce_to("MEAN", [(v, v), (v, v)]),
+        args=(weighted(ops, ctx, x),)),
     "merge_returns_per_replica": lambda ops, ctx, x: ctx.merge_call(
         lambda s, v: v, args=(weighted(ops, ctx, x),)),
 }

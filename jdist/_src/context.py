@@ -494,6 +494,7 @@ class ReplicaContext:
         self._require_current("all_gather")
         packing.as_options(options)
         host_values.check_arrays(value, "all_gather")
+        self._strategy.extended.check_gather_axis(value, axis, "all_gather")
         if self._binding is None or self.num_replicas_in_sync == 1:
             return self._collectives.all_gather(value, axis)
         return self._binding.each_own(value, lambda own: self._collectives.all_gather(own, axis))

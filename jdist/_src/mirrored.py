@@ -53,8 +53,10 @@ class MirroredExtended(StrategyExtended):
         self._run = self._runner.run  # `run`'s path on every step: one Python frame fewer.
         # None picks the backend's all-reduce; the strategy's mesh serves ops on its devices.
         self._cross_device_ops = cross_device_ops_lib.resolve(cross_device_ops, self._devices)
-        # TF's default all-reduces batch_reduce_to results onto every replica device.
-        self._batch_reduce_to_every_device = cross_device_ops is None and len(self._devices) > 1
+        # TF's default on several devices is CollectiveAllReduce: it all-reduces batch_reduce_to
+        # results onto every replica device, and gathers all but int32 values itself.
+        self._tf_collective_ops = cross_device_ops is None and len(self._devices) > 1
+        self._batch_reduce_to_every_device = self._tf_collective_ops
         replica_mesh.register(self._programs)
         self._mirrored_target = destinations.mirrored_on(self._devices)
 
@@ -76,6 +78,10 @@ class MirroredExtended(StrategyExtended):
 
     def _reduce_per_replica(self, op, value, axes):
         return self._cross_device_ops.reduce_to_mesh(self._programs, op, value, axes)
+
+    def _gathers_by_collective_ops(self, dtype):
+        # TF's MirroredStrategy hands int32 values to ReductionToOneDevice.
+        return self._tf_collective_ops and dtype != np.int32
 
     def _gather_per_replica(self, value, axis):
         return self._programs.gather(value.stacked, axis, value.lengths)

@@ -91,6 +91,10 @@ class MultiWorkerExtended(MirroredExtended):
         if cluster.num_workers > 1:  # "/job:worker/task:1/device:CPU:0" names worker 1's device.
             devices_lib.register_cluster(cluster.tasks)
 
+    def _gathers_by_collective_ops(self, dtype):
+        # TF's multi-worker strategy gathers every dtype with its collective ops.
+        return self._num_replicas > 1
+
     @property
     def should_checkpoint(self):
         """True on the chief (worker 0 when there is no chief): only it saves checkpoints."""

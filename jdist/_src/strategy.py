@@ -153,6 +153,7 @@ class Strategy(TF1Methods):
           The gathered array (a nest for a nest).
         """
         context.require_cross_replica(self, "strategy.gather")
+        self._extended.check_gather_axis(value, axis, "strategy.gather")
         return jax.tree_util.tree_map(lambda v: self._gather_value(v, axis), value,
                                       is_leaf=is_distributed)
 

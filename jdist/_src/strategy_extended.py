@@ -142,6 +142,38 @@ class StrategyExtended:
         valid = None if lengths is None else jnp.asarray(lengths)
         return collectives.stacked_reduce(op, stacked, axes, valid)
 
+    def check_gather_axis(self, value: PyTree, axis: int, what: str) -> None:
+        """Raises where TF's own gather of ``value`` fails on a negative ``axis``.
+
+        TF's ``CollectiveAllReduce`` moves the gathered axis first with ``range(axis)``, which
+        fails on a negative axis; ``ReductionToOneDevice`` concatenates, which takes one. Which
+        of the two gathers a value is the strategy's (`_gathers_by_collective_ops`).
+
+        Args:
+          value: what ``what`` gathers (a nest of arrays or `DistributedValues`).
+          axis: the axis it was given.
+          what: the call, for the message (``"strategy.gather"``, ``"all_gather"``).
+
+        Raises:
+          InvalidArgumentError: ``axis`` is negative and TF gathers a leaf of ``value`` with
+            its collective ops.
+        """
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or axis >= 0:
+            return
+        for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
+            one = leaf.values[0] if is_distributed(leaf) else leaf  # One replica's value.
+            if hasattr(one, "dtype") and self._gathers_by_collective_ops(np.dtype(one.dtype)):
+                raise errors.InvalidArgumentError(
+                    f"{what}(axis={axis}): TensorFlow gathers this value with its collective "
+                    "ops (CollectiveAllReduce), which raise on a negative axis. Count it from "
+                    f"the front: axis={axis % max(np.ndim(one), 1)} for this rank-{np.ndim(one)} "
+                    "value.")
+
+    def _gathers_by_collective_ops(self, dtype: np.dtype) -> bool:
+        """Whether TF gathers a value of ``dtype`` with ``CollectiveAllReduce``: not with one
+        device and no cross-device ops (the default strategy, `OneDeviceStrategy`)."""
+        return False
+
     def _gather_per_replica(self, value, axis):
         return jnp.concatenate(value.values, axis=axis)
 
@@ -259,8 +291,10 @@ class StrategyExtended:
         return self._place(tensor, self._target(destinations))
 
     def _target(self, destinations):
-        """``destinations`` resolved: a `DistributedValues` stands for the strategy's devices."""
-        if isinstance(destinations, DistributedValues):
+        """``destinations`` resolved: a `DistributedValues` stands for the strategy's devices, as
+        does a traced array (a merge function's value on one replica): it lives on the devices of
+        the program that traces it, the strategy's."""
+        if isinstance(destinations, (DistributedValues, jax.core.Tracer)):
             return self._mirrored_target
         return destinations_lib.resolve(destinations)
 
