@@ -281,3 +281,49 @@ def test_bfloat16_sums_round_every_partial_sum(n, path):
     want = numpy_bfloat16_sum(comps, 0 if path == "reduce_rows" else None)
     assert jnp.asarray(got).dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(np.float32))
+
+
+# TF's MirroredStrategy reduces an int32 value with a ReductionToOneDevice of its own, and
+# refuses a batch (all_reduce of a nest, batch_reduce_to) in which that is not every value's ops.
+INT32_BATCHES = {
+    "all_reduce": lambda s, v: s.run(
+        lambda x: jdist.get_replica_context().all_reduce("sum", (x, x * 2)), args=(v,)),
+    "batch_reduce_to": lambda s, v: s.extended.batch_reduce_to("sum", [(v, v), (v, "CPU:0")]),
+}
+
+
+@pytest.mark.parametrize("how", list(INT32_BATCHES))
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_batch_with_an_int32_value_raises_as_in_tf(n, how):
+    with jax.enable_x64(True):
+        s = mirrored(n)
+        v = per_replica(s, [np.int32([r, 1]) for r in range(n)]) if n > 1 else jnp.int32([0, 1])
+        with pytest.raises(errors.InvalidArgumentError, match="Inputs to batch_reduce_to"):
+            INT32_BATCHES[how](s, v)
+
+
+@pytest.mark.parametrize("how", list(INT32_BATCHES))
+@pytest.mark.parametrize("n", [1, 3])
+def test_without_x64_an_int32_batch_is_tfs_int64_one(n, how):
+    # Without x64 JAX holds TF's int64 values as int32; TF reduces int64 batches.
+    s = mirrored(n)
+    comps = [np.int32([r, 1]) for r in range(n)]
+    v = per_replica(s, comps) if n > 1 else jnp.asarray(comps[0])
+    first = INT32_BATCHES[how](s, v)[0]
+    for got in s.experimental_local_results(first):
+        np.testing.assert_array_equal(got, np.sum(comps, axis=0))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_batch_of_one_int32_value_or_of_floats_goes_on(n):
+    with jax.enable_x64(True):
+        s = mirrored(n)
+        comps = [np.int32([r, 1]) for r in range(n)]
+        v = per_replica(s, comps) if n > 1 else jnp.asarray(comps[0])
+        one, = s.extended.batch_reduce_to("sum", [(v, v)])
+        floats = s.run(lambda x: jdist.get_replica_context().all_reduce(
+            "sum", (x.astype(jnp.float32), x.astype(jnp.float32) * 2)), args=(v,))
+        for got in s.experimental_local_results(one):
+            np.testing.assert_array_equal(got, np.sum(comps, axis=0))
+        for got in s.experimental_local_results(floats[1]):
+            np.testing.assert_array_equal(got, 2 * np.sum(comps, axis=0))

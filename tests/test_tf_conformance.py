@@ -379,6 +379,39 @@ def test_integer_mean_with_x64_is_tfs_float64(n, axis):
                 outcome(tf_strategy, lambda: tf_strategy.reduce("MEAN", tf_element, axis=axis)))
 
 
+def int_batch(how, strategy, value, get_replica_context, destination):
+    """A nest of two integer values all-reduced (``how`` "all_reduce"), or a batch_reduce_to of
+    two pairs; the second result."""
+    if how == "all_reduce":
+        return strategy.run(lambda x: get_replica_context().all_reduce("SUM", (x, x * 2)),
+                            args=(value,))[1]
+    return strategy.extended.batch_reduce_to("SUM", [(value, value), (value, destination)])[1]
+
+
+@pytest.mark.parametrize("how", ["all_reduce", "batch_reduce_to"])
+@pytest.mark.parametrize("x64", [False, True])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_batch_with_an_int32_value(n, x64, how):
+    """TF reduces an int32 value with a ReductionToOneDevice of its own and refuses a batch of
+    values whose ops differ; with x64 jdist's int32 is TF's, and raises too. Without x64 it may
+    be TF's int64, whose batch TF reduces: jdist gives those numbers (as int32)."""
+    strategy, tf_strategy = both(n)
+    rows = [np.array([r, 2 * r + 1]) for r in range(n)]
+    tf_dtype = tf.int32 if x64 else tf.int64
+    tf_value = tf_strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(rows[ctx.replica_id_in_sync_group], tf_dtype))
+    with jax.enable_x64(x64):
+        value = strategy.experimental_distribute_values_from_function(
+            lambda ctx: rows[ctx.replica_id_in_sync_group].astype(np.int32))
+        assert_matches(
+            outcome(strategy, lambda: int_batch(how, strategy, value,
+                                                jdist.get_replica_context, "CPU:0")),
+            outcome(tf_strategy, lambda: int_batch(how, tf_strategy, tf_value,
+                                                   tf.distribute.get_replica_context,
+                                                   "/device:CPU:0")),
+            {np.dtype("int64"): np.dtype("int32")} if not x64 else None)
+
+
 @pytest.mark.parametrize("as_float", [False, True])
 @pytest.mark.parametrize("n", COUNTS)
 def test_all_reduce_of_the_row_count(n, as_float):

@@ -463,11 +463,13 @@ class ReplicaContext:
           the nest itself, dtypes included (TF's: a MEAN of integers stays integer there).
 
         Example (with two replicas):
-          replica 0 ``{'a': 1, 'b': [40, 1]}`` and replica 1 ``{'a': 3, 'b': [2, 98]}`` give
-          ``{'a': 4, 'b': [42, 99]}`` for SUM and ``{'a': 2, 'b': [21, 49.5]}`` for MEAN.
+          replica 0 ``{'a': 1., 'b': [40., 1.]}`` and replica 1 ``{'a': 3., 'b': [2., 98.]}``
+          give ``{'a': 4., 'b': [42., 99.]}`` for SUM and ``{'a': 2., 'b': [21., 49.5]}`` for
+          MEAN. A nest is one batch, as in TF (`StrategyExtended.check_batch_reduce`).
         """
         self._require_current("all_reduce")
         op = ReduceOp.from_any(reduce_op)
+        self._strategy.extended.check_batch_reduce(value, "all_reduce")  # A nest is one batch.
         check_reducible(op, value)
         if self.num_replicas_in_sync == 1:  # TF: one replica's value reduces to itself, dtype
             return jax.tree_util.tree_map(jnp.asarray, value)  # too (an int MEAN stays int).

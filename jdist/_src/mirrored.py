@@ -38,6 +38,7 @@ class MirroredExtended(StrategyExtended):
     # TF's MirroredStrategy runs merge_fn on another thread than the replica's, outside its
     # gradient tape; OneDeviceStrategy's runs inline, where gradients flow (`merge`).
     _gradients_through_merge_call = False
+    _ops_per_value = True  # TF's MirroredStrategy: int32 values go to ReductionToOneDevice.
 
     def __init__(self, container_strategy, devices, cross_device_ops=None):
         super().__init__(container_strategy, devices)

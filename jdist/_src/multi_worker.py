@@ -79,6 +79,7 @@ class MultiWorkerExtended(MirroredExtended):
     """
 
     _mesh_class = MultiProcessMesh
+    _ops_per_value = False  # TF's collective strategy all-reduces every value alike.
 
     def __init__(self, container_strategy, devices, cluster, options):
         super().__init__(container_strategy, devices)

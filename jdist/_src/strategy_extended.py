@@ -51,6 +51,8 @@ class StrategyExtended:
     _cross_device_ops: Optional[cross_device_ops_lib.CrossDeviceOps] = None
     # Whether batch_reduce_to puts every result on every replica device (TF's default ops).
     _batch_reduce_to_every_device: bool = False
+    # Whether TF's strategy picks its cross-device ops value by value (`check_batch_reduce`).
+    _ops_per_value: bool = False
     #: The ``jax.sharding.Mesh`` of the replicas; None for the default strategy (no mesh).
     mesh: Optional[jax.sharding.Mesh] = None
     #: Whether this process writes checkpoints / summaries and initialises state (TF): true on
@@ -160,14 +162,43 @@ class StrategyExtended:
         """
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or axis >= 0:
             return
-        for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
-            one = leaf.values[0] if is_distributed(leaf) else leaf  # One replica's value.
+        for one in _one_replica_values(value):
             if hasattr(one, "dtype") and self._gathers_by_collective_ops(np.dtype(one.dtype)):
                 raise errors.InvalidArgumentError(
                     f"{what}(axis={axis}): TensorFlow gathers this value with its collective "
                     "ops (CollectiveAllReduce), which raise on a negative axis. Count it from "
                     f"the front: axis={axis % max(np.ndim(one), 1)} for this rank-{np.ndim(one)} "
                     "value.")
+
+    def check_batch_reduce(self, values: Sequence, what: str) -> None:
+        """Raises where TF's ``batch_reduce_to`` of ``values`` fails before reducing them, as
+        ``all_reduce`` of a nest does (TF all-reduces a nest's leaves in one batch).
+
+        Args:
+          values: the values reduced in one batch (a nest's leaves, or the pairs' values).
+          what: the call, for the message.
+
+        Raises:
+          InvalidArgumentError: TF's strategy picks its cross-device ops value by value
+            (`_ops_per_value`, its ``MirroredStrategy``) and ``values`` holds two or more arrays
+            of which one is int32: each int32 value gets a new ``ReductionToOneDevice``, not the
+            others' ops, and TF refuses the batch. Without ``jax_enable_x64`` an int32 array may
+            hold TF's int64 values, which TF reduces in a batch to these very numbers, so the
+            batch goes on. A Python number (``x.shape[0]``) goes on too: TF raises on one (it
+            has no dtype), but the same number as a tensor (``tf.shape(x)[0]``), which a ported
+            loop passes there, reduces to jdist's result.
+        """
+        if not self._ops_per_value:
+            return
+        ones = [x for x in _one_replica_values(values) if hasattr(x, "dtype")]
+        if (len(ones) > 1 and jax.config.jax_enable_x64
+                and any(np.dtype(x.dtype) == np.int32 for x in ones)):
+            raise errors.InvalidArgumentError(
+                f"{what} of {len(ones)} values, some int32: TensorFlow's MirroredStrategy "
+                "raises there (\"Inputs to batch_reduce_to must be either all on the host or "
+                "all on the compute devices\"; it reduces int32 values with another "
+                "cross-device ops object). Reduce each int32 value in a call of its own, or "
+                "cast it to float32.")
 
     def _gathers_by_collective_ops(self, dtype: np.dtype) -> bool:
         """Whether TF gathers a value of ``dtype`` with ``CollectiveAllReduce``: not with one
@@ -258,6 +289,7 @@ class StrategyExtended:
         op = ReduceOp.from_any(reduce_op)
         pairs = cross_device_ops_lib.check_pairs(value_destination_pairs)
         check_reducible(op, [value for value, _ in pairs])
+        self.check_batch_reduce([value for value, _ in pairs], "extended.batch_reduce_to")
         targets = [self._target(d) for _, d in pairs]
         if self._batch_reduce_to_every_device:
             targets = [self._mirrored_target] * len(pairs)
@@ -445,3 +477,10 @@ class _OneReplica(ReplicaCollectives):
 def _short(value):
     text = repr(value)
     return text if len(text) < 60 else text[:57] + "..."
+
+
+def _one_replica_values(value: PyTree) -> list:
+    """One replica's value of each leaf of ``value`` (a nest of arrays, numbers or
+    `DistributedValues`): where dtypes and ranks are read."""
+    return [leaf.values[0] if is_distributed(leaf) else leaf
+            for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed)]
