@@ -3,7 +3,8 @@
 (and a ``distribute_datasets_from_function`` one) read to its end with ``get_next_as_optional``, writing per step this worker's replicas' values,
 each leaf's all-reduced sum, the gathered global batch, and the dataset's cardinality, to
 ``<out>.<worker>`` as JSON; then values from a function, of a different length per replica,
-and TF's custom training loop over a partial last batch (``_training``, to within float
+gathers along a negative axis (TF's collective ops raise for every dtype), and TF's custom
+training loop over a partial last batch (``_training``, to within float
 rounding: TF's matmul and XLA's may round differently).
 
 Usage: ``python _multi_worker_tf_program.py tf|jdist OUT FILE...`` (``tf`` reads ``TF_CONFIG``;
@@ -88,6 +89,27 @@ def jdist_training(tf, strategy, np):
     return {"losses": losses, "w": np.asarray(w).ravel().tolist()}
 
 
+def negative_axis_gathers(strategy, context, compiled, np):
+    """``gather`` and ``all_gather`` along axis -1 of int32 and float32 values: TF's collective
+    ops (every dtype, across workers) raise; the other axes' results for comparison."""
+    results = {}
+    for dtype in ("int32", "float32"):
+        value = strategy.experimental_distribute_values_from_function(
+            lambda ctx, dtype=dtype: np.arange(6, dtype=dtype).reshape(2, 3)
+            + ctx.replica_id_in_sync_group)
+        for axis in (-1, 1):
+            gathered = compiled(lambda v, axis=axis: strategy.run(
+                lambda v: context().all_gather(v + 0, axis), args=(v,)))  # TF: not an input.
+            calls = {"gather": lambda: strategy.gather(value, axis),
+                     "all_gather": lambda: strategy.experimental_local_results(gathered(value))}
+            for name, call in calls.items():
+                try:
+                    results[f"{name} {dtype} {axis}"] = np.asarray(call()).tolist()
+                except Exception:  # noqa: BLE001 - whether it raises is what is compared.
+                    results[f"{name} {dtype} {axis}"] = "raises"
+    return results
+
+
 def main():
     mode, out, files = sys.argv[1], sys.argv[2], sys.argv[3:]
     import numpy as np  # pylint: disable=import-outside-toplevel
@@ -144,6 +166,7 @@ def main():
         "reduce": host(strategy.reduce("sum", ragged, axis=0)),
         "reduce_mean": host(strategy.reduce("mean", ragged, axis=0)),
         "all_gather": [host(v) for v in strategy.experimental_local_results(gathered(ragged))]}
+    results["negative_axis"] = negative_axis_gathers(strategy, context, compiled, np)
     results["_training"] = (tf_training if mode == "tf" else jdist_training)(tf, strategy, np)
     ext, resolver = strategy.extended, strategy.cluster_resolver
     results["surface"] = {
