@@ -389,6 +389,8 @@ def _per_worker(s, jdist, np):
         lambda: s.run(lambda x: x + 1, args=(np.full((3,), worker, np.float32),)),
         lambda: s.run(lambda x, y: x * y, args=(np.ones(2, np.float32), 0.5 + worker)),
         lambda: s.run(lambda x: x * 2, args=(_disagreeing(s, worker),)),
+        # TF takes a plain value as this worker's; on two replicas per worker: refused.
+        lambda: s.reduce("mean", np.float32(worker), axis=None),
         (lambda: s.run(lambda x: x - 1, args=(np.ones(4, np.float32),))) if worker == 0 else
         (lambda: next(iter(s.distribute_datasets_from_function(dataset_fn, padded)))),
     ]

@@ -1,11 +1,12 @@
 """One program run as TF's ``MultiWorkerMirroredStrategy`` (``tf``) and as jdist's (``jdist``),
 2 workers x 1 CPU replica each, by ``test_multi_worker_tf.py``: every distributed dataset below
-(and a ``distribute_datasets_from_function`` one) read to its end with ``get_next_as_optional``, writing per step this worker's replicas' values,
-each leaf's all-reduced sum, the gathered global batch, and the dataset's cardinality, to
-``<out>.<worker>`` as JSON; then values from a function, of a different length per replica,
-gathers along a negative axis (TF's collective ops raise for every dtype), and TF's custom
-training loop over a partial last batch (``_training``, to within float
-rounding: TF's matmul and XLA's may round differently).
+(and a ``distribute_datasets_from_function`` one) read to its end with ``get_next_as_optional``,
+writing per step this worker's replicas' values, each leaf's all-reduced sum, the gathered global
+batch, and the dataset's cardinality, to ``<out>.<worker>`` as JSON; then values from a function,
+of a different length per replica, gathers along a negative axis (TF's collective ops raise for
+every dtype), plain values reduced and gathered across workers (each worker's own), and TF's
+custom training loop over a partial last batch (``_training``, to within float rounding: TF's
+matmul and XLA's may round differently).
 
 Usage: ``python _multi_worker_tf_program.py tf|jdist OUT FILE...`` (``tf`` reads ``TF_CONFIG``;
 ``jdist`` is started by ``python -m jdist.launch``).
@@ -110,6 +111,25 @@ def negative_axis_gathers(strategy, context, compiled, np):
     return results
 
 
+def plain_values(strategy, context, compiled, np, worker):
+    """A plain (non-distributed) array that differs between workers, one that does not, and the
+    plain result of a merge_call, reduced (SUM / MEAN, axis None / 0) and gathered in the
+    cross-replica context: TF takes each as this worker's one replica value."""
+    mine, same = np.float32([1.0 + worker, 10.0]), np.float32([3.0, 4.0])
+    merged = compiled(lambda v: strategy.run(lambda x: context().merge_call(
+        lambda s, y: s.reduce("SUM", y, None), args=(x + 0,)), args=(v,)))(
+            strategy.experimental_distribute_values_from_function(
+                lambda ctx: np.float32([ctx.replica_id_in_sync_group, 5.0])))
+    results = {}
+    for name, value in {"mine": mine, "same": same, "merged": merged}.items():
+        for op in ("SUM", "MEAN"):
+            for axis in (None, 0):
+                results[f"{op} {name} {axis}"] = np.asarray(
+                    strategy.reduce(op, value, axis=axis)).tolist()
+        results[f"gather {name}"] = np.asarray(strategy.gather(value, 0)).tolist()
+    return results
+
+
 def main():
     mode, out, files = sys.argv[1], sys.argv[2], sys.argv[3:]
     import numpy as np  # pylint: disable=import-outside-toplevel
@@ -167,6 +187,7 @@ def main():
         "reduce_mean": host(strategy.reduce("mean", ragged, axis=0)),
         "all_gather": [host(v) for v in strategy.experimental_local_results(gathered(ragged))]}
     results["negative_axis"] = negative_axis_gathers(strategy, context, compiled, np)
+    results["plain_values"] = plain_values(strategy, context, compiled, np, worker)
     results["_training"] = (tf_training if mode == "tf" else jdist_training)(tf, strategy, np)
     ext, resolver = strategy.extended, strategy.cluster_resolver
     results["surface"] = {

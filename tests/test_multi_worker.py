@@ -226,14 +226,16 @@ def _check_exact(one):
 def _check_per_worker(workers):
     """PER_WORKER pipelines of 3 and 5 per-replica batches of 2 rows on 2 workers x 2 replicas:
     3 steps, the worker out of data takes part with empty batches; host values that differ
-    between workers and workers out of step raise the same typed error on both."""
+    between workers, a plain value reduced across workers with two replicas each, and workers
+    out of step raise the same typed error on both."""
     w0, w1 = (w["_per_worker"] for w in workers)
     assert w0 == w1
     assert w0["steps"] == [
         [[0, 1, 2, 3, 10, 11, 12, 13], [], 52.0],
         [[4, 5, 14, 15, 16, 17], [2, 0, 2, 2], 71.0],
         [[18, 19], [0, 0, 2, 0], 37.0]]
-    uneven, array, number, disagreeing, out_of_step = w0["errors"]
+    uneven, array, number, disagreeing, plain, out_of_step = w0["errors"]
+    assert plain[0] == "InvalidArgumentError" and "several replicas per worker" in plain[1]
     assert disagreeing[0] == "UnevenValuesError" and "see differently" in disagreeing[1]
     assert uneven is None  # The same batches, ragged: gathered exactly.
     assert w0["exact_steps"] == [step[0] for step in w0["steps"]]

@@ -20,6 +20,7 @@ import atexit
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jdist._src import cross_host
@@ -35,6 +36,9 @@ from jdist._src import uneven_multi_worker
 from jdist._src.cluster_resolver import TFConfigClusterResolver
 from jdist._src.mirrored import MirroredExtended
 from jdist._src.strategy import Strategy
+from jdist._src.run_arguments import SCALARS
+from jdist._src.values import ARRAYS
+from jdist._src.values import DistributedValues
 from jdist._src.values import PerReplica
 from jdist._src.watchdog import Watchdog
 
@@ -95,6 +99,23 @@ class MultiWorkerExtended(MirroredExtended):
     def _gathers_by_collective_ops(self, dtype):
         # TF's multi-worker strategy gathers every dtype with its collective ops.
         return self._num_replicas > 1
+
+    def as_worker_value(self, value):
+        """A non-distributed array or number reduced or gathered across several workers is this
+        worker's value, as in TF (its collective ops take a plain tensor as the worker's one
+        replica value): a `PerReplica` of it on one replica per worker; refused on several."""
+        if self._cluster.num_workers == 1 or isinstance(value, DistributedValues):
+            return value
+        if isinstance(value, jax.core.Tracer) or not isinstance(value, (*ARRAYS, *SCALARS)):
+            return value  # A merge function's traced value; None, objects: the usual rules.
+        if len(self._local_ids) != 1:
+            raise errors.InvalidArgumentError(
+                f"a non-distributed value ({type(value).__name__}) reduced or gathered across "
+                "workers with several replicas per worker: TF takes it as this worker's value, "
+                "and its result then depends on the call (a SUM along an axis counts it once per "
+                "local replica). Pass a PerReplica instead, e.g. "
+                "strategy.experimental_distribute_values_from_function(lambda ctx: value).")
+        return self._distribute_components([jnp.asarray(value)])
 
     @property
     def should_checkpoint(self):

@@ -158,6 +158,7 @@ class Strategy(TF1Methods):
                                       is_leaf=is_distributed)
 
     def _gather_value(self, value, axis):
+        value = self._extended.as_worker_value(value)
         if isinstance(value, Mirrored):
             value = PerReplica._from_stacked(
                 jnp.broadcast_to(value.value, (value.num_replicas,) + value.value.shape))

@@ -144,6 +144,12 @@ class StrategyExtended:
         valid = None if lengths is None else jnp.asarray(lengths)
         return collectives.stacked_reduce(op, stacked, axes, valid)
 
+    def as_worker_value(self, value: Any) -> Any:
+        """``value`` as TF's strategy takes a non-distributed value that the cross-replica
+        context reduces or gathers: here the same value on every replica, as it is (under
+        `MultiWorkerMirroredStrategy` across workers, this worker's value)."""
+        return value
+
     def check_gather_axis(self, value: PyTree, axis: int, what: str) -> None:
         """Raises where TF's own gather of ``value`` fails on a negative ``axis``.
 
@@ -254,6 +260,7 @@ class StrategyExtended:
         context.require_cross_replica(self._container_strategy_ref, "extended.reduce_to")
         op = ReduceOp.from_any(reduce_op)
         check_reducible(op, value)
+        value = self.as_worker_value(value)
         unreduced = _unreduced(op, value)
         if unreduced is not _REDUCE:  # Before the destinations are read, as in TF.
             return unreduced
@@ -289,6 +296,7 @@ class StrategyExtended:
         op = ReduceOp.from_any(reduce_op)
         pairs = cross_device_ops_lib.check_pairs(value_destination_pairs)
         check_reducible(op, [value for value, _ in pairs])
+        pairs = [(self.as_worker_value(value), d) for value, d in pairs]
         self.check_batch_reduce([value for value, _ in pairs], "extended.batch_reduce_to")
         targets = [self._target(d) for _, d in pairs]
         if self._batch_reduce_to_every_device:
@@ -357,6 +365,7 @@ class StrategyExtended:
         """The reduce rules of ``docs/semantics.md`` for one value (not a nest)."""
         n = self._num_replicas
         asked = op
+        value = self.as_worker_value(value)
         if n == 1 and axis is None:  # TF returns one replica's value as it is (an int MEAN
             op = ReduceOp.SUM        # stays int): the sum of one value.
         if isinstance(value, PerReplica):
