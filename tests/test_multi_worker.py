@@ -102,6 +102,30 @@ def test_two_workers_equal_one_process(tmp_path):
     print(f"2x2: {workers[0]['_seconds']:.1f} s, 1x4: {one['_seconds']:.1f} s")
 
 
+def test_a_plain_value_is_each_workers_own(tmp_path):
+    """TF's multi-worker strategy takes a plain array or number that the cross-replica context
+    reduces or gathers as this worker's value: 2 workers x 1 replica, against NumPy."""
+    out = str(tmp_path / "values")
+    launcher = _start([sys.executable, "-m", "jdist.launch", "--nproc", "2", "--devices-per-proc",
+                       "1", os.path.join(HERE, "_worker_values_program.py"), out], _env(1))
+    logs = _finish([launcher], TIMEOUT)
+    assert launcher.returncode == 0, logs
+    got = [json.load(open(f"{out}.{w}", encoding="utf-8")) for w in range(2)]
+    assert got[0] == got[1]  # Every worker gets the result.
+    per_worker = {"mine": [np.float32([1, 10]), np.float32([2, 10])],
+                  "same": [np.float32([3, 4])] * 2, "number": [np.float32(2), np.float32(3)],
+                  "merged": [np.float32([1, 10])] * 2}  # The merge's SUM of [0, 5] and [1, 5].
+    for name, (a, b) in per_worker.items():
+        expected = {f"reduce SUM {name} None": a + b, f"reduce MEAN {name} None": (a + b) / 2,
+                    f"reduce_to SUM {name}": [a + b], f"reduce_to MEAN {name}": [(a + b) / 2]}
+        if name != "number":
+            expected.update({f"reduce SUM {name} 0": a.sum() + b.sum(),
+                             f"reduce MEAN {name} 0": (a.sum() + b.sum()) / (a.size + b.size),
+                             f"gather {name}": np.concatenate([a, b])})
+        for case, want in expected.items():
+            np.testing.assert_array_equal(got[0][case], want, err_msg=case)
+
+
 def _cross_host_expected():
     """The reduce_to / broadcast_to cases of ``_cross_host``, computed in NumPy: (where the
     result lies (replica indices, "all": Mirrored), its value)."""

@@ -1,0 +1,38 @@
+"""Plain (non-distributed) values reduced and gathered across 2 workers x 1 replica, run by
+``test_multi_worker.py``: each is this worker's value, as in TF's MultiWorkerMirroredStrategy.
+Writes ``<out>.<worker>`` as JSON: per case, this worker's result.
+
+Usage: ``python -m jdist.launch --nproc 2 --devices-per-proc 1 _worker_values_program.py OUT``.
+"""
+
+import json
+import sys
+
+
+def main(out):
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import jdist  # pylint: disable=import-outside-toplevel
+    s = jdist.MultiWorkerMirroredStrategy()
+    worker = s.extended.worker_index
+    replica = s.experimental_distribute_values_from_function(
+        lambda ctx: np.float32([ctx.replica_id_in_sync_group, 5.0]))
+    merged = s.run(lambda x: jdist.get_replica_context().merge_call(  # A plain result.
+        lambda strategy, y: strategy.reduce("SUM", y, None), args=(x,)), args=(replica,))
+    values = {"mine": np.float32([1.0 + worker, 10.0]), "same": np.float32([3.0, 4.0]),
+              "number": 2.0 + worker, "merged": merged}
+    results = {}
+    for name, value in values.items():
+        for op in ("SUM", "MEAN"):
+            for axis in (None, 0) if name != "number" else (None,):
+                results[f"reduce {op} {name} {axis}"] = np.asarray(
+                    s.reduce(op, value, axis=axis)).tolist()
+            results[f"reduce_to {op} {name}"] = [np.asarray(v).tolist() for v in (
+                s.experimental_local_results(s.extended.reduce_to(op, value, replica)))]
+        if name != "number":
+            results[f"gather {name}"] = np.asarray(s.gather(value, 0)).tolist()
+    with open(f"{out}.{worker}", "w", encoding="utf-8") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
