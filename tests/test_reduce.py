@@ -230,16 +230,37 @@ BOOL_REDUCTIONS = {
 }
 
 
-@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("n", [n for n in REPLICA_COUNTS if n > 1])
 @pytest.mark.parametrize("op", ["sum", "mean"])
 @pytest.mark.parametrize("how", sorted(BOOL_REDUCTIONS))
 def test_bool_reduction_raises(n, op, how):
     # TF adds the replicas' values (add_n), which has no bool kernel: bool SUM (and MEAN) raise.
     s = mirrored(n)
     comps = [np.array([True, i % 2 == 0]) for i in range(n)]
-    v = per_replica(s, comps) if n > 1 else comps[0]
     with pytest.raises(errors.UnsupportedValueError, match="bool"):
-        BOOL_REDUCTIONS[how](s, op, v)
+        BOOL_REDUCTIONS[how](s, op, per_replica(s, comps))
+
+
+ADDING_ON_ONE_REPLICA = ("reduce_axis0", "cross_device_ops")
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "one device", "default"])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("how", sorted(BOOL_REDUCTIONS))
+def test_one_replica_hands_bools_back_where_it_adds_nothing(strategy, op, how):
+    # On one replica TF adds nothing (the value comes back) except along an axis (reduce_sum)
+    # and in cross-device ops called directly.
+    s = {"mirrored": mirrored(1), "one device": jdist.OneDeviceStrategy("cpu:0"),
+         "default": jdist.get_strategy()}[strategy]
+    value = np.array([True, False])
+    if how in ADDING_ON_ONE_REPLICA:
+        with pytest.raises(errors.UnsupportedValueError, match="bool"):
+            BOOL_REDUCTIONS[how](s, op, value)
+        return
+    got = BOOL_REDUCTIONS[how](s, op, value)
+    for result in got if isinstance(got, list) else [got]:
+        np.testing.assert_array_equal(np.asarray(result), value)
+        assert np.asarray(result).dtype == np.bool_
 
 
 # ------------------------------------------- bfloat16: TF rounds every cross-replica partial sum

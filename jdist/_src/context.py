@@ -470,7 +470,7 @@ class ReplicaContext:
         self._require_current("all_reduce")
         op = ReduceOp.from_any(reduce_op)
         self._strategy.extended.check_batch_reduce(value, "all_reduce")  # A nest is one batch.
-        check_reducible(op, value)
+        check_reducible(op, value, adds=self.num_replicas_in_sync > 1)
         if self.num_replicas_in_sync == 1:  # TF: one replica's value reduces to itself, dtype
             return jax.tree_util.tree_map(jnp.asarray, value)  # too (an int MEAN stays int).
         if self._binding is None:

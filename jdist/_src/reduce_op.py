@@ -46,17 +46,19 @@ class ReduceOp(enum.Enum):
         raise errors.InvalidArgumentError(f"{op!r} is not a valid ReduceOp; use {hint}.")
 
 
-def check_reducible(op, value):
+def check_reducible(op, value, adds: bool = True):
     """Raises `UnsupportedValueError` when ``value`` (a nest) holds bools, which TF cannot reduce,
     or values no device holds (strings, objects: `host_values.is_placeable`).
 
     TF adds the replicas' values (``add_n``), which has no bool kernel, so both SUM and MEAN of
     bool values raise there; every other dtype is summed in its own dtype (a MEAN of integers
-    then divides in a float dtype, `collectives.mean_dtype`).
+    then divides in a float dtype, `collectives.mean_dtype`). Where TF adds nothing (one
+    replica's value handed back as it is), bools pass.
 
     Args:
         op: the `ReduceOp`, for the message.
         value: a nest of arrays, Python scalars or distributed values.
+        adds: whether the reduction adds values (False: one replica, no axis).
 
     Example:
         >>> import numpy as np
@@ -70,7 +72,7 @@ def check_reducible(op, value):
         host_values.check_array(leaf, str(op))
         dtype = getattr(leaf, "dtype", None)
         kind = host_values.dtype_kind(np.asarray(leaf).dtype if dtype is None else dtype)
-        if kind == "bool":
+        if kind == "bool" and adds:
             raise errors.UnsupportedValueError(
                 f"{op} of bool values is not defined (TF raises too: it adds the values); cast "
                 "them to an integer dtype first, e.g. x.astype(jnp.int32).")

@@ -130,7 +130,7 @@ class Strategy(TF1Methods):
         """
         context.require_cross_replica(self, "strategy.reduce")
         op = ReduceOp.from_any(reduce_op)
-        check_reducible(op, value)
+        check_reducible(op, value, adds=self.num_replicas_in_sync > 1 or axis is not None)
         if axis is not None and not _is_single_value(value):
             raise errors.UnsupportedValueError(
                 "strategy.reduce with an axis takes a single value, not a nest; reduce each "

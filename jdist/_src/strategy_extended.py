@@ -259,7 +259,7 @@ class StrategyExtended:
         """
         context.require_cross_replica(self._container_strategy_ref, "extended.reduce_to")
         op = ReduceOp.from_any(reduce_op)
-        check_reducible(op, value)
+        check_reducible(op, value, adds=self._num_replicas > 1)
         value = self.as_worker_value(value)
         unreduced = _unreduced(op, value)
         if unreduced is not _REDUCE:  # Before the destinations are read, as in TF.
@@ -295,7 +295,7 @@ class StrategyExtended:
         context.require_cross_replica(self._container_strategy_ref, "extended.batch_reduce_to")
         op = ReduceOp.from_any(reduce_op)
         pairs = cross_device_ops_lib.check_pairs(value_destination_pairs)
-        check_reducible(op, [value for value, _ in pairs])
+        check_reducible(op, [value for value, _ in pairs], adds=self._num_replicas > 1)
         pairs = [(self.as_worker_value(value), d) for value, d in pairs]
         self.check_batch_reduce([value for value, _ in pairs], "extended.batch_reduce_to")
         targets = [self._target(d) for _, d in pairs]
@@ -305,7 +305,8 @@ class StrategyExtended:
         # TF hands every pair to its cross-device ops' batch_reduce, whose SUM takes a plain
         # value as a one-replica value and adds a Mirrored one's copies (reduce_to raises for
         # both); its MEAN of them is reduce_to's, the value itself. A merge_call view is traced.
-        batch = [] if ops is None else [
+        # One replica's values are handed back as they are (TF adds nothing): reduce_to's.
+        batch = [] if ops is None or self._num_replicas == 1 else [
             i for i, (v, _) in enumerate(pairs)
             if not isinstance(getattr(v, "stacked", v), jax.core.Tracer)
             and (isinstance(v, PerReplica) or op is ReduceOp.SUM)]
