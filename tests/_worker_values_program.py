@@ -1,4 +1,5 @@
-"""Plain (non-distributed) values reduced and gathered across 2 workers x 1 replica, run by
+"""Plain (non-distributed) values, and `Mirrored` ones (TF's are plain tensors with one replica
+per worker), reduced and gathered across 2 workers x 1 replica, run by
 ``test_multi_worker.py``: each is this worker's value, as in TF's MultiWorkerMirroredStrategy.
 Writes ``<out>.<worker>`` as JSON: per case, this worker's result.
 
@@ -18,8 +19,10 @@ def main(out):
         lambda ctx: np.float32([ctx.replica_id_in_sync_group, 5.0]))
     merged = s.run(lambda x: jdist.get_replica_context().merge_call(  # A plain result.
         lambda strategy, y: strategy.reduce("SUM", y, None), args=(x,)), args=(replica,))
-    values = {"mine": np.float32([1.0 + worker, 10.0]), "same": np.float32([3.0, 4.0]),
-              "number": 2.0 + worker, "merged": merged}
+    mine = np.float32([1.0 + worker, 10.0])
+    values = {"mine": mine, "same": np.float32([3.0, 4.0]), "number": 2.0 + worker,
+              "merged": merged, "reduce_to": s.extended.reduce_to("SUM", replica, replica),
+              "broadcast": s.extended.broadcast_to(mine, replica)}  # Mirrored, TF's plain.
     results = {}
     for name, value in values.items():
         for op in ("SUM", "MEAN"):

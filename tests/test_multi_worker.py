@@ -104,7 +104,8 @@ def test_two_workers_equal_one_process(tmp_path):
 
 def test_a_plain_value_is_each_workers_own(tmp_path):
     """TF's multi-worker strategy takes a plain array or number that the cross-replica context
-    reduces or gathers as this worker's value: 2 workers x 1 replica, against NumPy."""
+    reduces or gathers as this worker's value, and with one replica per worker its reduce_to and
+    broadcast_to results are such plain values: 2 workers x 1 replica, against NumPy."""
     out = str(tmp_path / "values")
     launcher = _start([sys.executable, "-m", "jdist.launch", "--nproc", "2", "--devices-per-proc",
                        "1", os.path.join(HERE, "_worker_values_program.py"), out], _env(1))
@@ -114,7 +115,9 @@ def test_a_plain_value_is_each_workers_own(tmp_path):
     assert got[0] == got[1]  # Every worker gets the result.
     per_worker = {"mine": [np.float32([1, 10]), np.float32([2, 10])],
                   "same": [np.float32([3, 4])] * 2, "number": [np.float32(2), np.float32(3)],
-                  "merged": [np.float32([1, 10])] * 2}  # The merge's SUM of [0, 5] and [1, 5].
+                  "merged": [np.float32([1, 10])] * 2,  # The merge's SUM of [0, 5] and [1, 5].
+                  "reduce_to": [np.float32([1, 10])] * 2,
+                  "broadcast": [np.float32([1, 10]), np.float32([2, 10])]}
     for name, (a, b) in per_worker.items():
         expected = {f"reduce SUM {name} None": a + b, f"reduce MEAN {name} None": (a + b) / 2,
                     f"reduce_to SUM {name}": [a + b], f"reduce_to MEAN {name}": [(a + b) / 2]}

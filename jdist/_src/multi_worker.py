@@ -38,7 +38,7 @@ from jdist._src.mirrored import MirroredExtended
 from jdist._src.strategy import Strategy
 from jdist._src.run_arguments import SCALARS
 from jdist._src.values import ARRAYS
-from jdist._src.values import DistributedValues
+from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.watchdog import Watchdog
 
@@ -103,9 +103,15 @@ class MultiWorkerExtended(MirroredExtended):
     def as_worker_value(self, value):
         """A non-distributed array or number reduced or gathered across several workers is this
         worker's value, as in TF (its collective ops take a plain tensor as the worker's one
-        replica value): a `PerReplica` of it on one replica per worker; refused on several."""
-        if self._cluster.num_workers == 1 or isinstance(value, DistributedValues):
+        replica value): a `PerReplica` of it on one replica per worker; refused on several.
+        With one replica per worker TF's `Mirrored` results (``reduce_to``, ``broadcast_to``,
+        ``run``) are such plain tensors too: each worker's copy is its value."""
+        if self._cluster.num_workers == 1 or isinstance(value, PerReplica):
             return value
+        if isinstance(value, Mirrored):
+            if len(self._local_ids) != 1 or isinstance(value.value, jax.core.Tracer):
+                return value  # TF's Mirrored: its MEAN is itself, its SUM refused.
+            value = value.values[0]
         if isinstance(value, jax.core.Tracer) or not isinstance(value, (*ARRAYS, *SCALARS)):
             return value  # A merge function's traced value; None, objects: the usual rules.
         if len(self._local_ids) != 1:
