@@ -113,9 +113,9 @@ def negative_axis_gathers(strategy, context, compiled, np):
 
 def plain_values(strategy, context, compiled, np, worker):
     """A plain (non-distributed) array that differs between workers, one that does not, the
-    plain result of a merge_call, a reduce_to result and a broadcast_to of a worker's own array,
-    reduced (SUM / MEAN, axis None / 0) and gathered in the cross-replica context: TF takes
-    each as this worker's one replica value."""
+    plain result of a merge_call, an all-reduced result of run, a reduce_to result and a
+    broadcast_to of a worker's own array, reduced (SUM / MEAN, axis None / 0) and gathered in
+    the cross-replica context: TF takes each as this worker's one replica value."""
     mine, same = np.float32([1.0 + worker, 10.0]), np.float32([3.0, 4.0])
     replica = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.float32([ctx.replica_id_in_sync_group, 5.0]))
@@ -124,6 +124,8 @@ def plain_values(strategy, context, compiled, np, worker):
     results, values = {}, {
         "mine": mine, "same": same, "merged": merged,
         "reduce_to": strategy.extended.reduce_to("SUM", replica, replica),
+        "all_reduced": compiled(lambda v: strategy.run(
+            lambda x: context().all_reduce("SUM", x * 1.5), args=(v,)))(replica),
         "broadcast": strategy.extended.broadcast_to(mine, replica)}
     for name, value in values.items():
         for op in ("SUM", "MEAN"):

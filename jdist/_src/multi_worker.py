@@ -40,6 +40,7 @@ from jdist._src.run_arguments import SCALARS
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
+from jdist._src.values import is_step_output
 from jdist._src.watchdog import Watchdog
 
 
@@ -105,12 +106,14 @@ class MultiWorkerExtended(MirroredExtended):
         worker's value, as in TF (its collective ops take a plain tensor as the worker's one
         replica value): a `PerReplica` of it on one replica per worker; refused on several.
         With one replica per worker TF's `Mirrored` results (``reduce_to``, ``broadcast_to``,
-        ``run``) are such plain tensors too: each worker's copy is its value."""
+        ``run``) are such plain tensors too: each worker's copy is its value. (``run``'s own
+        results are equal on every worker: they reduce as TF's, with no exchange.)"""
         if self._cluster.num_workers == 1 or isinstance(value, PerReplica):
             return value
         if isinstance(value, Mirrored):
-            if len(self._local_ids) != 1 or isinstance(value.value, jax.core.Tracer):
-                return value  # TF's Mirrored: its MEAN is itself, its SUM refused.
+            if (len(self._local_ids) != 1 or is_step_output(value)
+                    or isinstance(value.value, jax.core.Tracer)):
+                return value  # TF's Mirrored (MEAN: itself, SUM refused), or run's result.
             value = value.values[0]
         if isinstance(value, jax.core.Tracer) or not isinstance(value, (*ARRAYS, *SCALARS)):
             return value  # A merge function's traced value; None, objects: the usual rules.
