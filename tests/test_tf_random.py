@@ -2,9 +2,9 @@
 
 Each seed draws a replica count, a dtype, a shape (empty dimensions included), an op, an axis
 and a way to combine the replicas, builds random per-replica values, and asserts that jdist's
-result (or error) is TF's (`_tf_reference.assert_matches`). TF's strategy uses
+result (or error) is TF's (`_tf_reference.assert_matches`). Both strategies use
 ``ReductionToOneDevice``, the all-reduce whose order of additions jdist follows (docs/design.md,
-section 9). float16 values are integers, whose sums are exact in any order: the order of a
+section 9), and which gathers along a negative axis. float16 values are integers, whose sums are exact in any order: the order of a
 within-replica sum is Eigen's in TF and XLA's in jdist (section 9), and float16 rounds often
 enough to show it. The seeds are fixed, so a failure reproduces with its seed.
 """
@@ -75,7 +75,10 @@ def test_random_combinations_are_tfs(seed):
     strategy, tf_strategy = strategies(n)
     if tf_strategy is None:
         pytest.skip("TensorFlow was initialised before its logical CPU devices were configured.")
-    tf_strategy = reduction_to_one_device(n) if n > 1 else tf_strategy
+    if n > 1:  # Both with ReductionToOneDevice (TF's default takes no negative gather axis).
+        tf_strategy = reduction_to_one_device(n)
+        strategy = jdist.MirroredStrategy(strategy.extended.worker_devices,
+                                          cross_device_ops=jdist.ReductionToOneDevice())
     v = strategy.experimental_distribute_values_from_function(
         lambda ctx: components[ctx.replica_id_in_sync_group])
     tf_v = tf_strategy.experimental_distribute_values_from_function(
