@@ -226,6 +226,8 @@ class OneDeviceStrategy(Strategy):
 
 
 class _OneDeviceExtended(MirroredExtended):
-    """`OneDeviceStrategy`'s: TF runs its merge_fn inline, inside the replica's gradient tape."""
+    """`OneDeviceStrategy`'s: TF runs its merge_fn inline, inside the replica's gradient tape,
+    and hands every value of a batch reduce back as it is (no cross-device ops to pick)."""
 
     _gradients_through_merge_call = True
+    _ops_per_value = False

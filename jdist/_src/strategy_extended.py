@@ -30,6 +30,7 @@ from jdist._src.host_values import check_host_numbers
 from jdist._src.packing import CommunicationOptions
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
+from jdist._src.run_arguments import SCALARS
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
@@ -180,31 +181,36 @@ class StrategyExtended:
         """Raises where TF's ``batch_reduce_to`` of ``values`` fails before reducing them, as
         ``all_reduce`` of a nest does (TF all-reduces a nest's leaves in one batch).
 
+        TF's ``MirroredStrategy`` picks its cross-device ops value by value (`_ops_per_value`),
+        and for an int32 value a new ``ReductionToOneDevice``, not the others' ops: a batch of
+        two or more values with one int32 value among them is refused. (It picks by dtype,
+        which a Python number has not: TF raises there too. jdist reduces one, as TF reduces
+        the same number as a tensor, ``x.shape[0]`` being JAX's ``tf.shape(x)[0]``.)
+
         Args:
           values: the values reduced in one batch (a nest's leaves, or the pairs' values).
           what: the call, for the message.
 
         Raises:
-          InvalidArgumentError: TF's strategy picks its cross-device ops value by value
-            (`_ops_per_value`, its ``MirroredStrategy``) and ``values`` holds two or more arrays
-            of which one is int32: each int32 value gets a new ``ReductionToOneDevice``, not the
-            others' ops, and TF refuses the batch. Without ``jax_enable_x64`` an int32 array may
-            hold TF's int64 values, which TF reduces in a batch to these very numbers, so the
-            batch goes on. A Python number (``x.shape[0]``) goes on too: TF raises on one (it
-            has no dtype), but the same number as a tensor (``tf.shape(x)[0]``), which a ported
-            loop passes there, reduces to jdist's result.
+          InvalidArgumentError: an int32 value among two or more values.
+          X64RequiredError: that without ``jax_enable_x64``, where a JAX int32 may hold TF's
+            int64 values (which TF reduces in a batch).
         """
         if not self._ops_per_value:
             return
-        ones = [x for x in _one_replica_values(values) if hasattr(x, "dtype")]
-        if (len(ones) > 1 and jax.config.jax_enable_x64
-                and any(np.dtype(x.dtype) == np.int32 for x in ones)):
-            raise errors.InvalidArgumentError(
-                f"{what} of {len(ones)} values, some int32: TensorFlow's MirroredStrategy "
-                "raises there (\"Inputs to batch_reduce_to must be either all on the host or "
-                "all on the compute devices\"; it reduces int32 values with another "
-                "cross-device ops object). Reduce each int32 value in a call of its own, or "
-                "cast it to float32.")
+        ones = [x for x in _one_replica_values(values) if not isinstance(x, SCALARS)]
+        if len(ones) < 2 or not any(np.dtype(x.dtype) == np.int32 for x in ones):
+            return
+        refused = (f"{what} of {len(ones)} values, some int32: TensorFlow's MirroredStrategy "
+                   "reduces an int32 value with a ReductionToOneDevice of its own and refuses the "
+                   "batch (\"Inputs to batch_reduce_to must be either all on the host or all on "
+                   "the compute devices\"). Reduce each int32 value in a call of its own, or cast "
+                   "it to float32")
+        if jax.config.jax_enable_x64:
+            raise errors.InvalidArgumentError(refused + ".")
+        raise errors.X64RequiredError(
+            refused + "; if it holds TF's int64 values (which TF reduces in a batch), enable "
+            "64-bit mode (jax.config.update('jax_enable_x64', True)) to keep them int64.")
 
     def _gathers_by_collective_ops(self, dtype: np.dtype) -> bool:
         """Whether TF gathers a value of ``dtype`` with ``CollectiveAllReduce``: not with one
