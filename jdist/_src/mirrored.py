@@ -57,7 +57,6 @@ class MirroredExtended(StrategyExtended):
         # TF's default on several devices is CollectiveAllReduce: it all-reduces batch_reduce_to
         # results onto every replica device, and gathers all but int32 values itself.
         self._tf_collective_ops = cross_device_ops is None and len(self._devices) > 1
-        self._batch_reduce_to_every_device = self._tf_collective_ops
         replica_mesh.register(self._programs)
         self._mirrored_target = destinations.mirrored_on(self._devices)
 

@@ -50,8 +50,9 @@ class StrategyExtended:
 
     # How values are combined across devices; None: the default strategy combines them itself.
     _cross_device_ops: Optional[cross_device_ops_lib.CrossDeviceOps] = None
-    # Whether batch_reduce_to puts every result on every replica device (TF's default ops).
-    _batch_reduce_to_every_device: bool = False
+    # Whether TF's strategy uses its default CollectiveAllReduce (several devices, no ops
+    # given): batch_reduce_to then puts every result on every replica device.
+    _tf_collective_ops: bool = False
     # Whether TF's strategy picks its cross-device ops value by value (`check_batch_reduce`).
     _ops_per_value: bool = False
     #: The ``jax.sharding.Mesh`` of the replicas; None for the default strategy (no mesh).
@@ -169,7 +170,8 @@ class StrategyExtended:
         """
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or axis >= 0:
             return
-        for one in _one_replica_values(value):
+        for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
+            one = leaf.values[0] if is_distributed(leaf) else leaf  # One replica's value.
             if hasattr(one, "dtype") and self._gathers_by_collective_ops(np.dtype(one.dtype)):
                 raise errors.InvalidArgumentError(
                     f"{what}(axis={axis}): TensorFlow gathers this value with its collective "
@@ -198,7 +200,8 @@ class StrategyExtended:
         """
         if not self._ops_per_value:
             return
-        ones = [x for x in _one_replica_values(values) if not isinstance(x, SCALARS)]
+        # A DistributedValues flattens to arrays of its dtype: no per-replica copy is made.
+        ones = [x for x in jax.tree_util.tree_leaves(values) if not isinstance(x, SCALARS)]
         if len(ones) < 2 or not any(np.dtype(x.dtype) == np.int32 for x in ones):
             return
         refused = (f"{what} of {len(ones)} values, some int32: TensorFlow's MirroredStrategy "
@@ -305,7 +308,7 @@ class StrategyExtended:
         pairs = [(self.as_worker_value(value), d) for value, d in pairs]
         self.check_batch_reduce([value for value, _ in pairs], "extended.batch_reduce_to")
         targets = [self._target(d) for _, d in pairs]
-        if self._batch_reduce_to_every_device:
+        if self._tf_collective_ops:
             targets = [self._mirrored_target] * len(pairs)
         ops = self._cross_device_ops
         # TF hands every pair to its cross-device ops' batch_reduce, whose SUM takes a plain
@@ -494,9 +497,3 @@ def _short(value):
     text = repr(value)
     return text if len(text) < 60 else text[:57] + "..."
 
-
-def _one_replica_values(value: PyTree) -> list:
-    """One replica's value of each leaf of ``value`` (a nest of arrays, numbers or
-    `DistributedValues`): where dtypes and ranks are read."""
-    return [leaf.values[0] if is_distributed(leaf) else leaf
-            for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed)]
