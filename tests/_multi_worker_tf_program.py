@@ -71,7 +71,9 @@ def tf_training(tf, strategy, np):
 
 
 def jdist_training(tf, strategy, np):
-    """`tf_training` ported to jdist: the same loop with jax.grad and arrays."""
+    """`tf_training` ported to jdist: the same loop with jax.grad and arrays, its
+    ``train_step`` a `jdist.function` as TF's is a ``tf.function`` (the partial batch runs it as
+    Python, with another worker's replicas held as shapes)."""
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     import jdist  # pylint: disable=import-outside-toplevel
@@ -82,11 +84,15 @@ def jdist_training(tf, strategy, np):
             return jdist.nn.compute_average_loss(per_example, global_batch_size=6)
         loss, grad = jax.value_and_grad(loss_fn)(w)
         return w - 0.1 * jdist.get_replica_context().all_reduce("sum", grad), loss
+    @jdist.function
+    def train_step(w, batch):
+        w, loss = strategy.run(step, args=(w, *batch))
+        return w, strategy.reduce("sum", loss, axis=None)
     w, losses = jnp.zeros((3, 1)), []
     for _ in range(2):
         for batch in strategy.experimental_distribute_dataset(training_data(tf, np)):
-            w, loss = strategy.run(step, args=(w, *batch))
-            losses.append(float(strategy.reduce("sum", loss, axis=None)))
+            w, loss = train_step(w, batch)
+            losses.append(float(loss))
     return {"losses": losses, "w": np.asarray(w).ravel().tolist()}
 
 

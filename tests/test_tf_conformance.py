@@ -473,7 +473,7 @@ def train_tf(tf_strategy):
     return losses, {"w": w.numpy(), "b": b.numpy()}
 
 
-def train_jdist(strategy, source):
+def train_jdist(strategy, source, compiled):
     dataset, rows, w0, b0 = regression_data()
     if source == "numpy":  # Full batches placed in blocks (where they split evenly).
         dataset = strategy.experimental_make_numpy_dataset(rows).batch(GLOBAL_BATCH)
@@ -487,21 +487,28 @@ def train_jdist(strategy, source):
         grads = jdist.get_replica_context().all_reduce("sum", grads)
         return jax.tree.map(lambda p, g: p - LEARNING_RATE * g, params, grads), loss
 
+    def train_step(params, x, y):
+        params, loss = strategy.run(step_fn, args=(params, x, y))
+        return params, strategy.reduce("SUM", loss, axis=None)
+    if compiled:  # As TF's tf.function: jdist.function runs the partial batch as Python.
+        train_step = jdist.function(train_step)
+
     params = {"w": jnp.asarray(w0), "b": jnp.asarray(b0)}
     dist = strategy.experimental_distribute_dataset(dataset)
     losses = []
     for _ in range(EPOCHS):
         for x, y in dist:
-            params, loss = strategy.run(step_fn, args=(params, x, y))
-            losses.append(float(strategy.reduce("SUM", loss, axis=None)))
+            params, loss = train_step(params, x, y)
+            losses.append(float(loss))
     return losses, jdist.to_host(params)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["run", "jdist.function"])
 @pytest.mark.parametrize("source", ["tf.data", "numpy"])
 @pytest.mark.parametrize("n", COUNTS)
-def test_training_loop(n, source):
+def test_training_loop(n, source, compiled):
     strategy, tf_strategy = both(n)
-    losses, params = train_jdist(strategy, source)
+    losses, params = train_jdist(strategy, source, compiled)
     tf_losses, tf_params = train_tf(tf_strategy)
     assert len(tf_losses) == EPOCHS * 5
     np.testing.assert_allclose(losses, tf_losses, rtol=1e-5)

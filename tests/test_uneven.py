@@ -57,9 +57,13 @@ def numpy_step(params, x, y, n):
     return params, losses, total, accuracy
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["run", "jdist.function"])
 @pytest.mark.parametrize("n", REPLICA_COUNTS)
-def test_tf_custom_training_loop_ported_literally_matches_numpy(n):
+def test_tf_custom_training_loop_ported_literally_matches_numpy(n, compiled):
     s = mirrored(n)
+    step = lambda *args: s.run(train_step, args=args)  # noqa: E731
+    if compiled:  # TF's tutorial step is a tf.function; it retraces for the partial batch.
+        step = jdist.function(step)
     rng = np.random.default_rng(n)
     rows = 2 * GLOBAL_BATCH + 3  # The last batch has 3 rows: replicas 3.. of 4 or 8 get none.
     x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
@@ -70,7 +74,7 @@ def test_tf_custom_training_loop_ported_literally_matches_numpy(n):
     reference = {"w": np.zeros((FEATURES, CLASSES)), "b": np.zeros(CLASSES)}
     for i, (xb, yb) in enumerate(dataset):
         rows_i = slice(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)
-        params, loss, grads, accuracy, seen = s.run(train_step, args=(params, xb, yb))
+        params, loss, grads, accuracy, seen = step(params, xb, yb)
         reference, losses, total, want_accuracy = numpy_step(
             reference, x[rows_i].astype(np.float64), y[rows_i], n)
         assert_local_results(s, loss, losses)
@@ -246,15 +250,29 @@ def test_a_collective_inside_scan_with_uneven_inputs_raises():
         s.run(step, args=(v,))
 
 
-def test_run_on_uneven_inputs_inside_a_traced_loop_raises():
+def test_run_on_uneven_values_a_compiled_function_captures_raises():
     s = mirrored(2)
     v = per_replica(s, [np.ones(2), np.ones(1)])
+    with pytest.raises(errors.UnevenValuesError, match="as arguments"):
+        jdist.function(lambda: s.run(lambda x: jnp.sum(x), args=(v,)))()
+
+
+def test_run_on_uneven_values_inside_a_scan_of_a_compiled_function_raises():
+    """Such arguments make jdist.function run its function as Python; a scan there still
+    traces ``run``, which cannot give each replica its own shape."""
+    s = mirrored(2)
+    v = per_replica(s, [np.ones(2), np.ones(1)])
+
+    def loop(w, v):
+        return lax.scan(lambda w, _: (s.run(lambda w, x: w + jnp.sum(x), args=(w, v)), None),
+                        w, None, length=2)[0]
     with pytest.raises(errors.UnevenValuesError, match="pad_partial_batches"):
-        jdist.function(lambda v: s.run(lambda x: jnp.sum(x), args=(v,)))(v)
+        jdist.function(loop)(jnp.float32(0), v)
 
 
 # ----------------------------------------------------------------------- compile once
-def test_a_partial_batch_compiles_once_per_split_not_per_epoch():
+@pytest.mark.parametrize("compiled", [False, True], ids=["run", "jdist.function"])
+def test_a_partial_batch_compiles_once_per_split_not_per_epoch(compiled):
     s = mirrored(4)
     data = np.arange(22, dtype=np.float32)  # Batches of 8, 8 and 6: the last split 2, 2, 2, 0.
     dist = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(data).batch(8))
@@ -263,10 +281,13 @@ def test_a_partial_batch_compiles_once_per_split_not_per_epoch():
     def step(x):
         traces.append(x.shape)
         return jdist.get_replica_context().all_reduce("sum", jnp.sum(x))
+    total = lambda b: s.run(step, args=(b,))  # noqa: E731
+    if compiled:
+        total = jdist.function(total)
     totals, compiles = [], []
     for _ in range(3):
         with count_compiles() as epoch_compiles:
-            totals.append([float(jnp.asarray(s.run(step, args=(b,)))) for b in dist])
+            totals.append([float(jnp.asarray(total(b))) for b in dist])
         compiles.append(len(epoch_compiles))
     assert totals == [[28.0, 92.0, 111.0]] * 3
     assert sorted(set(traces)) == [(0,), (2,)] and len(traces) == 2 + 1  # Full; ceil; empty.

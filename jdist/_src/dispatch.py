@@ -24,6 +24,8 @@ from jax.extend import core
 from jdist._src import batch_blocks
 from jdist._src import context
 from jdist._src import errors
+from jdist._src.values import PerReplica
+from jdist._src.values import is_distributed
 
 
 class DispatchGuard:
@@ -118,10 +120,12 @@ def _wait(arrays):
 
 
 class _FunctionTrace(threading.local):
-    """How many `function` calls are under way on this thread (their traces are guarded)."""
+    """How many `function` calls are under way on this thread (their traces are guarded), and
+    how many of them run their function as Python (arguments of different shapes per replica)."""
 
     def __init__(self):
         self.depth = 0
+        self.as_python = 0
 
 
 _function_trace = _FunctionTrace()
@@ -165,6 +169,14 @@ def check_traced_run(guard):
         return
     if context.in_replica_trace() or context.in_merge():
         return  # Part of a program jdist traces and launches itself.
+    if _function_trace.as_python:
+        raise errors.UnevenValuesError(
+            "strategy.run was traced (inside lax.scan, jax.jit or another transformation) while "
+            "jdist.function ran its function as Python, because its arguments hold per-replica "
+            "values of different shapes (a partial batch), which no compiled program can hold. "
+            "Call strategy.run directly in the function for such a batch, batch the data with "
+            "drop_remainder=True, or opt into padded batches with "
+            "jdist.InputOptions(pad_partial_batches=True) and mask with row_mask().")
     raise errors.UnguardedTraceError(
         "strategy.run was traced inside jax.jit, lax.scan, jax.grad or another JAX "
         "transformation that jdist does not launch. On several CPU devices that program's "
@@ -203,6 +215,12 @@ def function(fun=None, **jit_kwargs):
     On several CPU devices, ``strategy.run`` traced by a plain ``jax.jit`` (or ``lax.scan``,
     ``jax.grad``) outside ``jdist.function`` raises `UnguardedTraceError` instead.
 
+    Arguments holding per-replica values of different shapes (a dataset's last partial batch)
+    have no compiled program (one shape per value): for such a call ``fun`` runs as Python, and
+    each ``strategy.run`` in it computes every replica on its own shapes, as TF's
+    ``tf.function`` retraces for them. A ``strategy.run`` on them that is still traced there
+    (inside ``lax.scan``, an inner ``jax.jit``) raises `UnevenValuesError`.
+
     Args:
       fun: the function to compile (or omit it to use ``jdist.function(**jit_kwargs)`` as a
         decorator factory).
@@ -223,12 +241,17 @@ def function(fun=None, **jit_kwargs):
       ...   return w
       >>> float(two_steps(jnp.float32(0.0)))
       4.0
+      >>> total = jdist.function(lambda x: s.reduce("sum", s.run(jnp.sum, args=(x,)), axis=None))
+      >>> float(total(jdist.PerReplica([jnp.ones(2), jnp.ones(1)])))  # Rows 2 and 1: as Python.
+      3.0
     """
     if fun is None:
         return lambda f: function(f, **jit_kwargs)
 
     @functools.wraps(fun)
     def traced(*args, **kwargs):
+        if _holds_ragged_values((args, kwargs)):
+            raise _RaggedArguments()  # Before ``fun`` is traced: `call` runs it as Python.
         batch_blocks.blocks_read()  # Arguments flattened: what ``fun`` captures reads plainly.
         return fun(*args, **kwargs)
     jitted = jax.jit(traced, **jit_kwargs)
@@ -238,10 +261,19 @@ def function(fun=None, **jit_kwargs):
     blocks = not (jit_kwargs.get("donate_argnums") or jit_kwargs.get("donate_argnames"))
 
     def call(*args, **kwargs):
-        with _inside_function(), batch_blocks.reading_blocks(blocks):
-            if guard.inside_launch():  # Traced by a launch: part of that launch's program.
-                return jitted(*args, **kwargs)
-            return guard.dispatch(lambda: jitted(*args, **kwargs), spans_all_devices=False)
+        try:
+            with _inside_function(), batch_blocks.reading_blocks(blocks):
+                if guard.inside_launch():  # Traced by a launch: part of that launch's program.
+                    return jitted(*args, **kwargs)
+                return guard.dispatch(lambda: jitted(*args, **kwargs), spans_all_devices=False)
+        except (_RaggedArguments, TypeError):
+            # Values of different shapes per replica (a partial batch): no program has them,
+            # so ``fun`` runs as Python for this call and each ``run`` in it computes them
+            # exactly, as TF retraces its function for the new shapes. (Another worker's
+            # replicas, `jax.ShapeDtypeStruct`s, make jax.jit raise TypeError first.)
+            if not _holds_ragged_values((args, kwargs)):
+                raise
+        return _as_python(fun, args, kwargs)
 
     def lower(*args, **kwargs):
         with _inside_function(), batch_blocks.reading_blocks(blocks):
@@ -253,6 +285,33 @@ def function(fun=None, **jit_kwargs):
     call.__name__ = getattr(fun, "__name__", "function")
     call.__doc__ = getattr(fun, "__doc__", None)
     return call
+
+
+def _as_python(fun, args, kwargs):
+    """``fun(*args, **kwargs)`` uncompiled, for `function`'s arguments of different shapes per
+    replica; a ``strategy.run`` traced there raises `UnevenValuesError` (`check_traced_run`)."""
+    _function_trace.as_python += 1
+    try:
+        return fun(*args, **kwargs)
+    finally:
+        _function_trace.as_python -= 1
+
+
+class _RaggedArguments(errors.UnevenValuesError):
+    """Raised while `function` traces arguments with per-replica values of different shapes
+    (`function`'s call then runs the function as Python; what lowers them sees this)."""
+
+    def __init__(self):
+        super().__init__(
+            "per-replica values of different shapes (a partial batch) have no compiled "
+            "program: a program has one shape per value. Call the jdist.function itself (it "
+            "runs its function as Python for such values), or lower it on a full batch.")
+
+
+def _holds_ragged_values(tree):
+    """Whether ``tree`` holds a `PerReplica` whose replicas' values differ in shape (ragged)."""
+    return any(isinstance(leaf, PerReplica) and leaf.ragged
+               for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_distributed))
 
 
 _guards = {}

@@ -447,13 +447,14 @@ class ReplicatedRunner:
 
     def _run_exact(self, cache, in_tree, call, leaves):
         """``run`` on ragged inputs: every replica computes with its own shapes (`uneven`)."""
-        if call.tracing:
+        if call.tracing or dispatch.under_a_trace():  # Values captured by a trace too.
             raise errors.UnevenValuesError(
                 "strategy.run got per-replica values of different shapes while being traced "
                 "(inside jax.jit, lax.scan or jdist.function); a traced program has one shape "
-                "per value, so it cannot give each replica its own. Call strategy.run outside "
-                "the jitted function for this batch, batch the data with "
-                "drop_remainder=True, or opt into padded batches with "
+                "per value, so it cannot give each replica its own. Pass the values to "
+                "jdist.function as arguments (it runs its function as Python for such a batch), "
+                "call strategy.run outside the jitted function for this batch, batch the data "
+                "with drop_remainder=True, or opt into padded batches with "
                 "jdist.InputOptions(pad_partial_batches=True) and mask with row_mask().")
         if call.lengths is not None:
             raise errors.InvalidArgumentError(
