@@ -250,6 +250,24 @@ def test_a_collective_inside_scan_with_uneven_inputs_raises():
         s.run(step, args=(v,))
 
 
+@pytest.mark.parametrize("jit_kwargs", [{}, {"static_argnums": 2}, {"donate_argnums": 0}])
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_a_compiled_function_takes_full_and_partial_batches_in_turn(n, jit_kwargs):
+    s = mirrored(n)
+    even = [np.arange(2, dtype=np.float32) + i for i in range(n)]
+    ragged = [np.arange(i % 3, dtype=np.float32) + i for i in range(n)]  # Rows 0, 1, 2, 0, ...
+
+    def total(w, x, k):
+        return s.reduce("sum", s.run(lambda w, x, k: w + k * jnp.sum(x), args=(w, x, k)),
+                        axis=None)
+    compiled = jdist.function(total, **jit_kwargs)
+    for comps in (even, ragged, even, ragged):
+        got = compiled(jnp.float32(1), per_replica(s, comps), 2.0)
+        np.testing.assert_allclose(got, sum(1 + 2 * c.sum() for c in comps), rtol=1e-6)
+    with pytest.raises(errors.UnevenValuesError, match="no compiled program"):
+        compiled.lower(jnp.float32(1), per_replica(s, ragged), 2.0)
+
+
 def test_run_on_uneven_values_a_compiled_function_captures_raises():
     s = mirrored(2)
     v = per_replica(s, [np.ones(2), np.ones(1)])

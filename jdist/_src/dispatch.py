@@ -277,7 +277,10 @@ def function(fun=None, **jit_kwargs):
 
     def lower(*args, **kwargs):
         with _inside_function(), batch_blocks.reading_blocks(blocks):
-            return jitted.lower(*args, **kwargs)
+            try:
+                return jitted.lower(*args, **kwargs)
+            except _RaggedArguments as ragged:
+                raise errors.UnevenValuesError(str(ragged)) from None
 
     call.jitted = jitted
     call.lower = lower
