@@ -20,8 +20,8 @@ On eight simulated CPU devices:
   such API must do per call (`minimal_wrapper`: wait on the previous call's output, as the CPU
   guard must, and wrap each output), its floor on this machine. A call's time varies by hundreds
   of microseconds here, so each end-to-end figure is the median of paired differences (each
-  call minus the raw call made beside it, alternating which goes first) over thousands of calls,
-  with a 95% bootstrap interval.
+  call minus the raw call made beside it, the three in a random order each round) over thousands
+  of calls, with a 95% bootstrap interval.
 
 Each model size runs in the same process, hand-written first; the XLA compile cache is
 per-program, so neither side reuses the other's compile. Missed targets print MISSED.
@@ -147,9 +147,11 @@ def run_overhead(strategy, mesh, leaves):
     calls = {"raw": lambda: raw(plain, x.stacked)[1],
              "floor": lambda: wrapper(plain, x.stacked)[1].value,
              "jdist": lambda: strategy.run(step, args=(params, x))[1].stacked}
-    samples = {name: [] for name in calls}
-    for i in range(CALLS[leaves]):
-        for name in (tuple(calls) if i % 2 else tuple(calls)[::-1]):
+    samples, order = {name: [] for name in calls}, np.random.default_rng(leaves)
+    for _ in range(CALLS[leaves]):
+        # A random order each round: a call made right after the same call runs its program
+        # hot (about 10 us less here), so a fixed or alternating order favours some ways.
+        for name in order.permutation(list(calls)):
             start = time.perf_counter()
             calls[name]().block_until_ready()  # One output, as the CPU guard waits on one.
             samples[name].append(time.perf_counter() - start)
