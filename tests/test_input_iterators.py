@@ -114,9 +114,8 @@ def test_next_while_tracing_is_a_value_error(s, fetch, compile_with):
     assert gathered(s, next(it)).tolist() == [0, 1, 2, 3]  # The iterator is untouched.
 
 
-def test_batches_fetched_outside_and_an_iterator_made_inside_a_trace(s):
-    """What to do instead: pass the batches in (new ones per call); a dataset iterated from
-    its start inside the function is the same data on every call, as in TF."""
+def test_batches_fetched_outside_and_passed_in(s):
+    """What to do instead: pass the batches in (new ones per call)."""
     n = s.num_replicas_in_sync
     dist = dataset(s, size=8 * n, batch=2 * n)  # Even batches: a trace takes one shape.
     it = iter(dist)
@@ -124,8 +123,20 @@ def test_batches_fetched_outside_and_an_iterator_made_inside_a_trace(s):
     sums = [float(jdist.to_host(steps(jnp.float32(0), [next(it) for _ in range(2)])))
             for _ in range(2)]
     assert sums == [sum(range(4 * n)), sum(range(4 * n, 8 * n))]
-    whole = jdist.function(lambda w: _sum_steps(s, w, dist))
-    assert float(jdist.to_host(whole(jnp.float32(0)))) == sum(range(8 * n))
+
+
+@pytest.mark.parametrize("compile_with", ["jdist.function", "jax.jit"])
+def test_a_dataset_iterated_while_tracing_is_a_value_error(compile_with):
+    """TF's traced ``for x in dataset`` reads the dataset anew per call; a trace would compile
+    one epoch in and reuse it (a reshuffled dataset's next epoch silently replaced)."""
+    s = mirrored(2)
+    data = s.experimental_make_numpy_dataset(np.arange(16, dtype=np.float32))
+    dist = s.experimental_distribute_dataset(data.shuffle(16, seed=1).batch(4))
+    compiled = (jdist.function if compile_with == "jdist.function" else jax.jit)(
+        lambda w: _sum_steps(s, w, dist))
+    with pytest.raises(ValueError, match="every call would reuse this epoch"):
+        compiled(jnp.float32(0))
+    assert len(list(dist)) == 4  # Nothing was opened.
 
 
 def test_next_inside_the_replica_function_is_a_value_error(s):

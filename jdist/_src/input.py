@@ -245,6 +245,15 @@ class DistributedDataset:
 
     def __iter__(self):
         _check_not_in_replica("iter(distributed_dataset)")
+        if dispatch.under_a_staging_trace():
+            # TF's traced loop iterates the dataset anew on every call (a reshuffled epoch);
+            # a JAX trace would compile this epoch's batches in, reused by every call.
+            raise errors.InvalidArgumentError(
+                "a distributed dataset was iterated while jdist.function or jax.jit traced a "
+                "function: its batches would be compiled into the program as constants, so "
+                "every call would reuse this epoch's batches (TF's traced loop reads the "
+                "dataset anew per call, reshuffled). Iterate outside and pass the batches in: "
+                "for x in dataset: w = train_step(w, x).")
         return DistributedIterator(self)
 
     @property
@@ -339,7 +348,6 @@ class DistributedIterator:
         self._step = None  # A multi-worker PER_WORKER dataset's consumer-side step.
         self._finalizer = None
         self._ready = collections.deque()  # Elements handed over with an earlier one.
-        self._made_in_trace = dispatch.under_a_staging_trace()
         self._no_optional = None  # Worked out at the first get_next_as_optional.
         self._start()
 
@@ -363,7 +371,7 @@ class DistributedIterator:
         """The next element; ``trailing``: whether an `input_batches.TrailingRound` is one (for
         ``get_next_as_optional`` only, as in TF)."""
         _check_not_in_replica("next(iterator)")
-        if not self._made_in_trace and dispatch.under_a_staging_trace():
+        if dispatch.under_a_staging_trace():
             raise errors.InvalidArgumentError(
                 "next(iterator) was called while jdist.function or jax.jit traced a function, "
                 "on an iterator made outside it: the element would be compiled into the program "
