@@ -117,6 +117,32 @@ def negative_axis_gathers(strategy, context, compiled, np):
     return results
 
 
+def collective_dtypes(strategy, context, compiled, np):
+    """int8 and bfloat16 values reduced, all-reduced, gathered and all-gathered: TF's collective
+    ops (every value, across workers) take bfloat16 to reduce only, and int8 to nothing."""
+    import ml_dtypes  # pylint: disable=import-outside-toplevel
+    results = {}
+    for dtype in ("int8", "bfloat16"):
+        value = strategy.experimental_distribute_values_from_function(
+            lambda ctx, dtype=dtype: (np.arange(3) + ctx.replica_id_in_sync_group).astype(
+                ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype))
+        calls = {
+            "reduce": lambda v: strategy.reduce("SUM", v, axis=None),
+            "gather": lambda v: strategy.gather(v, 0),
+            "all_reduce": lambda v: strategy.experimental_local_results(compiled(
+                lambda v: strategy.run(lambda x: context().all_reduce("SUM", x + 0),
+                                       args=(v,)))(v)),
+            "all_gather": lambda v: strategy.experimental_local_results(compiled(
+                lambda v: strategy.run(lambda x: context().all_gather(x + 0, 0),
+                                       args=(v,)))(v))}
+        for name, call in calls.items():
+            try:
+                results[f"{name} {dtype}"] = np.asarray(call(value)).astype(np.float32).tolist()
+            except Exception:  # noqa: BLE001 - whether it raises is what is compared.
+                results[f"{name} {dtype}"] = "raises"
+    return results
+
+
 def plain_values(strategy, context, compiled, np, worker):
     """A plain (non-distributed) array that differs between workers, one that does not, the
     plain result of a merge_call, an all-reduced result of run, a reduce_to result and a
@@ -200,6 +226,7 @@ def main():
         "all_gather": [host(v) for v in strategy.experimental_local_results(gathered(ragged))]}
     results["negative_axis"] = negative_axis_gathers(strategy, context, compiled, np)
     results["plain_values"] = plain_values(strategy, context, compiled, np, worker)
+    results["collective_dtypes"] = collective_dtypes(strategy, context, compiled, np)
     results["_training"] = (tf_training if mode == "tf" else jdist_training)(tf, strategy, np)
     ext, resolver = strategy.extended, strategy.cluster_resolver
     results["surface"] = {

@@ -85,7 +85,7 @@ AXIS_GATHERS = {
 
 
 @pytest.mark.parametrize("how", list(AXIS_GATHERS))
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.bool_])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("axis", [-1, -2])
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_a_negative_axis_raises_where_tfs_collective_ops_gather(n, axis, dtype, how):

@@ -1,5 +1,7 @@
 """SEMANTICS.md, reduce(op, value, axis): every rule against a NumPy reference."""
 
+import functools
+
 import hypothesis
 import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
@@ -347,3 +349,63 @@ def test_a_batch_of_one_int32_value_or_of_floats_goes_on(n):
             np.testing.assert_array_equal(got, np.sum(comps, axis=0))
         for got in s.experimental_local_results(floats[1]):
             np.testing.assert_array_equal(got, 2 * np.sum(comps, axis=0))
+
+
+# ------------------------------------------ dtypes that TF's collective ops refuse
+# MirroredStrategy's default ops on several devices (CollectiveAllReduce) all-reduce bfloat16,
+# float16/32/64, int32 and int64, and gather the same but bfloat16; a reduce or reduce_to of one
+# value goes to ReductionToOneDevice on CPUs, as does every int32 value; explicitly chosen ops
+# take every dtype.
+COLLECTIVE_CALLS = {
+    "all_reduce": lambda s, v: s.run(
+        lambda x: jdist.get_replica_context().all_reduce("sum", x), args=(v,)),
+    "batch_reduce_to": lambda s, v: s.extended.batch_reduce_to("sum", [(v, v)])[0],
+    "gather": lambda s, v: s.gather(v, axis=0),
+    "all_gather": lambda s, v: s.run(
+        lambda x: jdist.get_replica_context().all_gather(x, 0), args=(v,)),
+    "reduce": lambda s, v: s.reduce("sum", v, axis=None),
+    "reduce_to": lambda s, v: s.extended.reduce_to("sum", v, v),
+}
+REFUSED = {"int8": {"all_reduce", "batch_reduce_to", "gather", "all_gather"},
+           "uint16": {"all_reduce", "batch_reduce_to", "gather", "all_gather"},
+           "complex64": {"all_reduce", "batch_reduce_to", "gather", "all_gather"},
+           "bfloat16": {"gather", "all_gather"}}
+
+
+def expected_result(call, comps):
+    if "gather" in call:
+        return np.concatenate(comps)
+    return np.sum(np.stack(comps), axis=0, dtype=comps[0].dtype)
+
+
+@pytest.mark.parametrize("call", list(COLLECTIVE_CALLS))
+@pytest.mark.parametrize("dtype", list(REFUSED))
+@pytest.mark.parametrize("n", [2, 3])
+def test_dtypes_tfs_collective_ops_refuse_raise_where_they_would_run(n, dtype, call):
+    comps = [(np.arange(3) + i).astype(jnp.dtype(dtype)) for i in range(n)]
+    for s in (mirrored(n), reduction_to_one_device(n)):
+        v = per_replica(s, comps)
+        if s is mirrored(n) and call in REFUSED[dtype]:
+            with pytest.raises(errors.InvalidArgumentError, match="CollectiveAllReduce"):
+                COLLECTIVE_CALLS[call](s, v)
+            continue
+        out = COLLECTIVE_CALLS[call](s, v)
+        for got in s.experimental_local_results(out):
+            assert got.dtype == comps[0].dtype
+            np.testing.assert_array_equal(np.asarray(got).astype(np.complex128),
+                                          expected_result(call, comps).astype(np.complex128))
+
+
+@functools.lru_cache(maxsize=None)
+def reduction_to_one_device(n):
+    return jdist.MirroredStrategy(jax.devices()[:n], cross_device_ops=jdist.ReductionToOneDevice())
+
+
+@pytest.mark.parametrize("call", ["gather", "all_gather"])
+def test_bools_gather_only_where_tfs_collective_ops_do_not(call):
+    comps = [np.array([True, False]), np.array([False, False])]
+    with pytest.raises(errors.InvalidArgumentError, match="bool value"):
+        COLLECTIVE_CALLS[call](mirrored(2), per_replica(mirrored(2), comps))
+    s = reduction_to_one_device(2)
+    out = s.experimental_local_results(COLLECTIVE_CALLS[call](s, per_replica(s, comps)))
+    np.testing.assert_array_equal(out[0], np.concatenate(comps))

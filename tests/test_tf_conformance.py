@@ -820,3 +820,49 @@ def test_python_numbers_reduced_and_returned(n, number):
     got = strategy.run(lambda a: a, args=(number,))
     want = tf_strategy.run(lambda a: a, args=(number,))
     assert type(got) is type(want) and got == want
+
+
+# ---------------------------------------------------------------------------------------------
+# g. Dtypes TF's collective ops refuse: MirroredStrategy's default ops on several devices raise
+#    in all_reduce, batch_reduce_to, gather and all_gather; reduce and reduce_to (one value, to
+#    CPU destinations) and ReductionToOneDevice take every dtype.
+
+RARE_DTYPES = ["int8", "uint8", "int16", "uint16", "uint32", "complex64", "bfloat16", "bool",
+               "float16"]
+DTYPE_CALLS = {
+    "all_reduce": lambda lib, s, v: s.run(
+        lambda x: lib.get_replica_context().all_reduce("sum", x), args=(v,)),
+    "batch_reduce_to": lambda lib, s, v: s.extended.batch_reduce_to("sum", [(v, v)])[0],
+    "gather": lambda lib, s, v: s.gather(v, axis=0),
+    "all_gather": lambda lib, s, v: s.run(
+        lambda x: lib.get_replica_context().all_gather(x, 0), args=(v,)),
+    "reduce": lambda lib, s, v: s.reduce("sum", v, axis=None),
+    "reduce_to": lambda lib, s, v: s.extended.reduce_to("sum", v, v),
+}
+
+
+@pytest.mark.parametrize("ops", ["default", "ReductionToOneDevice"])
+@pytest.mark.parametrize("dtype", RARE_DTYPES)
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_dtypes_of_tfs_collective_ops(n, dtype, ops):
+    strategy, tf_strategy = both(n)
+    if ops != "default":
+        strategy = jdist.MirroredStrategy(jax.devices()[:n],
+                                          cross_device_ops=jdist.ReductionToOneDevice())
+        tf_strategy = reduction_to_one_device(n)
+    ints = [np.arange(3) % 2 + i for i in range(n)]
+    v = strategy.experimental_distribute_values_from_function(
+        lambda ctx: ints[ctx.replica_id_in_sync_group].astype(jnp.dtype(dtype)))
+    tf_v = tf_strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.cast(ints[ctx.replica_id_in_sync_group], dtype))
+    for name, call in DTYPE_CALLS.items():
+        got = outcome(strategy, lambda: call(jdist, strategy, v))
+        want = outcome(tf_strategy, lambda: call(tf.distribute, tf_strategy, tf_v))
+        if dtype == "bfloat16" and not isinstance(want, Exception):
+            want = [w.astype(np.float32) for w in want]  # Compared as float32 (exact here).
+            got = got if isinstance(got, Exception) else [g.astype(np.float32) for g in got]
+        if isinstance(want, Exception) or isinstance(got, Exception):
+            assert isinstance(got, Exception) == isinstance(want, Exception), (name, got, want)
+            assert not isinstance(got, Exception) or isinstance(got, errors.JdistError), name
+            continue
+        assert_matches(got, want)

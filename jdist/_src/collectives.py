@@ -151,6 +151,8 @@ def _exact_reciprocal(count, total_dtype, dtype):
     """
     if not isinstance(count, (int, np.integer)) or isinstance(count, bool):
         return None
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return None  # A complex product by (1/n + 0j) turns an infinite part's partner NaN.
     divisor = float(np.asarray(count).astype(total_dtype).astype(dtype))
     if divisor < 2 or math.frexp(divisor)[0] != 0.5:  # XLA drops a product by 1 unflushed.
         return None

@@ -471,6 +471,7 @@ class ReplicaContext:
         op = ReduceOp.from_any(reduce_op)
         self._strategy.extended.check_batch_reduce(value, "all_reduce")  # A nest is one batch.
         check_reducible(op, value, adds=self.num_replicas_in_sync > 1)
+        self._strategy.extended.check_collective_dtypes(value, "all_reduce")
         if self.num_replicas_in_sync == 1:  # TF: one replica's value reduces to itself, dtype
             return jax.tree_util.tree_map(jnp.asarray, value)  # too (an int MEAN stays int).
         if self._binding is None:
@@ -496,7 +497,7 @@ class ReplicaContext:
         self._require_current("all_gather")
         packing.as_options(options)
         host_values.check_arrays(value, "all_gather")
-        self._strategy.extended.check_gather_axis(value, axis, "all_gather")
+        self._strategy.extended.check_gather(value, axis, "all_gather")
         if self._binding is None or self.num_replicas_in_sync == 1:
             return self._collectives.all_gather(value, axis)
         return self._binding.each_own(value, lambda own: self._collectives.all_gather(own, axis))

@@ -79,9 +79,10 @@ class MirroredExtended(StrategyExtended):
     def _reduce_per_replica(self, op, value, axes):
         return self._cross_device_ops.reduce_to_mesh(self._programs, op, value, axes)
 
-    def _gathers_by_collective_ops(self, dtype):
-        # TF's MirroredStrategy hands int32 values to ReductionToOneDevice.
-        return self._tf_collective_ops and dtype != np.int32
+    def _by_collective_ops(self, dtype, reduces_one=False):
+        # TF's MirroredStrategy hands int32 values to ReductionToOneDevice, and so every value
+        # that one reduce_to sends to CPU destinations (all of them, on CPU devices).
+        return self._tf_collective_ops and dtype != np.int32 and not reduces_one
 
     def _gather_per_replica(self, value, axis):
         return self._programs.gather(value.stacked, axis, value.lengths)

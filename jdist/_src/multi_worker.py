@@ -97,8 +97,8 @@ class MultiWorkerExtended(MirroredExtended):
         if cluster.num_workers > 1:  # "/job:worker/task:1/device:CPU:0" names worker 1's device.
             devices_lib.register_cluster(cluster.tasks)
 
-    def _gathers_by_collective_ops(self, dtype):
-        # TF's multi-worker strategy gathers every dtype with its collective ops.
+    def _by_collective_ops(self, dtype, reduces_one=False):
+        # TF's multi-worker strategy reduces and gathers every value with its collective ops.
         return self._num_replicas > 1
 
     def as_worker_value(self, value):

@@ -131,6 +131,7 @@ class Strategy(TF1Methods):
         context.require_cross_replica(self, "strategy.reduce")
         op = ReduceOp.from_any(reduce_op)
         check_reducible(op, value, adds=self.num_replicas_in_sync > 1 or axis is not None)
+        self._extended.check_collective_dtypes(value, "strategy.reduce", reduces_one=True)
         if axis is not None and not _is_single_value(value):
             raise errors.UnsupportedValueError(
                 "strategy.reduce with an axis takes a single value, not a nest; reduce each "
@@ -153,7 +154,7 @@ class Strategy(TF1Methods):
           The gathered array (a nest for a nest).
         """
         context.require_cross_replica(self, "strategy.gather")
-        self._extended.check_gather_axis(value, axis, "strategy.gather")
+        self._extended.check_gather(value, axis, "strategy.gather")
         return jax.tree_util.tree_map(lambda v: self._gather_value(v, axis), value,
                                       is_leaf=is_distributed)
 

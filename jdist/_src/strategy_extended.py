@@ -40,6 +40,11 @@ from jdist._src.values import local_results
 from jdist._src.values import spans_workers
 
 
+# The dtypes TF's collective all-reduce and all-gather ops take (their "T" attribute).
+_COLLECTIVE_REDUCE_DTYPES = frozenset(np.dtype(d) for d in (
+    jnp.bfloat16, np.float16, np.float32, np.float64, np.int32, np.int64))
+_COLLECTIVE_GATHER_DTYPES = _COLLECTIVE_REDUCE_DTYPES - {np.dtype(jnp.bfloat16)}
+
 class StrategyExtended:
     """Lower-level strategy API (``strategy.extended``): devices, reduce_to, broadcast_to.
 
@@ -152,12 +157,45 @@ class StrategyExtended:
         `MultiWorkerMirroredStrategy` across workers, this worker's value)."""
         return value
 
-    def check_gather_axis(self, value: PyTree, axis: int, what: str) -> None:
-        """Raises where TF's own gather of ``value`` fails on a negative ``axis``.
+    def check_collective_dtypes(self, value: PyTree, what: str, gathers: bool = False,
+                                reduces_one: bool = False) -> None:
+        """Raises where TF hands a value to its ``CollectiveAllReduce``, whose ops take only
+        some dtypes (their ``T`` attribute): float16, bfloat16 (not to gather), float32, float64,
+        int32 and int64. Which values it hands them is the strategy's (`_by_collective_ops`).
+
+        Args:
+          value: a nest of arrays, numbers or `DistributedValues`.
+          what: the call, for the message.
+          gathers: whether ``what`` gathers (else it reduces).
+          reduces_one: whether ``what`` reduces one value to its destinations (``reduce``,
+            ``reduce_to``), which TF's ``MirroredStrategy`` does not give those ops on CPUs.
+
+        Raises:
+          InvalidArgumentError: a leaf of another dtype that TF gives its collective ops.
+        """
+        allowed = _COLLECTIVE_GATHER_DTYPES if gathers else _COLLECTIVE_REDUCE_DTYPES
+        for leaf in jax.tree_util.tree_leaves(value):  # Values flatten to arrays of their dtype.
+            dtype = getattr(leaf, "dtype", None)
+            if (dtype is None or isinstance(leaf, SCALARS)
+                    or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)  # Not TF's: no rule.
+                    or np.dtype(dtype) in allowed
+                    or not self._by_collective_ops(np.dtype(dtype), reduces_one)):
+                continue
+            names = ", ".join(sorted(str(d) for d in allowed))
+            raise errors.InvalidArgumentError(
+                f"{what} of a {np.dtype(dtype)} value: TensorFlow {'gathers' if gathers else 'reduces'}"
+                f" it here with its collective ops (CollectiveAllReduce), which take {names} "
+                "values only and raise on others. Cast it first (x.astype(jnp.float32) or "
+                "jnp.int32); a MirroredStrategy given cross_device_ops=jdist.ReductionToOneDevice()"
+                " takes every dtype, as in TF.")
+
+    def check_gather(self, value: PyTree, axis: int, what: str) -> None:
+        """Raises where TF's own gather of ``value`` fails: on a dtype its collective ops refuse
+        (`check_collective_dtypes`) or on a negative ``axis``.
 
         TF's ``CollectiveAllReduce`` moves the gathered axis first with ``range(axis)``, which
         fails on a negative axis; ``ReductionToOneDevice`` concatenates, which takes one. Which
-        of the two gathers a value is the strategy's (`_gathers_by_collective_ops`).
+        of the two gathers a value is the strategy's (`_by_collective_ops`).
 
         Args:
           value: what ``what`` gathers (a nest of arrays or `DistributedValues`).
@@ -165,14 +203,15 @@ class StrategyExtended:
           what: the call, for the message (``"strategy.gather"``, ``"all_gather"``).
 
         Raises:
-          InvalidArgumentError: ``axis`` is negative and TF gathers a leaf of ``value`` with
-            its collective ops.
+          InvalidArgumentError: TF gathers a leaf of ``value`` with its collective ops, and its
+            dtype is one they refuse or ``axis`` is negative.
         """
+        self.check_collective_dtypes(value, what, gathers=True)
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or axis >= 0:
             return
         for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
             one = leaf.values[0] if is_distributed(leaf) else leaf  # One replica's value.
-            if hasattr(one, "dtype") and self._gathers_by_collective_ops(np.dtype(one.dtype)):
+            if hasattr(one, "dtype") and self._by_collective_ops(np.dtype(one.dtype)):
                 raise errors.InvalidArgumentError(
                     f"{what}(axis={axis}): TensorFlow gathers this value with its collective "
                     "ops (CollectiveAllReduce), which raise on a negative axis. Count it from "
@@ -215,9 +254,10 @@ class StrategyExtended:
             refused + "; if it holds TF's int64 values (which TF reduces in a batch), enable "
             "64-bit mode (jax.config.update('jax_enable_x64', True)) to keep them int64.")
 
-    def _gathers_by_collective_ops(self, dtype: np.dtype) -> bool:
-        """Whether TF gathers a value of ``dtype`` with ``CollectiveAllReduce``: not with one
-        device and no cross-device ops (the default strategy, `OneDeviceStrategy`)."""
+    def _by_collective_ops(self, dtype: np.dtype, reduces_one: bool = False) -> bool:
+        """Whether TF reduces or gathers a value of ``dtype`` with ``CollectiveAllReduce``
+        (``reduces_one``: in a ``reduce`` / ``reduce_to`` of one value): not with one device and
+        no cross-device ops (the default strategy, `OneDeviceStrategy`)."""
         return False
 
     def _gather_per_replica(self, value, axis):
@@ -269,6 +309,7 @@ class StrategyExtended:
         context.require_cross_replica(self._container_strategy_ref, "extended.reduce_to")
         op = ReduceOp.from_any(reduce_op)
         check_reducible(op, value, adds=self._num_replicas > 1)
+        self.check_collective_dtypes(value, "extended.reduce_to", reduces_one=True)
         value = self.as_worker_value(value)
         unreduced = _unreduced(op, value)
         if unreduced is not _REDUCE:  # Before the destinations are read, as in TF.
@@ -305,6 +346,7 @@ class StrategyExtended:
         op = ReduceOp.from_any(reduce_op)
         pairs = cross_device_ops_lib.check_pairs(value_destination_pairs)
         check_reducible(op, [value for value, _ in pairs], adds=self._num_replicas > 1)
+        self.check_collective_dtypes([value for value, _ in pairs], "extended.batch_reduce_to")
         pairs = [(self.as_worker_value(value), d) for value, d in pairs]
         self.check_batch_reduce([value for value, _ in pairs], "extended.batch_reduce_to")
         targets = [self._target(d) for _, d in pairs]
