@@ -118,6 +118,8 @@ def test_a_mirrored_iterates_as_its_array():
 
 
 VALUE_ENTRIES = {  # Each entry point with a value no device holds.
+    "Mirrored": lambda s, v: jdist.Mirrored([v, v]),
+    "mirror": lambda s, v: jdist.mirror({"w": v}, s),
     "reduce": lambda s, v: s.reduce("sum", v, axis=None),
     "all_reduce": lambda s, v: s.run(
         lambda: jdist.get_replica_context().all_reduce("sum", v)),
@@ -133,6 +135,21 @@ VALUE_ENTRIES = {  # Each entry point with a value no device holds.
 def test_strings_and_objects_raise_a_typed_error_at_every_entry(entry, value):
     with pytest.raises(errors.UnsupportedValueError, match="string|objects|numeric"):
         VALUE_ENTRIES[entry](mirrored(3), value)
+
+
+NOT_FUNCTIONS = {
+    "run": lambda s, f: s.run(f),
+    "merge_call": lambda s, f: s.run(lambda: jdist.get_replica_context().merge_call(f)),
+    "jdist.function": lambda s, f: jdist.function(f),
+    "replica_key": lambda s, f: s.run(lambda: jdist.replica_key(f)),
+}
+
+
+@pytest.mark.parametrize("value", [3, "text"])  # (jdist.function(None) is its decorator form.)
+@pytest.mark.parametrize("entry", sorted(NOT_FUNCTIONS))
+def test_a_function_or_key_argument_of_another_type_raises_a_typed_error(entry, value):
+    with pytest.raises(errors.UnsupportedValueError, match=type(value).__name__):
+        NOT_FUNCTIONS[entry](mirrored(3), value)
 
 
 @pytest.mark.parametrize("value", [None, {"a": 1.0}])

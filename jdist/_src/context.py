@@ -521,6 +521,9 @@ class ReplicaContext:
           ``merge_fn``'s result as seen by this replica.
         """
         self._require_current("merge_call")
+        if not callable(merge_fn):
+            raise errors.UnsupportedValueError(
+                f"merge_call expects a function as merge_fn, got {type(merge_fn).__name__}.")
         if not isinstance(args, (tuple, list)):
             raise errors.InvalidArgumentError(
                 f"merge_call args must be a tuple or list, got {type(args).__name__}.")

@@ -247,6 +247,9 @@ def function(fun=None, **jit_kwargs):
     """
     if fun is None:
         return lambda f: function(f, **jit_kwargs)
+    if not callable(fun):
+        raise errors.UnsupportedValueError(
+            f"jdist.function expects a function, got {type(fun).__name__}.")
 
     @functools.wraps(fun)
     def traced(*args, **kwargs):

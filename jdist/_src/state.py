@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdist._src import context
 from jdist._src import errors
+from jdist._src import host_values
 from jdist._src.base import REPLICA_AXIS
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
@@ -139,6 +140,7 @@ def mirror(tree: Any, strategy: Optional[Any] = None) -> Any:
 
     def place(leaf):
         array = leaf.value if isinstance(leaf, Mirrored) else leaf
+        host_values.check_array(array, "mirror")
         return treedef.unflatten([jax.device_put(array, sharding)])
     return _map_leaves(place, tree, "mirror")
 
@@ -208,4 +210,7 @@ def replica_key(key: jax.Array) -> jax.Array:
         raise errors.WrongContextError(
             "replica_key needs a replica context: call it inside the function given to "
             "strategy.run (in the cross-replica context there is no current replica).")
+    if not (isinstance(key, jax.Array) or np.ndim(key) == 1):
+        raise errors.UnsupportedValueError(
+            f"replica_key expects a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__}.")
     return jax.random.fold_in(key, ctx.replica_id_in_sync_group)

@@ -94,6 +94,10 @@ class Strategy(TF1Methods):
           >>> float(s.run(lambda x: x * 2, args=(jnp.float32(3),)))
           6.0
         """
+        if not callable(fn):
+            raise errors.UnsupportedValueError(
+                f"run() expects a function as fn, got {type(fn).__name__}: "
+                "strategy.run(step, args=(...)).")
         if not isinstance(args, (tuple, list)):
             raise errors.InvalidArgumentError(
                 f"run() expects args to be a tuple or list, got {type(args).__name__}; "

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jdist._src import errors
+from jdist._src.host_values import check_arrays
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import dtype_kind
 
@@ -237,6 +238,7 @@ class Mirrored(DistributedValues):
         if isinstance(values, (tuple, list)):
             if not values:
                 raise errors.InvalidArgumentError("Mirrored needs at least one replica value.")
+            check_arrays(values, "Mirrored")
             first = np.asarray(values[0])
             for v in values[1:]:
                 if not np.array_equal(np.asarray(v), first, equal_nan=True):
@@ -244,6 +246,7 @@ class Mirrored(DistributedValues):
                         "Mirrored values must be equal on every replica; use PerReplica for "
                         "values that differ.")
             values = values[0]
+        check_arrays(values, "Mirrored")
         check_host_numbers(values)
         self._value = jax.numpy.asarray(values)
 
