@@ -84,6 +84,24 @@ def test_all_gather_takes_tfs_options_argument(n):
               args=(per_replica(s, comps),))
 
 
+OPTIONS_TAKERS = {
+    "all_reduce": lambda s, v, o: s.run(
+        lambda x: jdist.get_replica_context().all_reduce("sum", x, options=o), args=(v,)),
+    "all_gather": lambda s, v, o: s.run(
+        lambda x: jdist.get_replica_context().all_gather(x, 0, options=o), args=(v,)),
+    "batch_reduce_to": lambda s, v, o: s.extended.batch_reduce_to("sum", [(v, v)], options=o),
+}
+
+
+@pytest.mark.parametrize("options", ["ring", jdist.CommunicationOptions])
+@pytest.mark.parametrize("call", list(OPTIONS_TAKERS))
+@pytest.mark.parametrize("n", [1, 3])
+def test_options_that_are_not_communication_options_raise_on_any_replica_count(n, call, options):
+    s = mirrored(n)
+    with pytest.raises(errors.InvalidArgumentError, match="CommunicationOptions"):
+        OPTIONS_TAKERS[call](s, per_replica(s, [np.ones(2, np.float32)] * n), options)
+
+
 def test_padded_mode_all_gather_of_uneven_batch_puts_real_rows_first():
     s = mirrored(3)
     comps = [np.array([5., 6.]), np.array([7.]), np.array([])]

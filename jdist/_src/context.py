@@ -469,6 +469,7 @@ class ReplicaContext:
         """
         self._require_current("all_reduce")
         op = ReduceOp.from_any(reduce_op)
+        packing.as_options(options)  # Checked on one replica too, which reduces nothing.
         self._strategy.extended.check_batch_reduce(value, "all_reduce")  # A nest is one batch.
         check_reducible(op, value, adds=self.num_replicas_in_sync > 1)
         self._strategy.extended.check_collective_dtypes(value, "all_reduce")

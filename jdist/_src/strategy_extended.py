@@ -28,6 +28,7 @@ from jdist._src.base import ReplicaCollectives
 from jdist._src.destinations import Target
 from jdist._src.host_values import check_host_numbers
 from jdist._src.packing import CommunicationOptions
+from jdist._src.packing import as_options
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
 from jdist._src.run_arguments import SCALARS
@@ -345,6 +346,7 @@ class StrategyExtended:
         context.require_cross_replica(self._container_strategy_ref, "extended.batch_reduce_to")
         op = ReduceOp.from_any(reduce_op)
         pairs = cross_device_ops_lib.check_pairs(value_destination_pairs)
+        as_options(options)  # Checked on one replica too, which reduces nothing.
         check_reducible(op, [value for value, _ in pairs], adds=self._num_replicas > 1)
         self.check_collective_dtypes([value for value, _ in pairs], "extended.batch_reduce_to")
         pairs = [(self.as_worker_value(value), d) for value, d in pairs]
