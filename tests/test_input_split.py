@@ -91,6 +91,15 @@ def test_jax_array_batches_are_accepted(s):
         assert_split(s, element, np.asarray(batch))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "uint8", "bool", "complex64"])
+def test_batches_of_every_dtype_a_device_holds_are_split(s, dtype):
+    """bfloat16 (an ml_dtypes dtype, as tf.data hands it over) was refused as not a number."""
+    batches = [(np.arange(7) % 3).astype(jnp.dtype(dtype)), np.ones(2, jnp.dtype(dtype))]
+    for element, batch in zip(s.experimental_distribute_dataset(batches), batches,
+                              strict=True):
+        assert_split(s, element, batch)
+
+
 def test_unbatched_dataset_on_several_replicas_is_a_clear_error():
     s = mirrored(2)
     with pytest.raises(errors.InvalidArgumentError, match="unbatched"):

@@ -30,6 +30,7 @@ import numpy as np
 from jdist._src import batch_blocks
 from jdist._src import errors
 from jdist._src.host_values import check_host_numbers
+from jdist._src.host_values import dtype_kind
 from jdist._src.numpy_dataset import NumpyDataset
 from jdist._src.numpy_dataset import UNKNOWN
 from jdist._src.values import DistributedValues
@@ -240,7 +241,7 @@ def _host_array(x):
             "dataset takes global batches of arrays (or, from distribute_datasets_from_function, "
             "per-replica batches), which it splits or deals to the replicas itself.")
     a = np.asarray(x)
-    if a.dtype.kind not in "biufc":
+    if dtype_kind(a.dtype) is None:  # bfloat16 and the other ml_dtypes are numbers too.
         raise errors.InvalidArgumentError(
             f"a batch holds a value of dtype {a.dtype} ({type(x).__name__}), which cannot be "
             "placed on a device; convert strings and objects to numbers in the input pipeline.")
