@@ -46,6 +46,7 @@ _COLLECTIVE_REDUCE_DTYPES = frozenset(np.dtype(d) for d in (
     jnp.bfloat16, np.float16, np.float32, np.float64, np.int32, np.int64))
 _COLLECTIVE_GATHER_DTYPES = _COLLECTIVE_REDUCE_DTYPES - {np.dtype(jnp.bfloat16)}
 
+
 class StrategyExtended:
     """Lower-level strategy API (``strategy.extended``): devices, reduce_to, broadcast_to.
 
@@ -183,9 +184,10 @@ class StrategyExtended:
                     or not self._by_collective_ops(np.dtype(dtype), reduces_one)):
                 continue
             names = ", ".join(sorted(str(d) for d in allowed))
+            verb = "gathers" if gathers else "reduces"
             raise errors.InvalidArgumentError(
-                f"{what} of a {np.dtype(dtype)} value: TensorFlow {'gathers' if gathers else 'reduces'}"
-                f" it here with its collective ops (CollectiveAllReduce), which take {names} "
+                f"{what} of a {np.dtype(dtype)} value: TensorFlow {verb} it here with its "
+                f"collective ops (CollectiveAllReduce), which take {names} "
                 "values only and raise on others. Cast it first (x.astype(jnp.float32) or "
                 "jnp.int32); a MirroredStrategy given cross_device_ops=jdist.ReductionToOneDevice()"
                 " takes every dtype, as in TF.")
