@@ -322,6 +322,13 @@ def _exact_uneven(s, jdist, np):
         jdist.InputOptions(experimental_replication_mode=jdist.InputReplicationMode.PER_REPLICA))))
     out["exact_per_replica_input"] = {"global": np.asarray(s.gather(s.run(
         lambda v: v * 2 + ctx().all_reduce("sum", v.sum()), args=(per_replica,)), 0)).tolist()}
+    # TF's loop with its step in a tf.function: the full batches compiled, the partial one run
+    # as Python (jdist.function's arguments then hold ragged values, other workers' as shapes).
+    compiled = jdist.function(lambda p, x, y: s.run(step, args=(p, x, y)))
+    params = {"w": jnp.zeros((3, 3)), "b": jnp.zeros((3,))}
+    for i, (xb, yb) in enumerate(dataset):
+        params, *outputs = compiled(params, xb, yb)
+        _record_step(s, np, out, f"compiled0_{i}", params, outputs, xb)
     out.update(_per_worker_exact(s, jdist, np))
     return out
 

@@ -236,6 +236,15 @@ def test_digits_example_two_workers_equal_one_process():
 def _check_exact(one):
     """What the exact ragged steps give (the same on 2 workers, compared above): TF's values."""
     assert one["exact_epoch2_traces"]["global"] == 0  # The second epoch reuses every plan.
+    steps = [key for key in one if key.startswith("exact0_")]
+    assert len(steps) == 3 * 10  # Three steps, the last partial: jdist.function's the same.
+    for key in steps:
+        compiled, run = one[key.replace("exact0_", "compiled0_")], one[key]
+        if "global" not in run:
+            assert compiled == run, key
+            continue
+        np.testing.assert_allclose(compiled["global"], run["global"], rtol=0, atol=1e-6,
+                                   err_msg=key)
     assert one["exact_rows"]["replicas"] == {"0": 1, "1": 1, "2": 1, "3": 0}
     assert np.isnan(one["exact0_2_mean"]["global"][3])  # jnp.mean of no rows, as in TF.
     # merge_fn saw every replica's value (4 of them) in full and partial steps alike.
