@@ -47,6 +47,21 @@ def test_other_per_replica_inputs_of_the_same_size_are_not_batch_rows():
     assert out.lengths is None
 
 
+@pytest.mark.parametrize("reorder", [lambda x: jnp.flip(x, 0), lambda x: jnp.roll(x, 1, 0),
+                                     lambda x: x[jnp.array([1, 0, 3, 2])]])
+def test_outputs_whose_rows_move_keep_every_padded_row(reorder):
+    """Reversed, rolled or indexed rows put padding among the real rows: such an output keeps
+    no lengths (gather returns every padded row, as the step computed them), where the
+    leading-size rule cut real rows and kept padding."""
+    s = mirrored(2)
+    x = partial_batch(s)
+    out = s.run(reorder, args=(x,))
+    assert out.lengths is None
+    blocks = np.asarray(x.stacked)  # Each replica's rows, padding included.
+    np.testing.assert_array_equal(s.gather(out, 0),
+                                  np.concatenate([reorder(jnp.asarray(b)) for b in blocks]))
+
+
 def test_unmodelled_ops_fall_back_to_the_leading_size():
     s = mirrored(2)
     x = partial_batch(s)
@@ -64,8 +79,21 @@ def test_unmodelled_ops_fall_back_to_the_leading_size():
     (lambda x: x @ jnp.ones((6, 2)), [0]),
     (lambda x: x.T @ x, [batch_rows.NOT_ROWS]),
     (lambda x: x[None], [1]),
-    (lambda x: x[1:], [batch_rows.UNKNOWN]),
+    (lambda x: x[1:], [batch_rows.MOVED]),
     (lambda x: jnp.cumsum(x, axis=1), [0]),
+    (lambda x: jnp.cumsum(x, axis=0), [0]),  # Each real row sees real rows only.
+    (lambda x: lax.cumsum(x, axis=0, reverse=True), [batch_rows.MOVED]),
+    (lambda x: jnp.flip(x, axis=0), [batch_rows.MOVED]),
+    (lambda x: jnp.flip(x, axis=1), [0]),
+    (lambda x: jnp.sort(x, axis=0), [batch_rows.MOVED]),
+    (lambda x: jnp.sort(x, axis=1), [0]),
+    (lambda x: jnp.roll(x, 1, axis=0), [batch_rows.MOVED]),
+    (lambda x: x[jnp.array([1, 0, 2, 3, 4])], [batch_rows.MOVED]),
+    (lambda x: x.at[0].set(1.0), [batch_rows.MOVED]),
+    (lambda x: jnp.take_along_axis(x, jnp.zeros((5, 1), int), 1), [batch_rows.UNKNOWN]),
+    (lambda x: lax.dynamic_slice_in_dim(x, 2, 3, axis=1), [0]),
+    (lambda x: lax.dynamic_slice_in_dim(x, 2, 3, axis=0), [batch_rows.MOVED]),
+    (lambda x: jnp.flip(x, 0) + x, [batch_rows.MOVED]),  # Final: what uses moved rows.
     (lambda x: jnp.concatenate([x, x], axis=1), [0]),
     (lambda x: jnp.zeros((5, 6)), [batch_rows.NOT_ROWS]),
 ])

@@ -8,9 +8,13 @@ input size equals the per-replica batch size) must not, or real rows would be dr
 
 This module follows the batch's row axis through the traced body: the state of a value is the
 index of its axis that runs over the batch rows (`int`), `NOT_ROWS` when it provably has none
-(replicated inputs, constants, a contraction or reduction over the rows), or `UNKNOWN` for
-anything the analysis does not model (control flow, gathers, unknown primitives). For `UNKNOWN`
-the caller falls back to the leading-size rule.
+(replicated inputs, constants, a contraction or reduction over the rows), `MOVED` when its rows
+are the batch's in another order or shifted (reversed, sorted, indexed, sliced or padded along
+the rows: the padding may then sit among the real rows, so no row count tells them apart), or
+`UNKNOWN` for anything the analysis does not model (control flow, other gathers, unknown
+primitives). `MOVED` is final: what is computed from such a value is `MOVED` too. An output
+inherits the lengths at a row axis, and for `UNKNOWN` the caller falls back to the
+leading-size rule.
 """
 
 import math
@@ -18,6 +22,7 @@ import math
 from jdist._src import invariance
 
 NOT_ROWS = -1
+MOVED = -2
 UNKNOWN = None
 
 _ELEMENTWISE = frozenset({
@@ -35,7 +40,19 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"
 _CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 _NOT_ROWS = frozenset({"iota", "axis_index", "all_gather", "rng_bit_generator", "random_bits"})
 _STRUCTURAL = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose", "slice", "pad",
-                         "concatenate", "sort"})
+                         "concatenate", "sort", "rev"})
+# Ops that pick entries by index, and the operand axes they index along: the rows move when one
+# of them is the row axis (x[order], x.at[i].set(v), a dynamic slice of the rows).
+_INDEXED = {
+    "gather": lambda p: p["dimension_numbers"].start_index_map,
+    "scatter": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
+    "scatter-add": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
+    "scatter_add": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
+    "scatter-mul": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
+    "scatter_mul": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
+    "scatter-min": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
+    "scatter-max": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
+}
 
 
 def row_axes(jaxpr, input_states):
@@ -65,6 +82,8 @@ def _shape(var):
 
 def _eqn_rows(eqn, ins):
     name, params, n_out = eqn.primitive.name, eqn.params, len(eqn.outvars)
+    if MOVED in ins:
+        return [MOVED] * n_out
     if name in _ELEMENTWISE:
         return [_join(ins)] * n_out
     if name in _NOT_ROWS:
@@ -84,8 +103,16 @@ def _eqn_rows(eqn, ins):
     if name in _REDUCTIONS:
         axes = params["axes"]
         return [NOT_ROWS if k in axes else k - sum(a < k for a in axes)] * n_out
-    if name in _CUMULATIVE:
-        return [UNKNOWN if params["axis"] == k else k] * n_out
+    if name in _CUMULATIVE:  # A forward scan's first rows see the real rows only.
+        return [(MOVED if params.get("reverse") else k) if params["axis"] == k else k] * n_out
+    if name in _INDEXED:
+        return [MOVED if k in _INDEXED[name](params) else UNKNOWN] * n_out
+    if name == "rev":
+        return [MOVED if k in params["dimensions"] else k]
+    if name in ("dynamic_slice", "dynamic_update_slice"):  # Whole along the rows: in place.
+        part = params["slice_sizes"] if name == "dynamic_slice" else _shape(eqn.invars[1])
+        whole = part[k] == _shape(eqn.invars[0])[k]
+        return [(k if name == "dynamic_slice" else _join(ins[:2])) if whole else MOVED]
     if name == "broadcast_in_dim":
         out_axis = params["broadcast_dimensions"][k]
         same_size = _shape(eqn.invars[0])[k] == params["shape"][out_axis]
@@ -102,12 +129,12 @@ def _eqn_rows(eqn, ins):
         strides = params.get("strides")
         whole = start == 0 and limit == _shape(eqn.invars[0])[k] and (
             not strides or strides[k] == 1)
-        return [k if whole else UNKNOWN]
+        return [k if whole else MOVED]
     if name == "pad":
         low, high, interior = params["padding_config"][k]
-        return [k if (low, high, interior) == (0, 0, 0) else UNKNOWN]
+        return [k if (low, high, interior) == (0, 0, 0) else MOVED]
     if name in ("concatenate", "sort"):
-        return [UNKNOWN if params["dimension"] == k else k] * n_out
+        return [MOVED if params["dimension"] == k else k] * n_out
     return [UNKNOWN] * n_out
 
 
