@@ -37,6 +37,29 @@ def mirrored(num_replicas):
     return jdist.MirroredStrategy(jax.local_devices()[:num_replicas])
 
 
+@functools.lru_cache(maxsize=None)
+def mirrored_reducing_to_one_device(num_replicas):
+    """`mirrored` with ``cross_device_ops=ReductionToOneDevice()``, shared per count.
+
+    TF's strategy with those ops reduces and gathers every dtype and takes a negative gather
+    axis, where its default ops on several devices (``CollectiveAllReduce``) raise.
+
+    Args:
+      num_replicas: how many devices (from ``jax.local_devices()``) to replicate over.
+
+    Returns:
+      The strategy.
+
+    Example:
+      >>> import jdist.testing
+      >>> s = jdist.testing.mirrored_reducing_to_one_device(2)
+      >>> type(s.extended._cross_device_ops).__name__
+      'ReductionToOneDevice'
+    """
+    return jdist.MirroredStrategy(jax.local_devices()[:num_replicas],
+                                  cross_device_ops=jdist.ReductionToOneDevice())
+
+
 def per_replica(strategy, components):
     """A `PerReplica` with one given component per replica (uneven leading sizes allowed).
 

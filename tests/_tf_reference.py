@@ -21,6 +21,7 @@ tf = pytest.importorskip("tensorflow")
 
 from jdist import errors  # noqa: E402
 from jdist.testing import mirrored  # noqa: E402
+from jdist.testing import mirrored_reducing_to_one_device  # noqa: E402
 
 NUM_DEVICES = 8
 
@@ -110,6 +111,12 @@ def reduction_to_one_device(n):
     return tf.distribute.MirroredStrategy(
         [f"/device:CPU:{i}" for i in range(n)],
         cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
+def both_reducing_to_one_device(n):
+    """jdist's and TF's MirroredStrategy over ``n`` devices, both with ``ReductionToOneDevice``
+    (which reduces and gathers every dtype, along a negative axis too)."""
+    return mirrored_reducing_to_one_device(n), reduction_to_one_device(n)
 
 
 tf_devices()

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 import jdist
 from jdist import errors
 from jdist._src import collectives
-from jdist.testing import REPLICA_COUNTS, mirrored, per_replica
+from jdist.testing import REPLICA_COUNTS, mirrored, mirrored_reducing_to_one_device
+from jdist.testing import per_replica
 
 MEAN = jdist.ReduceOp.MEAN
 # dtype -> the values of replica i: (large, small + i), so that summing the replicas wraps.
@@ -94,18 +95,13 @@ def assert_every_result(s, got, expected):
         np.testing.assert_array_equal(np.asarray(r), expected)
 
 
-@functools.lru_cache(maxsize=None)
-def narrow_capable(n):
-    """TF's default ops on several devices (collective) refuse 8- and 16-bit integers in
-    all_reduce and batch_reduce_to (tests/test_reduce.py); ReductionToOneDevice takes them."""
-    return jdist.MirroredStrategy(jax.devices()[:n], cross_device_ops=jdist.ReductionToOneDevice())
-
-
 @several
 @entry_points
 @pytest.mark.parametrize("dtype", NARROW)
 def test_narrow_integers_divide_in_float32(n, entry, dtype):
-    s = narrow_capable(n)
+    # TF's default ops on several devices refuse 8- and 16-bit integers in all_reduce and
+    # batch_reduce_to (tests/test_reduce.py); ReductionToOneDevice takes them.
+    s = mirrored_reducing_to_one_device(n)
     comps = even(n, dtype)
     assert_every_result(s, ELEMENT_WISE[entry](s, per_replica(s, comps)), tf_mean(comps))
 
@@ -199,7 +195,7 @@ def test_float_mean_is_a_true_division(n, entry):
 @pytest.mark.parametrize("dtype", NARROW + WIDE)
 def test_uneven_steps_follow_the_same_rule(n, dtype):
     """Replicas with 2, 1 or no rows (the exact uneven plan): each all-reduces its row sums."""
-    s = narrow_capable(n) if dtype in NARROW else mirrored(n)
+    s = mirrored_reducing_to_one_device(n) if dtype in NARROW else mirrored(n)
     comps = components(n, dtype)
     sums = [np.sum(c, axis=0, dtype=dtype) for c in comps]
 

@@ -1,7 +1,5 @@
 """SEMANTICS.md, reduce(op, value, axis): every rule against a NumPy reference."""
 
-import functools
-
 import hypothesis
 import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
@@ -12,7 +10,8 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist.testing import REPLICA_COUNTS, mirrored, per_replica
+from jdist.testing import REPLICA_COUNTS, mirrored, mirrored_reducing_to_one_device
+from jdist.testing import per_replica
 
 SETTINGS = hypothesis.settings(max_examples=30, deadline=None,
                                suppress_health_check=[hypothesis.HealthCheck.too_slow])
@@ -383,7 +382,7 @@ def expected_result(call, comps):
 @pytest.mark.parametrize("n", [2, 3])
 def test_dtypes_tfs_collective_ops_refuse_raise_where_they_would_run(n, dtype, call):
     comps = [(np.arange(3) + i).astype(jnp.dtype(dtype)) for i in range(n)]
-    for s in (mirrored(n), reduction_to_one_device(n)):
+    for s in (mirrored(n), mirrored_reducing_to_one_device(n)):
         v = per_replica(s, comps)
         if s is mirrored(n) and call in REFUSED[dtype]:
             with pytest.raises(errors.InvalidArgumentError, match="CollectiveAllReduce"):
@@ -396,16 +395,11 @@ def test_dtypes_tfs_collective_ops_refuse_raise_where_they_would_run(n, dtype, c
                                           expected_result(call, comps).astype(np.complex128))
 
 
-@functools.lru_cache(maxsize=None)
-def reduction_to_one_device(n):
-    return jdist.MirroredStrategy(jax.devices()[:n], cross_device_ops=jdist.ReductionToOneDevice())
-
-
 @pytest.mark.parametrize("call", ["gather", "all_gather"])
 def test_bools_gather_only_where_tfs_collective_ops_do_not(call):
     comps = [np.array([True, False]), np.array([False, False])]
     with pytest.raises(errors.InvalidArgumentError, match="bool value"):
         COLLECTIVE_CALLS[call](mirrored(2), per_replica(mirrored(2), comps))
-    s = reduction_to_one_device(2)
+    s = mirrored_reducing_to_one_device(2)
     out = s.experimental_local_results(COLLECTIVE_CALLS[call](s, per_replica(s, comps)))
     np.testing.assert_array_equal(out[0], np.concatenate(comps))

@@ -44,6 +44,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 
 from _tf_reference import assert_matches  # noqa: E402
+from _tf_reference import both_reducing_to_one_device  # noqa: E402
 from _tf_reference import local_results  # noqa: E402
 from _tf_reference import outcome  # noqa: E402
 from _tf_reference import reduction_to_one_device  # noqa: E402
@@ -167,9 +168,7 @@ def test_gather_along_a_negative_axis(n, dtype, axis, ops):
     # which raises on a negative axis; ReductionToOneDevice concatenates along it.
     strategy, tf_strategy = both(n)
     if ops is not None:
-        strategy = jdist.MirroredStrategy(strategy.extended.worker_devices,
-                                          cross_device_ops=jdist.ReductionToOneDevice())
-        tf_strategy = reduction_to_one_device(n)
+        strategy, tf_strategy = both_reducing_to_one_device(n)
     rows = [np.arange(6, dtype=dtype).reshape(2, 3) + 10 * i for i in range(n)]
     value = strategy.experimental_distribute_values_from_function(
         lambda ctx: rows[ctx.replica_id_in_sync_group])
@@ -847,9 +846,7 @@ DTYPE_CALLS = {
 def test_dtypes_of_tfs_collective_ops(n, dtype, ops):
     strategy, tf_strategy = both(n)
     if ops != "default":
-        strategy = jdist.MirroredStrategy(jax.devices()[:n],
-                                          cross_device_ops=jdist.ReductionToOneDevice())
-        tf_strategy = reduction_to_one_device(n)
+        strategy, tf_strategy = both_reducing_to_one_device(n)
     ints = [np.arange(3) % 2 + i for i in range(n)]
     v = strategy.experimental_distribute_values_from_function(
         lambda ctx: ints[ctx.replica_id_in_sync_group].astype(jnp.dtype(dtype)))

@@ -29,8 +29,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 
 from _tf_reference import assert_matches  # noqa: E402
+from _tf_reference import both_reducing_to_one_device  # noqa: E402
 from _tf_reference import outcome  # noqa: E402
-from _tf_reference import reduction_to_one_device  # noqa: E402
 from _tf_reference import strategies  # noqa: E402
 
 SEEDS = range(60)
@@ -87,9 +87,7 @@ def test_gradients_through_collectives_are_tfs(seed):
     if tf_strategy is None:
         pytest.skip("TensorFlow was initialised before its logical CPU devices were configured.")
     if n > 1:  # Both with ReductionToOneDevice (TF's default gathers no bfloat16).
-        tf_strategy = reduction_to_one_device(n)
-        strategy = jdist.MirroredStrategy(strategy.extended.worker_devices,
-                                          cross_device_ops=jdist.ReductionToOneDevice())
+        strategy, tf_strategy = both_reducing_to_one_device(n)
     got = outcome(strategy, lambda: strategy.run(
         jdist_gradient(loss), args=(distribute(strategy, xs), distribute(strategy, ws))))
     want = outcome(tf_strategy, lambda: tf_strategy.run(

@@ -22,8 +22,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 
 from _tf_reference import assert_matches  # noqa: E402
+from _tf_reference import both_reducing_to_one_device  # noqa: E402
 from _tf_reference import outcome  # noqa: E402
-from _tf_reference import reduction_to_one_device  # noqa: E402
 from _tf_reference import strategies  # noqa: E402
 
 SEEDS = range(150)
@@ -76,9 +76,7 @@ def test_random_combinations_are_tfs(seed):
     if tf_strategy is None:
         pytest.skip("TensorFlow was initialised before its logical CPU devices were configured.")
     if n > 1:  # Both with ReductionToOneDevice (TF's default takes no negative gather axis).
-        tf_strategy = reduction_to_one_device(n)
-        strategy = jdist.MirroredStrategy(strategy.extended.worker_devices,
-                                          cross_device_ops=jdist.ReductionToOneDevice())
+        strategy, tf_strategy = both_reducing_to_one_device(n)
     v = strategy.experimental_distribute_values_from_function(
         lambda ctx: components[ctx.replica_id_in_sync_group])
     tf_v = tf_strategy.experimental_distribute_values_from_function(

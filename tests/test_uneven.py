@@ -13,6 +13,7 @@ from jax import lax
 import jdist
 from jdist import errors
 from jdist.testing import REPLICA_COUNTS, assert_local_results, count_compiles, mirrored, per_replica
+from jdist.testing import mirrored_reducing_to_one_device
 
 GLOBAL_BATCH, FEATURES, CLASSES, LR = 16, 5, 3, 0.5
 
@@ -158,8 +159,7 @@ def test_all_gather_gradient_is_tfs_all_sum_of_the_upstream_gradients_own_rows(n
     # TF's all_gather gradient: all_reduce SUM of every replica's upstream gradient, of which a
     # replica takes the rows it contributed (replicas of one shape share a trace, not rows).
     # TF's default ops take no negative gather axis on several devices; ReductionToOneDevice does.
-    s = mirrored(n) if axis >= 0 or n == 1 else jdist.MirroredStrategy(
-        jax.local_devices()[:n], cross_device_ops=jdist.ReductionToOneDevice())
+    s = mirrored(n) if axis >= 0 or n == 1 else mirrored_reducing_to_one_device(n)
     rng = np.random.default_rng(n)
     sizes = [(2, 1, 1, 0, 3, 2, 1, 0)[i] for i in range(n)]
     comps = [rng.normal(size=(k, 3) if axis == 0 else (3, k)).astype(np.float32) for k in sizes]

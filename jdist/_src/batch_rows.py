@@ -41,18 +41,9 @@ _CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"
 _NOT_ROWS = frozenset({"iota", "axis_index", "all_gather", "rng_bit_generator", "random_bits"})
 _STRUCTURAL = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose", "slice", "pad",
                          "concatenate", "sort", "rev"})
-# Ops that pick entries by index, and the operand axes they index along: the rows move when one
-# of them is the row axis (x[order], x.at[i].set(v), a dynamic slice of the rows).
-_INDEXED = {
-    "gather": lambda p: p["dimension_numbers"].start_index_map,
-    "scatter": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
-    "scatter-add": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
-    "scatter_add": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
-    "scatter-mul": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
-    "scatter_mul": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
-    "scatter-min": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
-    "scatter-max": lambda p: p["dimension_numbers"].scatter_dims_to_operand_dims,
-}
+# Ops that pick entries by index (x[order], x.at[i].set(v)): the rows move when they index
+# along the row axis.
+_SCATTERS = frozenset({"scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max"})
 
 
 def row_axes(jaxpr, input_states):
@@ -103,39 +94,56 @@ def _eqn_rows(eqn, ins):
     if name in _REDUCTIONS:
         axes = params["axes"]
         return [NOT_ROWS if k in axes else k - sum(a < k for a in axes)] * n_out
+    reordered = _reordered_rows(eqn, k, ins)
+    return [_row_axis_after(eqn, k) if reordered is None else reordered] * n_out
+
+
+def _reordered_rows(eqn, k, ins):
+    """The state after an op that may reorder or shift the rows (along axis ``k``): `MOVED`
+    when it does, ``k`` when it keeps them in place, None for the other ops."""
+    name, params = eqn.primitive.name, eqn.params
     if name in _CUMULATIVE:  # A forward scan's first rows see the real rows only.
-        return [(MOVED if params.get("reverse") else k) if params["axis"] == k else k] * n_out
-    if name in _INDEXED:
-        return [MOVED if k in _INDEXED[name](params) else UNKNOWN] * n_out
+        return (MOVED if params.get("reverse") else k) if params["axis"] == k else k
+    if name == "gather" or name in _SCATTERS:
+        numbers = params["dimension_numbers"]
+        indexed = (numbers.start_index_map if name == "gather"
+                   else numbers.scatter_dims_to_operand_dims)
+        return MOVED if k in indexed else UNKNOWN
     if name == "rev":
-        return [MOVED if k in params["dimensions"] else k]
+        return MOVED if k in params["dimensions"] else k
     if name in ("dynamic_slice", "dynamic_update_slice"):  # Whole along the rows: in place.
         part = params["slice_sizes"] if name == "dynamic_slice" else _shape(eqn.invars[1])
         whole = part[k] == _shape(eqn.invars[0])[k]
-        return [(k if name == "dynamic_slice" else _join(ins[:2])) if whole else MOVED]
-    if name == "broadcast_in_dim":
-        out_axis = params["broadcast_dimensions"][k]
-        same_size = _shape(eqn.invars[0])[k] == params["shape"][out_axis]
-        return [out_axis if same_size else UNKNOWN]
-    if name == "squeeze":
-        dims = params["dimensions"]
-        return [UNKNOWN if k in dims else k - sum(d < k for d in dims)]
-    if name == "transpose":
-        return [tuple(params["permutation"]).index(k)]
-    if name == "reshape":
-        return [_reshaped_axis(_shape(eqn.invars[0]), tuple(params["new_sizes"]), k)]
+        return (k if name == "dynamic_slice" else _join(ins[:2])) if whole else MOVED
     if name == "slice":
         start, limit = params["start_indices"][k], params["limit_indices"][k]
         strides = params.get("strides")
         whole = start == 0 and limit == _shape(eqn.invars[0])[k] and (
             not strides or strides[k] == 1)
-        return [k if whole else MOVED]
+        return k if whole else MOVED
     if name == "pad":
-        low, high, interior = params["padding_config"][k]
-        return [k if (low, high, interior) == (0, 0, 0) else MOVED]
+        return k if tuple(params["padding_config"][k]) == (0, 0, 0) else MOVED
     if name in ("concatenate", "sort"):
-        return [MOVED if params["dimension"] == k else k] * n_out
-    return [UNKNOWN] * n_out
+        return MOVED if params["dimension"] == k else k
+    return None
+
+
+def _row_axis_after(eqn, k):
+    """Where a shape op (broadcast, squeeze, transpose, reshape) puts the row axis ``k``;
+    `UNKNOWN` for ops not modelled."""
+    name, params = eqn.primitive.name, eqn.params
+    if name == "broadcast_in_dim":
+        out_axis = params["broadcast_dimensions"][k]
+        same_size = _shape(eqn.invars[0])[k] == params["shape"][out_axis]
+        return out_axis if same_size else UNKNOWN
+    if name == "squeeze":
+        dims = params["dimensions"]
+        return UNKNOWN if k in dims else k - sum(d < k for d in dims)
+    if name == "transpose":
+        return tuple(params["permutation"]).index(k)
+    if name == "reshape":
+        return _reshaped_axis(_shape(eqn.invars[0]), tuple(params["new_sizes"]), k)
+    return UNKNOWN
 
 
 def _reshaped_axis(old, new, k):

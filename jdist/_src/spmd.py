@@ -447,7 +447,7 @@ class ReplicatedRunner:
 
     def _run_exact(self, cache, in_tree, call, leaves):
         """``run`` on ragged inputs: every replica computes with its own shapes (`uneven`)."""
-        if call.tracing or dispatch.under_a_trace():  # Values captured by a trace too.
+        if dispatch.under_a_trace():  # Traced arguments, or values a trace captured.
             raise errors.UnevenValuesError(
                 "strategy.run got per-replica values of different shapes while being traced "
                 "(inside jax.jit, lax.scan or jdist.function); a traced program has one shape "
