@@ -152,6 +152,20 @@ def test_a_function_or_key_argument_of_another_type_raises_a_typed_error(entry, 
         NOT_FUNCTIONS[entry](mirrored(3), value)
 
 
+@pytest.mark.parametrize("value", ["text", b"bytes", object(),
+                                   jax.ShapeDtypeStruct((2,), jnp.float32)])
+def test_a_jdist_function_returning_a_host_object_raises_a_typed_error(value):
+    s = mirrored(3)
+    step = jdist.function(lambda x: (s.run(lambda x: x + 1.0, args=(x,)), {"out": value}))
+    with pytest.raises(errors.UnsupportedValueError, match=type(value).__name__):
+        step(jnp.ones(2))
+
+
+@pytest.mark.parametrize("value", [3, 2.5, True, 1j, np.float32(2), np.arange(3)])
+def test_a_jdist_function_returns_numbers_as_arrays(value):
+    np.testing.assert_array_equal(np.asarray(jdist.function(lambda: value)()), value)
+
+
 @pytest.mark.parametrize("value", [None, {"a": 1.0}])
 def test_cross_device_reduce_takes_one_value(value):
     with pytest.raises(errors.InvalidArgumentError, match="one value"):

@@ -19,6 +19,7 @@ import functools
 import threading
 
 import jax
+import numpy as np
 from jax.extend import core
 
 from jdist._src import batch_blocks
@@ -256,7 +257,7 @@ def function(fun=None, **jit_kwargs):
         if _holds_ragged_values((args, kwargs)):
             raise _RaggedArguments()  # Before ``fun`` is traced: `call` runs it as Python.
         batch_blocks.blocks_read()  # Arguments flattened: what ``fun`` captures reads plainly.
-        return fun(*args, **kwargs)
+        return _checked_outputs(fun(*args, **kwargs))
     jitted = jax.jit(traced, **jit_kwargs)
     guard = guard_for(jax.default_backend(), jax.local_device_count())
     # Dataset elements held in blocks enter as (block, position), indexed inside the program;
@@ -291,6 +292,23 @@ def function(fun=None, **jit_kwargs):
     call.__name__ = getattr(fun, "__name__", "function")
     call.__doc__ = getattr(fun, "__doc__", None)
     return call
+
+
+def _checked_outputs(outputs):
+    """``outputs`` of a function `function` traces, once each is something a compiled program
+    can return; raises `UnsupportedValueError` for the others (a string, which ``tf.function``
+    returns as a string tensor, any other Python object)."""
+    for leaf in jax.tree_util.tree_leaves(outputs):
+        if not isinstance(leaf, _PROGRAM_OUTPUTS):
+            raise errors.UnsupportedValueError(
+                f"a jdist.function returned a {type(leaf).__name__} ({str(leaf)[:40]!r}); a "
+                "compiled program returns arrays and numbers only (tf.function would return a "
+                "string as a tf.string tensor, which JAX has no type for). Return the object "
+                "from Python code around the jdist.function, or encode it as numbers.")
+    return outputs
+
+
+_PROGRAM_OUTPUTS = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
 def _as_python(fun, args, kwargs):
