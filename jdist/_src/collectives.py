@@ -151,6 +151,13 @@ def _exact_reciprocal(count, total_dtype, dtype):
     """
     if not isinstance(count, (int, np.integer)) or isinstance(count, bool):
         return None
+    return _reciprocal_of(int(count), jnp.dtype(total_dtype), jnp.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _reciprocal_of(count, total_dtype, dtype):
+    """`_exact_reciprocal` of a concrete count, once per count and dtypes: a model's gradients
+    ask for it once per leaf while the step is traced."""
     if jnp.issubdtype(dtype, jnp.complexfloating):
         return None  # A complex product by (1/n + 0j) turns an infinite part's partner NaN.
     divisor = float(np.asarray(count).astype(total_dtype).astype(dtype))
@@ -158,7 +165,9 @@ def _exact_reciprocal(count, total_dtype, dtype):
         return None
     if 1.0 / divisor < float(jnp.finfo(dtype).tiny):  # Exact in ``dtype`` once it is normal.
         return None
-    return jnp.asarray(1.0 / divisor, dtype)
+    reciprocal = np.asarray(1.0 / divisor, dtype)
+    reciprocal.setflags(write=False)  # Shared by every caller.
+    return reciprocal
 
 
 def mean_count(shape: Sequence[int], axes: Optional[Tuple[int, ...]], num_replicas: int,
