@@ -47,8 +47,15 @@ def test_other_per_replica_inputs_of_the_same_size_are_not_batch_rows():
     assert out.lengths is None
 
 
-@pytest.mark.parametrize("reorder", [lambda x: jnp.flip(x, 0), lambda x: jnp.roll(x, 1, 0),
-                                     lambda x: x[jnp.array([1, 0, 3, 2])]])
+def _flip_in_a_while_loop(x):
+    return lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, jnp.flip(c[1], 0)), (0, x))[1]
+
+
+@pytest.mark.parametrize("reorder", [
+    lambda x: jnp.flip(x, 0), lambda x: jnp.roll(x, 1, 0), lambda x: x[jnp.array([1, 0, 3, 2])],
+    lambda x: lax.cond(True, lambda v: jnp.flip(v, 0), lambda v: v, x),
+    lambda x: lax.fori_loop(0, 1, lambda i, v: jnp.flip(v, 0), x),  # A scan.
+    _flip_in_a_while_loop])
 def test_outputs_whose_rows_move_keep_every_padded_row(reorder):
     """Reversed, rolled or indexed rows put padding among the real rows: such an output keeps
     no lengths (gather returns every padded row, as the step computed them), where the
@@ -62,11 +69,32 @@ def test_outputs_whose_rows_move_keep_every_padded_row(reorder):
                                   np.concatenate([reorder(jnp.asarray(b)) for b in blocks]))
 
 
-def test_unmodelled_ops_fall_back_to_the_leading_size():
+def test_a_scan_over_the_rows_falls_back_to_the_leading_size():
     s = mirrored(2)
     x = partial_batch(s)
     out = s.run(lambda x: lax.scan(lambda c, row: (c, row * 2.0), 0.0, x)[1], args=(x,))
     assert out.lengths == (3, 1)
+
+
+def test_control_flow_is_followed_into_its_branches_and_loops():
+    """A weight-shaped output of a loop (leading size ROWS, like the batch) keeps no lengths;
+    per-example outputs of a cond, a while loop and a scan along another axis keep them."""
+    s = mirrored(2)
+    x = partial_batch(s)
+
+    def step(x):
+        weight = lax.scan(lambda h, _: (jnp.tanh(h + x.T @ x), None), jnp.zeros((ROWS, ROWS)),
+                          None, length=2)[0]
+        scaled = lax.cond(True, lambda v: v * 2.0, lambda v: v + 1.0, x)
+        doubled = lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] * 2.0), (0, x))[1]
+        columns = lax.scan(lambda c, column: (c, column * 2.0), 0.0, x.T)[1].T
+        return weight, scaled, doubled, columns
+    weight, *per_example = s.run(step, args=(x,))
+    assert weight.lengths is None
+    real = np.concatenate(x.values)
+    for out, expected in zip(per_example, [real * 2, real * 4, real * 2]):
+        assert out.lengths == (3, 1)
+        np.testing.assert_allclose(s.gather(out, 0), expected, rtol=1e-6)
 
 
 @pytest.mark.parametrize("fn, expected", [
@@ -96,6 +124,27 @@ def test_unmodelled_ops_fall_back_to_the_leading_size():
     (lambda x: jnp.flip(x, 0) + x, [batch_rows.MOVED]),  # Final: what uses moved rows.
     (lambda x: jnp.concatenate([x, x], axis=1), [0]),
     (lambda x: jnp.zeros((5, 6)), [batch_rows.NOT_ROWS]),
+    (lambda x: lax.cond(True, lambda v: v * 2, lambda v: jnp.ones_like(v), x), [0]),
+    (lambda x: lax.cond(True, lambda v: v.T, lambda v: v.T * 2, x), [1]),
+    (lambda x: lax.cond(True, lambda v: jnp.flip(v, 0), lambda v: v, x), [batch_rows.MOVED]),
+    (lambda x: lax.cond(True, lambda v: v[:, :5], lambda v: v.T[:5].T, x), [0]),
+    (lambda x: lax.cond(True, lambda v: v[:, :5], lambda v: v[:, :5].T, x[:, :5]),
+     [batch_rows.UNKNOWN]),  # Rows on axis 0 in one branch and 1 in the other.
+    (lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + x),
+                              (0, jnp.zeros((5, 6))))[1], [0]),  # Rows join the zeros.
+    (lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + x.T @ x),
+                              (0, jnp.zeros((6, 6))))[1], [batch_rows.NOT_ROWS]),
+    (lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[2], c[1]),
+                              (0, x, x[:, ::-1]))[1:], [0, 0]),  # Swapped carries.
+    (lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[2], c[1]),
+                              (0, x[:5, :5], x[:5, :5].T))[1:],
+     [batch_rows.UNKNOWN, batch_rows.UNKNOWN]),
+    (lambda x: lax.scan(lambda c, _: (c * 2, None), x, None, length=3)[0], [0]),
+    (lambda x: lax.scan(lambda c, column: (c, column * 2), 0.0, x.T)[1], [1]),
+    (lambda x: lax.scan(lambda c, row: (c + row, row * 2), jnp.zeros(6), x),
+     [batch_rows.UNKNOWN, batch_rows.UNKNOWN]),  # Along the rows: one row per iteration.
+    (lambda x: lax.scan(lambda c, _: (jnp.flip(c, 0), c), x, None, length=2),
+     [batch_rows.MOVED, batch_rows.MOVED]),
 ])
 def test_row_axis_rules(fn, expected):
     jaxpr = jax.make_jaxpr(fn)(jnp.ones((5, 6))).jaxpr

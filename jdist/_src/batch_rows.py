@@ -11,10 +11,12 @@ index of its axis that runs over the batch rows (`int`), `NOT_ROWS` when it prov
 (replicated inputs, constants, a contraction or reduction over the rows), `MOVED` when its rows
 are the batch's in another order or shifted (reversed, sorted, indexed, sliced or padded along
 the rows: the padding may then sit among the real rows, so no row count tells them apart), or
-`UNKNOWN` for anything the analysis does not model (control flow, other gathers, unknown
-primitives). `MOVED` is final: what is computed from such a value is `MOVED` too. An output
-inherits the lengths at a row axis, and for `UNKNOWN` the caller falls back to the
-leading-size rule.
+`UNKNOWN` for anything the analysis does not model (other gathers, a scan over the rows
+themselves, unknown primitives). Control flow is followed into its sub-programs: ``cond``
+branches are merged, loop carries iterated to a fixpoint, a ``scan``'s slices and stacked
+outputs shifted by its scanned axis. `MOVED` is final: what is computed from such a value is
+`MOVED` too. An output inherits the lengths at a row axis, and for `UNKNOWN` the caller falls
+back to the leading-size rule.
 """
 
 import math
@@ -67,6 +69,47 @@ def _join(states):
     return axes.pop() if axes else NOT_ROWS
 
 
+def _merge(states):
+    """One state for values that may be any of ``states`` (a loop carry before and after an
+    iteration, the outputs of ``cond``'s branches). States only rise under it, from `NOT_ROWS`
+    to an axis, `UNKNOWN` and `MOVED`, so a loop's carries settle in a few rounds."""
+    return MOVED if MOVED in states else _join(states)
+
+
+def _scan_rows(eqn, ins):
+    params = eqn.params
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+    # Each iteration sees one slice along axis 0: a row axis further in moves one place in; a
+    # scan along the rows themselves hands the body single rows (not modelled).
+    sliced = [UNKNOWN if s == 0 else s - 1 if _is_axis(s) else s for s in xs]
+    carry, outs = invariance.loop_fixpoint(row_axes, _merge, invariance.open_jaxpr(params["jaxpr"]),
+                                           consts, carry, sliced)
+    stacked = [s + 1 if _is_axis(s) else s for s in outs[n_carry:]]  # Stacked along axis 0.
+    return carry + stacked
+
+
+def _while_rows(eqn, ins):
+    params = eqn.params
+    body_consts = ins[params["cond_nconsts"]:params["cond_nconsts"] + params["body_nconsts"]]
+    carry = ins[params["cond_nconsts"] + params["body_nconsts"]:]
+    return invariance.loop_fixpoint(row_axes, _merge, invariance.open_jaxpr(params["body_jaxpr"]),
+                                    body_consts, carry, [])[0]
+
+
+def _cond_rows(eqn, ins):
+    operands = ins[1:]  # After the branch index.
+    outs = [row_axes(invariance.open_jaxpr(b), operands) for b in eqn.params["branches"]]
+    return [_merge(list(states)) for states in zip(*outs)]
+
+
+_CONTROL_FLOW = {"scan": _scan_rows, "while": _while_rows, "cond": _cond_rows}
+
+
+def _is_axis(state):
+    return state is not UNKNOWN and state >= 0
+
+
 def _shape(var):
     return tuple(var.aval.shape)
 
@@ -79,6 +122,8 @@ def _eqn_rows(eqn, ins):
         return [_join(ins)] * n_out
     if name in _NOT_ROWS:
         return [NOT_ROWS] * n_out
+    if name in _CONTROL_FLOW:  # Before `call_body`: a scan's body does not take its operands.
+        return _CONTROL_FLOW[name](eqn, ins)
     inner = invariance.call_body(eqn)
     if inner is not None:
         return row_axes(inner, ins)

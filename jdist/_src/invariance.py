@@ -57,7 +57,7 @@ def call_body(eqn):
     for key in _CALL_PARAMS:
         sub = eqn.params.get(key)
         if isinstance(sub, (core.Jaxpr, core.ClosedJaxpr)):
-            inner = _inner(sub)
+            inner = open_jaxpr(sub)
             if len(inner.invars) == len(eqn.invars):
                 return inner
     return None
@@ -76,7 +76,8 @@ def same_outputs(jaxpr, inputs_same):
     return propagate(jaxpr, inputs_same, _eqn_same, True)
 
 
-def _inner(closed_or_open):
+def open_jaxpr(closed_or_open):
+    """The ``Jaxpr`` of a ``ClosedJaxpr`` (a sub-program's parameter), or the ``Jaxpr`` itself."""
     return getattr(closed_or_open, "jaxpr", closed_or_open)
 
 
@@ -106,35 +107,43 @@ def _eqn_same(eqn, ins):
 
 
 def _scan_same(eqn, ins):
-    body = _inner(eqn.params["jaxpr"])
+    body = open_jaxpr(eqn.params["jaxpr"])
     n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
     consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
-    while True:
-        outs = same_outputs(body, consts + carry + xs)
-        new_carry = [c and o for c, o in zip(carry, outs[:n_carry])]
-        if new_carry == carry:
-            return carry + outs[n_carry:]
-        carry = new_carry
+    carry, outs = loop_fixpoint(same_outputs, all, body, consts, carry, xs)
+    return carry + outs[n_carry:]
 
 
 def _while_same(eqn, ins):
-    cond, body = _inner(eqn.params["cond_jaxpr"]), _inner(eqn.params["body_jaxpr"])
+    cond, body = open_jaxpr(eqn.params["cond_jaxpr"]), open_jaxpr(eqn.params["body_jaxpr"])
     nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
     cond_consts, body_consts, carry = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
-    while True:
-        outs = same_outputs(body, body_consts + carry)
-        new_carry = [c and o for c, o in zip(carry, outs)]
-        if new_carry == carry:
-            break
-        carry = new_carry
+    carry, _ = loop_fixpoint(same_outputs, all, body, body_consts, carry, [])
     if not all(same_outputs(cond, cond_consts + carry)):
         return [False] * len(carry)  # Replicas may run different numbers of iterations.
     return carry
 
 
+def loop_fixpoint(analyse, merge, body, before, carry, after):
+    """The states of a loop's carry, for a forward analysis ``analyse(jaxpr, input_states)``
+    whose states only rise under ``merge(list_of_states)``: the carry entering an iteration is
+    the merge of the one before it and the body's new carry (the body's first outputs), until
+    that no longer changes. ``body`` takes ``before + carry + after``.
+
+    Returns:
+      ``(carry_states, body_output_states)``.
+    """
+    while True:
+        outs = analyse(body, before + carry + after)
+        merged = [merge([c, o]) for c, o in zip(carry, outs)]
+        if merged == carry:
+            return carry, outs
+        carry = merged
+
+
 def _cond_same(eqn, ins):
     index_same, operands = ins[0], ins[1:]
-    branch_outs = [same_outputs(_inner(b), operands) for b in eqn.params["branches"]]
+    branch_outs = [same_outputs(open_jaxpr(b), operands) for b in eqn.params["branches"]]
     return [index_same and all(outs) for outs in zip(*branch_outs)]
 
 
