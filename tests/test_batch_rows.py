@@ -1,5 +1,7 @@
 """Padded mode: which outputs of a step are rows of its padded partial batch (and keep its lengths)."""
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,3 +151,52 @@ def test_control_flow_is_followed_into_its_branches_and_loops():
 def test_row_axis_rules(fn, expected):
     jaxpr = jax.make_jaxpr(fn)(jnp.ones((5, 6))).jaxpr
     assert batch_rows.row_axes(jaxpr, [0]) == expected
+
+
+_ROW_OPS = [  # On (rows, 3) arrays: rows kept in place, combined causally, or moved.
+    lambda x: x * 2.0 + 1.0, lambda x: jnp.flip(x, 0), lambda x: jnp.flip(x, 1),
+    lambda x: jnp.roll(x, 1, 0), lambda x: jnp.cumsum(x, 0),
+    lambda x: lax.cumsum(x, 0, reverse=True), lambda x: jnp.sort(x, 0),
+    lambda x: x @ jnp.arange(9.0).reshape(3, 3) / 9]
+
+
+def _cond(pred, f, g):
+    return lambda x: lax.cond(pred, f, g, x)
+
+
+def _fori_loop(n, f):  # A scan.
+    return lambda x: lax.fori_loop(0, n, lambda i, v: f(v), x)
+
+
+def _while_loop(n, f):
+    return lambda x: lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, f(c[1])), (0, x))[1]
+
+
+def _added(f, g):
+    return lambda x: f(x) + g(x)
+
+
+_STEPS = st.recursive(st.sampled_from(_ROW_OPS), lambda inner: st.one_of(
+    st.builds(_cond, st.booleans(), inner, inner), st.builds(_fori_loop, st.integers(0, 2), inner),
+    st.builds(_while_loop, st.integers(0, 2), inner), st.builds(_added, inner, inner)),
+    max_leaves=4)
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(step=_STEPS, data=st.data())
+def test_property_an_output_with_the_lengths_starts_with_the_real_rows_step(step, data):
+    """An output that inherits the lengths holds first, on each replica, exactly what the step
+    computes on that replica's real rows alone: no padding moved in among them."""
+    n = data.draw(st.sampled_from([2, 3, 4]))
+    lengths = data.draw(st.lists(st.integers(0, ROWS), min_size=n, max_size=n).filter(
+        lambda lengths: ROWS in lengths and min(lengths) < ROWS))
+    rng = np.random.default_rng(lengths)
+    real = [rng.normal(size=(k, 3)).astype(np.float32) for k in lengths]
+    s = mirrored(n)
+    out = s.run(step, args=(padded_per_replica(s, real),))
+    if out.lengths is None:
+        return  # Rows moved: every padded row is returned as computed.
+    assert out.lengths == tuple(lengths)
+    for block, rows in zip(np.asarray(out.stacked), real):
+        np.testing.assert_allclose(block[:len(rows)], step(jnp.asarray(rows)), rtol=1e-5,
+                                   atol=1e-6)
