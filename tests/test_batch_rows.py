@@ -71,6 +71,31 @@ def test_outputs_whose_rows_move_keep_every_padded_row(reorder):
                                   np.concatenate([reorder(jnp.asarray(b)) for b in blocks]))
 
 
+def _conv(x, k):
+    return lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _conv_loss(k, x):
+    return jnp.sum(_conv(x, k) ** 2)
+
+
+def test_a_conv_kernels_gradient_keeps_no_lengths_and_the_activations_do():
+    """3 rows per replica and a 3 x 3 kernel: the kernel's gradient has the batch's leading
+    size, which the leading-size rule took for rows (gather cut it to the real-row count)."""
+    s = mirrored(2)
+    rng = np.random.default_rng(0)
+    real = [rng.normal(size=(k, 5, 5, 2)).astype(np.float32) for k in (3, 1)]
+    kernel = jnp.asarray(rng.normal(size=(3, 3, 2, 4)).astype(np.float32))
+    step = lambda k, x: (_conv(x, k), jax.grad(_conv_loss)(k, x))  # noqa: E731
+    activations, gradient = s.run(step, args=(kernel, padded_per_replica(s, real)))
+    assert activations.lengths == (3, 1) and gradient.lengths is None
+    np.testing.assert_allclose(s.gather(activations, 0), _conv(np.concatenate(real), kernel),
+                               rtol=1e-5, atol=1e-5)
+    for got, rows in zip(s.experimental_local_results(gradient), real):
+        np.testing.assert_allclose(got, jax.grad(_conv_loss)(kernel, rows), rtol=1e-5)
+
+
 def test_a_scan_over_the_rows_falls_back_to_the_leading_size():
     s = mirrored(2)
     x = partial_batch(s)
@@ -150,6 +175,26 @@ def test_control_flow_is_followed_into_its_branches_and_loops():
 ])
 def test_row_axis_rules(fn, expected):
     jaxpr = jax.make_jaxpr(fn)(jnp.ones((5, 6))).jaxpr
+    assert batch_rows.row_axes(jaxpr, [0]) == expected
+
+
+_KERNEL = jnp.ones((3, 3, 2, 4))
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (lambda x: _conv(x, _KERNEL), [0]),
+    (lambda x: jax.grad(_conv_loss)(_KERNEL, x), [batch_rows.NOT_ROWS]),  # The kernel's.
+    (lambda x: jax.grad(_conv_loss, argnums=1)(_KERNEL, x), [0]),  # The input's.
+    (lambda x: _conv(x.transpose(1, 0, 2, 3), _KERNEL), [batch_rows.UNKNOWN]),  # A window.
+    (lambda x: lax.conv_general_dilated(x, jnp.ones((3, 3, 1, 4)), (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                        feature_group_count=2), [0]),
+    (lambda x: jax.random.normal(jax.random.key(0), x.shape), [batch_rows.NOT_ROWS]),
+    (lambda x: jnp.linalg.inv(jnp.sum(x, axis=(1, 2)).T @ jnp.sum(x, axis=(1, 2))),
+     [batch_rows.NOT_ROWS]),  # Unmodelled ops on what holds no rows.
+])
+def test_row_axis_rules_of_images(fn, expected):
+    jaxpr = jax.make_jaxpr(fn)(jnp.ones((5, 4, 4, 2))).jaxpr
     assert batch_rows.row_axes(jaxpr, [0]) == expected
 
 

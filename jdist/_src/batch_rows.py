@@ -127,9 +127,13 @@ def _eqn_rows(eqn, ins):
     inner = invariance.call_body(eqn)
     if inner is not None:
         return row_axes(inner, ins)
+    if all(s == NOT_ROWS for s in ins):
+        return [NOT_ROWS] * n_out  # Nothing of the batch flows in (a weight's own ops).
     k = ins[0] if ins else NOT_ROWS
     if name == "dot_general":
         return [_dot_general(eqn, ins)]
+    if name == "conv_general_dilated":
+        return [_conv(eqn, ins)]
     if name == "concatenate" and k != _join(ins):
         return [UNKNOWN]  # Operands whose rows disagree.
     if k is UNKNOWN or k == NOT_ROWS:
@@ -202,6 +206,32 @@ def _reshaped_axis(old, new, k):
         if running > before:
             break
     return UNKNOWN
+
+
+def _conv(eqn, ins):
+    """Rows on the input's batch axis run along the output's batch axis; rows on an axis the
+    convolution sums over (the input's or the kernel's input features: how a kernel's gradient
+    is computed) are summed away; rows on a kernel's output features run along the output's
+    features; rows on a window axis are not modelled."""
+    numbers, params = eqn.params["dimension_numbers"], eqn.params
+    grouped = params["feature_group_count"] > 1 or params["batch_group_count"] > 1
+
+    def lhs_axis(k):
+        if not _is_axis(k):
+            return k
+        if k == numbers.lhs_spec[1]:  # Input features: summed over.
+            return NOT_ROWS
+        if k == numbers.lhs_spec[0]:  # With batch groups, the batch is summed too.
+            return NOT_ROWS if params["batch_group_count"] > 1 else numbers.out_spec[0]
+        return UNKNOWN
+
+    def rhs_axis(k):
+        if not _is_axis(k):
+            return k
+        if k == numbers.rhs_spec[1]:  # Kernel input features: summed over.
+            return NOT_ROWS
+        return numbers.out_spec[1] if k == numbers.rhs_spec[0] and not grouped else UNKNOWN
+    return _join([lhs_axis(ins[0]), rhs_axis(ins[1])])
 
 
 def _dot_general(eqn, ins):
