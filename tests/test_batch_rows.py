@@ -76,22 +76,27 @@ def _conv(x, k):
                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
+def _max_pool(x, window=(1, 2, 2, 1)):
+    return lax.reduce_window(x, -jnp.inf, lax.max, window, window, "VALID")
+
+
 def _conv_loss(k, x):
-    return jnp.sum(_conv(x, k) ** 2)
+    return jnp.sum(_max_pool(_conv(x, k)) ** 2)
 
 
 def test_a_conv_kernels_gradient_keeps_no_lengths_and_the_activations_do():
-    """3 rows per replica and a 3 x 3 kernel: the kernel's gradient has the batch's leading
-    size, which the leading-size rule took for rows (gather cut it to the real-row count)."""
+    """3 rows per replica and a 3 x 3 kernel: the kernel's gradient (through a max pool) has
+    the batch's leading size, which the leading-size rule took for rows (gather cut it to the
+    real-row count)."""
     s = mirrored(2)
     rng = np.random.default_rng(0)
     real = [rng.normal(size=(k, 5, 5, 2)).astype(np.float32) for k in (3, 1)]
     kernel = jnp.asarray(rng.normal(size=(3, 3, 2, 4)).astype(np.float32))
-    step = lambda k, x: (_conv(x, k), jax.grad(_conv_loss)(k, x))  # noqa: E731
+    step = lambda k, x: (_max_pool(_conv(x, k)), jax.grad(_conv_loss)(k, x))  # noqa: E731
     activations, gradient = s.run(step, args=(kernel, padded_per_replica(s, real)))
     assert activations.lengths == (3, 1) and gradient.lengths is None
-    np.testing.assert_allclose(s.gather(activations, 0), _conv(np.concatenate(real), kernel),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s.gather(activations, 0),
+                               _max_pool(_conv(np.concatenate(real), kernel)), rtol=1e-5, atol=1e-5)
     for got, rows in zip(s.experimental_local_results(gradient), real):
         np.testing.assert_allclose(got, jax.grad(_conv_loss)(kernel, rows), rtol=1e-5)
 
@@ -189,6 +194,11 @@ _KERNEL = jnp.ones((3, 3, 2, 4))
     (lambda x: lax.conv_general_dilated(x, jnp.ones((3, 3, 1, 4)), (1, 1), "SAME",
                                         dimension_numbers=("NHWC", "HWIO", "NHWC"),
                                         feature_group_count=2), [0]),
+    (lambda x: _max_pool(x), [0]),
+    (lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 2, 2, 1), (1, 1, 1, 1), "SAME") / 4, [0]),
+    (lambda x: _max_pool(x, (2, 1, 1, 1)), [batch_rows.MOVED]),  # Pooled across the rows.
+    (lambda x: jax.grad(lambda x: jnp.sum(_max_pool(x) ** 2))(x), [0]),
+    (lambda x: jax.grad(lambda k: _conv_loss(k, x))(_KERNEL), [batch_rows.NOT_ROWS]),
     (lambda x: jax.random.normal(jax.random.key(0), x.shape), [batch_rows.NOT_ROWS]),
     (lambda x: jnp.linalg.inv(jnp.sum(x, axis=(1, 2)).T @ jnp.sum(x, axis=(1, 2))),
      [batch_rows.NOT_ROWS]),  # Unmodelled ops on what holds no rows.

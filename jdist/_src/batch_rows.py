@@ -43,6 +43,9 @@ _CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"
 _NOT_ROWS = frozenset({"iota", "axis_index", "all_gather", "rng_bit_generator", "random_bits"})
 _STRUCTURAL = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose", "slice", "pad",
                          "concatenate", "sort", "rev"})
+# Pooling (max, sum: a mean pool divides the sum) and the gradients of max pooling.
+_WINDOWED = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min",
+                       "reduce_window", "select_and_scatter_add", "select_and_gather_add"})
 # Ops that pick entries by index (x[order], x.at[i].set(v)): the rows move when they index
 # along the row axis.
 _SCATTERS = frozenset({"scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max"})
@@ -134,6 +137,8 @@ def _eqn_rows(eqn, ins):
         return [_dot_general(eqn, ins)]
     if name == "conv_general_dilated":
         return [_conv(eqn, ins)]
+    if name in _WINDOWED:
+        return [_windowed(eqn, _join(ins))] * n_out
     if name == "concatenate" and k != _join(ins):
         return [UNKNOWN]  # Operands whose rows disagree.
     if k is UNKNOWN or k == NOT_ROWS:
@@ -206,6 +211,20 @@ def _reshaped_axis(old, new, k):
         if running > before:
             break
     return UNKNOWN
+
+
+def _windowed(eqn, k):
+    """Pooling and its gradients over operands whose rows run along ``k``: in place when the
+    window neither spans, strides, pads nor dilates along the rows, else each row mixes with
+    its neighbours, padding included (`MOVED`)."""
+    if not _is_axis(k):
+        return k
+    params = eqn.params
+    in_place = (params["window_dimensions"][k] == 1 and params["window_strides"][k] == 1
+                and tuple(params["padding"][k]) == (0, 0)
+                and all(params[d][k] == 1 for d in ("base_dilation", "window_dilation")
+                        if d in params))
+    return k if in_place else MOVED
 
 
 def _conv(eqn, ins):
