@@ -41,6 +41,7 @@ SMALL_LAYERS = (64, 32, 10)  # The dispatch-bound step.
 GLOBAL_BATCH = 256
 STEPS = 60  # Batches per loop.
 ROUNDS = 7
+NUMPY_ROUNDS = 21  # The dispatch-bound loops: 7 rounds read 0.89 and 0.94 in two runs.
 LEARNING_RATE = 0.05
 
 
@@ -148,7 +149,7 @@ def bench_numpy_dataset(strategy):
                  strategy, params, strategy.experimental_distribute_dataset(dataset, inline)),
              "device_put": hand_written}
     interleaved(loops, 1)
-    times = interleaved(loops)
+    times = interleaved(loops, NUMPY_ROUNDS)
     ratio = paired_ratio(times, "on_device", "dataset")
     us = {k: f"{statistics.median(v) * 1e6:.0f}" for k, v in times.items()}
     report("numpy dataset / on-device steps/s (dispatch-bound step)", ratio, ">= 0.95",

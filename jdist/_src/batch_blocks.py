@@ -6,7 +6,7 @@ holds ``K`` consecutive full batches replica-major, ``(num_replicas, K, rows, *i
 over the replica axis, and is placed in one call with as many buffers as ONE batch; each element
 then names its position in the block. Measured with a dispatch-bound step on 8 CPU devices
 (``docs/design.md``, "Batch blocks"): one placement per batch runs at 0.73-0.79 of the speed of
-batches already on the devices, blocks of 32 at 0.94-0.96.
+batches already on the devices, blocks of 32 at 0.93-0.96, blocks of 64 at 0.95.
 
 An element is a `BlockedPerReplica`: a `PerReplica` in every respect (``values``, ``stacked``,
 pytree utilities, pickling), whose array is taken out of the block by a small program the first
@@ -30,7 +30,7 @@ import numpy as np
 from jdist._src.values import PerReplica
 
 BLOCK_BYTES = 4 << 20  # A block holds at most this many bytes of batches...
-MAX_BATCHES = 32  # ...and at most this many batches.
+MAX_BATCHES = 64  # ...and at most this many batches.
 ALIGNMENT = 64  # Bytes: what XLA's CPU buffers need to alias host memory.
 
 
