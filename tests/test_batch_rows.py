@@ -129,6 +129,10 @@ def test_control_flow_is_followed_into_its_branches_and_loops():
         np.testing.assert_allclose(s.gather(out, 0), expected, rtol=1e-6)
 
 
+def _sum_and_product(a, b):
+    return a[0] + b[0], a[1] * b[1]
+
+
 @pytest.mark.parametrize("fn, expected", [
     (lambda x: x * 2 + 1, [0]),
     (lambda x: x.T, [1]),
@@ -177,6 +181,14 @@ def test_control_flow_is_followed_into_its_branches_and_loops():
      [batch_rows.UNKNOWN, batch_rows.UNKNOWN]),  # Along the rows: one row per iteration.
     (lambda x: lax.scan(lambda c, _: (jnp.flip(c, 0), c), x, None, length=2),
      [batch_rows.MOVED, batch_rows.MOVED]),
+    # lax.reduce and reduce_window with computations of their own (not calls on the operands).
+    (lambda x: lax.reduce((x, x), (0.0, 1.0), _sum_and_product, (0,)),
+     [batch_rows.NOT_ROWS, batch_rows.NOT_ROWS]),
+    (lambda x: lax.reduce((x, x), (0.0, 1.0), _sum_and_product, (1,)), [0, 0]),
+    (lambda x: lax.reduce_window((x, x), (0.0, 1.0), _sum_and_product, (2, 1), (1, 1), "VALID"),
+     [batch_rows.MOVED, batch_rows.MOVED]),
+    (lambda x: lax.reduce_window((x, x), (0.0, 1.0), _sum_and_product, (1, 2), (1, 1), "VALID"),
+     [0, 0]),
 ])
 def test_row_axis_rules(fn, expected):
     jaxpr = jax.make_jaxpr(fn)(jnp.ones((5, 6))).jaxpr

@@ -125,20 +125,24 @@ def _eqn_rows(eqn, ins):
         return [_join(ins)] * n_out
     if name in _NOT_ROWS:
         return [NOT_ROWS] * n_out
-    if name in _CONTROL_FLOW:  # Before `call_body`: a scan's body does not take its operands.
+    if all(s == NOT_ROWS for s in ins):
+        return [NOT_ROWS] * n_out  # Nothing of the batch flows in (a weight's own ops).
+    # Before `call_body`: these take sub-programs that are not called on their operands.
+    if name in _CONTROL_FLOW:
         return _CONTROL_FLOW[name](eqn, ins)
+    if name in _WINDOWED:
+        return [_windowed(eqn, _join(ins))] * n_out
+    if name == "reduce":  # `lax.reduce` with a computation of its own.
+        k = _join(ins)
+        return [_reduced(k, params["dimensions"]) if _is_axis(k) else k] * n_out
     inner = invariance.call_body(eqn)
     if inner is not None:
         return row_axes(inner, ins)
-    if all(s == NOT_ROWS for s in ins):
-        return [NOT_ROWS] * n_out  # Nothing of the batch flows in (a weight's own ops).
     k = ins[0] if ins else NOT_ROWS
     if name == "dot_general":
         return [_dot_general(eqn, ins)]
     if name == "conv_general_dilated":
         return [_conv(eqn, ins)]
-    if name in _WINDOWED:
-        return [_windowed(eqn, _join(ins))] * n_out
     if name == "concatenate" and k != _join(ins):
         return [UNKNOWN]  # Operands whose rows disagree.
     if k is UNKNOWN or k == NOT_ROWS:
@@ -146,10 +150,14 @@ def _eqn_rows(eqn, ins):
         modelled = name in _STRUCTURAL or name in _REDUCTIONS or name in _CUMULATIVE
         return [k if modelled else UNKNOWN] * n_out
     if name in _REDUCTIONS:
-        axes = params["axes"]
-        return [NOT_ROWS if k in axes else k - sum(a < k for a in axes)] * n_out
+        return [_reduced(k, params["axes"])] * n_out
     reordered = _reordered_rows(eqn, k, ins)
     return [_row_axis_after(eqn, k) if reordered is None else reordered] * n_out
+
+
+def _reduced(k, axes):
+    """The row axis ``k`` once ``axes`` are reduced away."""
+    return NOT_ROWS if k in axes else k - sum(a < k for a in axes)
 
 
 def _reordered_rows(eqn, k, ins):
