@@ -863,3 +863,27 @@ def test_dtypes_of_tfs_collective_ops(n, dtype, ops):
             assert not isinstance(got, Exception) or isinstance(got, errors.JdistError), name
             continue
         assert_matches(got, want)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("call", ["reduce_to", "run"])
+def test_what_a_compiled_function_returns_is_tfs(n, call):
+    """tf.function returns a Mirrored (a reduce_to result) as one tensor, whose MEAN is itself
+    and whose SUM raises, and run's outputs as one value per replica: so does jdist.function."""
+    s, ts = both(n)
+
+    def returned(strategy, compile_, constant):
+        v = strategy.experimental_distribute_values_from_function(
+            lambda ctx: constant(np.float32([1.5, -2.0]) * (ctx.replica_id_in_sync_group + 1)))
+        if call == "reduce_to":
+            body = lambda v: strategy.extended.reduce_to("SUM", v, v)  # noqa: E731
+        else:
+            body = lambda v: strategy.run(lambda x: x * 2.0, args=(v,))  # noqa: E731
+        out = compile_(body)(v)
+        return [outcome(strategy, lambda: out)] + [
+            outcome(strategy, lambda op=op: strategy.reduce(op, out, axis=None))
+            for op in ("MEAN", "SUM")]
+    got = returned(s, jdist.function, np.asarray)
+    want = returned(ts, tf.function, tf.constant)
+    for g, w in zip(got, want):
+        assert_matches(g, w)

@@ -161,6 +161,23 @@ def test_a_jdist_function_returning_a_host_object_raises_a_typed_error(value):
         step(jnp.ones(2))
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_jdist_function_returns_a_mirrored_as_one_array_and_step_outputs_as_they_are(n):
+    """As tf.function returns a Mirrored (a reduce_to result) as one tensor: one local result,
+    MEAN hands it back, SUM refuses it; run's outputs (TF's PerReplica) keep one per replica."""
+    s = mirrored(n)
+    v = per_replica(s, [np.float32([1, 2]) * (i + 1) for i in range(n)])
+    reduced, doubled = jdist.function(lambda v: (
+        s.extended.reduce_to("sum", v, v), s.run(lambda x: x * 0 + 2.0, args=(v,))))(v)
+    total = np.float32([1, 2]) * n * (n + 1) / 2
+    assert not isinstance(reduced, jdist.DistributedValues)
+    assert_local_results(s, reduced, [total])
+    np.testing.assert_array_equal(s.reduce("mean", reduced, axis=None), total)
+    with pytest.raises(errors.InvalidArgumentError, match="cannot be reduced"):
+        s.reduce("sum", reduced, axis=None)
+    assert_local_results(s, doubled, [np.float32([2, 2])] * n)
+
+
 @pytest.mark.parametrize("value", [3, 2.5, True, 1j, np.float32(2), np.arange(3)])
 def test_a_jdist_function_returns_numbers_as_arrays(value):
     np.testing.assert_array_equal(np.asarray(jdist.function(lambda: value)()), value)

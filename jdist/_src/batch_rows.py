@@ -145,7 +145,7 @@ def _eqn_rows(eqn, ins):
         return [_conv(eqn, ins)]
     if name == "concatenate" and k != _join(ins):
         return [UNKNOWN]  # Operands whose rows disagree.
-    if k is UNKNOWN or k == NOT_ROWS:
+    if not _is_axis(k):
         # Reshaping a value without rows gives a value without rows; other ops are not modelled.
         modelled = name in _STRUCTURAL or name in _REDUCTIONS or name in _CUMULATIVE
         return [k if modelled else UNKNOWN] * n_out
@@ -268,7 +268,7 @@ def _dot_general(eqn, ins):
     rhs_free = [d for d in range(rhs_rank) if d not in rc and d not in rb]
 
     def out_axis(k, contracting, batch, free, offset):
-        if k is UNKNOWN or k == NOT_ROWS:
+        if not _is_axis(k):
             return k
         if k in contracting:
             return NOT_ROWS  # Summed over the rows: e.g. the gradient of a weight.

@@ -19,14 +19,17 @@ import functools
 import threading
 
 import jax
-import numpy as np
 from jax.extend import core
 
 from jdist._src import batch_blocks
 from jdist._src import context
 from jdist._src import errors
+from jdist._src.run_arguments import SCALARS
+from jdist._src.values import ARRAYS
+from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
+from jdist._src.values import is_step_output
 
 
 class DispatchGuard:
@@ -295,11 +298,12 @@ def function(fun=None, **jit_kwargs):
 
 
 def _checked_outputs(outputs):
-    """``outputs`` of a function `function` traces, once each is something a compiled program
-    can return; raises `UnsupportedValueError` for the others (a string, which ``tf.function``
-    returns as a string tensor, any other Python object)."""
+    """`_returned` ``outputs`` of a function `function` traces, once each is something a
+    compiled program can return; raises `UnsupportedValueError` for the others (a string,
+    which ``tf.function`` returns as a string tensor, any other Python object)."""
+    outputs = _returned(outputs)
     for leaf in jax.tree_util.tree_leaves(outputs):
-        if not isinstance(leaf, _PROGRAM_OUTPUTS):
+        if not isinstance(leaf, ARRAYS + SCALARS):
             raise errors.UnsupportedValueError(
                 f"a jdist.function returned a {type(leaf).__name__} ({str(leaf)[:40]!r}); a "
                 "compiled program returns arrays and numbers only (tf.function would return a "
@@ -308,7 +312,14 @@ def _checked_outputs(outputs):
     return outputs
 
 
-_PROGRAM_OUTPUTS = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+def _returned(outputs):
+    """``outputs`` as a `function` call returns them, as ``tf.function`` does: a `Mirrored`
+    that is not a step output (a ``reduce_to`` result, `mirror`ed state) leaves as its one
+    array, as TF returns a ``Mirrored`` as one tensor (``experimental_local_results`` then has
+    one entry); ``run``'s outputs stay as they are (TF returns its ``PerReplica``)."""
+    return jax.tree_util.tree_map(
+        lambda x: x.value if isinstance(x, Mirrored) and not is_step_output(x) else x,
+        outputs, is_leaf=is_distributed)
 
 
 def _as_python(fun, args, kwargs):
@@ -316,7 +327,7 @@ def _as_python(fun, args, kwargs):
     replica; a ``strategy.run`` traced there raises `UnevenValuesError` (`check_traced_run`)."""
     _function_trace.as_python += 1
     try:
-        return fun(*args, **kwargs)
+        return _returned(fun(*args, **kwargs))
     finally:
         _function_trace.as_python -= 1
 

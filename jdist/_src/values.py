@@ -235,10 +235,10 @@ class Mirrored(DistributedValues):
             return
         if values is None:
             raise errors.InvalidArgumentError("Mirrored needs a value (or one per replica).")
+        check_arrays(values, "Mirrored")  # One value, or one per replica.
         if isinstance(values, (tuple, list)):
             if not values:
                 raise errors.InvalidArgumentError("Mirrored needs at least one replica value.")
-            check_arrays(values, "Mirrored")
             first = np.asarray(values[0])
             for v in values[1:]:
                 if not np.array_equal(np.asarray(v), first, equal_nan=True):
@@ -246,7 +246,6 @@ class Mirrored(DistributedValues):
                         "Mirrored values must be equal on every replica; use PerReplica for "
                         "values that differ.")
             values = values[0]
-        check_arrays(values, "Mirrored")
         check_host_numbers(values)
         self._value = jax.numpy.asarray(values)
 
