@@ -391,6 +391,18 @@ def test_64_bit_integers_that_fit_keep_their_values(n, entry):
         np.testing.assert_array_equal(np.asarray(local).ravel(), expected.ravel()[:local.size])
 
 
+@pytest.mark.parametrize("number", [2**31, -2**31 - 1, BIG])
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_python_int_beyond_int32_given_to_run_is_tfs_int64_or_an_error(n, number):
+    """TF takes such an int as int64; JAX without x64 cannot hold it (it raised OverflowError)."""
+    s = mirrored(n)
+    with pytest.raises(errors.X64RequiredError, match="jax_enable_x64"):
+        s.run(lambda x: x + 1, args=(number,))
+    with jax.enable_x64(True):
+        out = s.run(lambda x: x + 1, args=(number,))
+        assert {int(v) for v in s.experimental_local_results(out)} == {number + 1}
+
+
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_a_mirrored_knows_whether_run_returned_it(n):
     """TF's run returns a value every replica computed alike as a PerReplica of equal values,

@@ -10,6 +10,7 @@ program with `Mirrored` ones, whose collectives combine each replica's copy (doc
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdist._src import batch_blocks
 from jdist._src import errors
@@ -55,6 +56,8 @@ def classify_leaf(leaf, place):
             leaf = place.place_replicated(leaf)
         return ARRAY, leaf, (leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False)), traced
     if isinstance(leaf, SCALARS):
+        if type(leaf) is int and not -2**31 <= leaf < 2**31:  # TF's int64 (JAX's, with x64).
+            check_host_numbers(np.asarray(leaf))
         return ARRAY, leaf, (type(leaf),), False
     try:
         hash(leaf)

@@ -161,7 +161,7 @@ class ReplicatedRunner:
             reading.active = True  # Blocked dataset elements enter as (block, position).
             try:
                 outputs = self._guard.launch(cache.direct, call, cache.token)
-            except (_NotCanonical, TypeError, ValueError) as refused:
+            except (_NotCanonical, TypeError, ValueError, OverflowError) as refused:
                 cache.flatten_first = cache.direct_missed  # Two in a row: not a one-off.
                 cache.direct_missed = True
                 if not isinstance(refused, _NotCanonical):
