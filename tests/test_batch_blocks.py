@@ -60,6 +60,21 @@ def test_each_element_holds_tf_split_of_its_batch(n, rows, batch, buffer):
                 np.testing.assert_array_equal(np.asarray(value), chunk)
 
 
+@pytest.mark.parametrize("n", [2, 8])
+@pytest.mark.parametrize("buffer", [0, 1])
+def test_blocks_in_huge_pages_hold_tf_split_of_each_batch(n, buffer):
+    # Batches of 1 MiB make blocks of 3 MiB, placed in huge pages (`batch_blocks.HUGE_PAGE`).
+    s, d, batch = mirrored(n), data(80, features=16384), 16
+    got = elements(s, s.experimental_make_numpy_dataset(d).batch(batch),
+                   experimental_per_replica_buffer_size=buffer)
+    assert batch_blocks.in_block(got[0]["x"])
+    assert got[0]["x"]._block.nbytes >= batch_blocks.HUGE_PAGE
+    for element, host in zip(got, batches(d, batch), strict=True):
+        for key in host:
+            for value, chunk in zip(element[key].values, tf_split(host[key], n)):
+                np.testing.assert_array_equal(np.asarray(value), chunk)
+
+
 @pytest.mark.parametrize("n", BLOCKED_REPLICAS)
 def test_shuffled_elements_hold_the_shuffled_batches(n):
     s, d = mirrored(n), data(64)

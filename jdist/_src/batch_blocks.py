@@ -22,6 +22,7 @@ Blocks are used where a dataset's data is already in memory and its full batches
 import contextlib
 import functools
 import math
+import mmap
 import threading
 
 import jax
@@ -33,6 +34,7 @@ from jdist._src.values import PerReplica
 BLOCK_BYTES = 4 << 20  # A block holds at most this many bytes of batches...
 MAX_BATCHES = 64  # ...and at most this many batches.
 ALIGNMENT = 64  # Bytes: what XLA's CPU buffers need to alias host memory.
+HUGE_PAGE = 2 << 20  # Bytes: blocks this large are placed in huge pages.
 
 
 class _Reading(threading.local):
@@ -183,11 +185,36 @@ def _positions(mesh, size):
 
 def _aligned_empty(shape, dtype):
     """An uninitialised host array at an address ``ALIGNMENT`` divides: JAX's CPU client then
-    uses its memory as the device buffers (no copy), where an unaligned one is copied again."""
+    uses its memory as the device buffers (no copy), where an unaligned one is copied again.
+
+    A large one is fresh anonymous memory advised to use huge pages (`_huge_page_empty`)."""
     dtype = np.dtype(dtype)
-    raw = np.empty(math.prod(shape) * dtype.itemsize + ALIGNMENT, np.uint8)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        return _huge_page_empty(nbytes).view(dtype).reshape(shape)
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % ALIGNMENT
-    return raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _huge_page_empty(nbytes):
+    """``nbytes`` of new private memory starting on a huge page, advised ``MADV_HUGEPAGE``.
+
+    A block is allocated on the prefetch thread and freed on the consumer's, so the allocator
+    hands the thread pages it has returned to the system: each 4 MiB block then took about 1000
+    page faults, 4 ms on this machine's 2 cores, a quarter of them at every epoch's start. As
+    two huge pages the same memory faults twice (0.4 ms). The mapping is unmapped when the
+    array, and JAX's buffer aliasing it, are gone; where huge pages are off it is plain memory.
+    """
+    pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # Whole huge pages: a partial one is small ones.
+    region = mmap.mmap(-1, pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = np.frombuffer(region, np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, start, pages)
+    except OSError:  # A kernel without transparent huge pages: small pages, as np.empty.
+        pass
+    return raw[start:start + nbytes]
 
 
 class Elements(tuple):
