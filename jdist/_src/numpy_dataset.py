@@ -101,11 +101,13 @@ class NumpyDataset:
         for item in self._indices()():
             yield self._read(_rows(item))
 
-    def blocks(self, count):
+    def blocks(self, count, first=None):
         """The elements in order, consecutive full ones read together (for `batch_blocks`).
 
         Args:
           count: the most full elements one block holds.
+          first: the most the first block holds (default ``count``): a small first block is
+            ready sooner, and the next one is read while its elements are used.
 
         Yields:
           ``(number, nest)``: ``number`` full elements one after another along the first axis
@@ -117,17 +119,17 @@ class NumpyDataset:
           >>> [(k, b.tolist()) for k, b in NumpyDataset(np.arange(5)).batch(2).blocks(4)]
           [(2, [0, 1, 2, 3]), (None, [4])]
         """
-        rows, group = self.batch_rows, []
+        rows, group, limit = self.batch_rows, [], first or count
         for item in self._indices()():
             if _is_rows(item) and _length(item) == rows:
                 group.append(item)
-                if len(group) == count:
-                    yield count, self._read(_joined(group))
-                    group = []
+                if len(group) == limit:
+                    yield limit, self._read(_joined(group))
+                    group, limit = [], count
                 continue
             if group:
                 yield len(group), self._read(_joined(group))
-                group = []
+                group, limit = [], count
             yield None, self._read(_rows(item))
         if group:
             yield len(group), self._read(_joined(group))
