@@ -264,6 +264,25 @@ def test_one_replica_hands_bools_back_where_it_adds_nothing(strategy, op, how):
         assert np.asarray(result).dtype == np.bool_
 
 
+@pytest.mark.parametrize("n", [n for n in REPLICA_COUNTS if n > 1])
+@pytest.mark.parametrize("value", [np.array([True, False]), np.array([False, False]), True],
+                         ids=["bools", "all false", "python bool"])
+def test_a_plain_bool_reduces_as_any_plain_value(n, value):
+    # TF adds no plain value without an axis: MEAN hands it back, SUM of host zeros gives them
+    # and SUM of anything else refuses it as not per-replica (no bool is added).
+    s = mirrored(n)
+    mean = s.reduce("mean", value, axis=None)
+    np.testing.assert_array_equal(np.asarray(mean), value)
+    assert np.asarray(mean).dtype == np.bool_
+    if np.any(value):
+        with pytest.raises(errors.InvalidArgumentError, match="not per-replica"):
+            s.reduce("sum", value, axis=None)
+    else:
+        np.testing.assert_array_equal(np.asarray(s.reduce("sum", value, axis=None)), value)
+    with pytest.raises(errors.UnsupportedValueError, match="bool"):  # Along an axis TF adds.
+        s.reduce("mean", np.array([True, False]), axis=0)
+
+
 # ------------------------------------------- bfloat16: TF rounds every cross-replica partial sum
 BFLOAT16_SUMS = {
     "reduce": lambda s, v: s.reduce("sum", v, axis=None),
