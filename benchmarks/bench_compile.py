@@ -20,10 +20,12 @@ On eight simulated CPU devices:
   nothing costs 8 us warm and 23-27 us right after such a program; each `Mirrored` argument adds
   0.6 us there, 0.1 us warm). For scale, a third figure: the same program behind the least any
   such API must do per call (`minimal_wrapper`: wait on the previous call's output, as the CPU
-  guard must, and wrap each output), its floor on this machine. A call's time varies by hundreds
-  of microseconds here, so each end-to-end figure is the median of paired differences (each
-  call minus the raw call made beside it, the three in a random order each round) over thousands
-  of calls, with a 95% bootstrap interval.
+  guard must, and wrap each output), its floor on this machine. A fourth: ``run`` with the CPU
+  dispatch guard off (`common.unguarded`), as GPU and TPU run it: the guard's wait on the
+  previous program is a C++ call that costs 0.9 us warm and about 10 us right after a program.
+  A call's time varies by hundreds of microseconds here, so each end-to-end figure is the
+  median of paired differences (each call minus the raw call made beside it, the four in a
+  random order each round) over thousands of calls, with a 95% bootstrap interval.
 
 Each model size runs in the same process, hand-written first; the XLA compile cache is
 per-program, so neither side reuses the other's compile. Missed targets print MISSED.
@@ -174,7 +176,9 @@ def run_overhead(strategy, mesh, leaves):
     wrapper = minimal_wrapper(flat, out_tree, leaves)
     calls = {"raw": lambda: raw(plain, x.stacked)[1],
              "floor": lambda: wrapper(plain, x.stacked)[1].value,
-             "jdist": lambda: strategy.run(step, args=(params, x))[1].stacked}
+             "jdist": lambda: strategy.run(step, args=(params, x))[1].stacked,
+             "unguarded": lambda: common.unguarded(
+                 strategy, lambda: strategy.run(step, args=(params, x))[1].stacked)}
     samples, order = {name: [] for name in calls}, np.random.default_rng(leaves)
     for _ in range(CALLS[leaves]):
         # A random order each round: a call made right after the same call runs its program
@@ -184,7 +188,8 @@ def run_overhead(strategy, mesh, leaves):
             calls[name]().block_until_ready()  # One output, as the CPU guard waits on one.
             samples[name].append(time.perf_counter() - start)
     raw = np.asarray(samples["raw"])
-    return {name: paired_overhead(np.asarray(samples[name]) - raw) for name in ("jdist", "floor")}
+    return {name: paired_overhead(np.asarray(samples[name]) - raw)
+            for name in ("jdist", "floor", "unguarded")}
 
 
 def paired_overhead(differences, rounds=1000):
@@ -254,6 +259,8 @@ def main():
                      {n: figures["jdist"] for n, figures in end_to_end.items()})
     report_overheads("floor of any wrapper, end to end (reference)",
                      {n: figures["floor"] for n, figures in end_to_end.items()})
+    report_overheads("run overhead, end to end, CPU guard off as on GPU/TPU (reference)",
+                     {n: figures["unguarded"] for n, figures in end_to_end.items()})
     above = end_to_end[LEAF_COUNTS[0]]["jdist"][0] - end_to_end[LEAF_COUNTS[0]]["floor"][0]
     common.record("compile", f"run overhead over the floor, end to end, at {LEAF_COUNTS[0]} "
                   "leaves", above, "us", detail="what jdist adds to the least any wrapper does")

@@ -57,6 +57,18 @@ def record(benchmark, metric, value, unit="", target=None, met=None, detail="", 
     path.write_text(json.dumps(figures, indent=1))
 
 
+def unguarded(strategy, call):
+    """``call()`` with ``strategy``'s CPU dispatch guard off, as it is on GPU and TPU: what
+    ``run`` costs there besides the device's own dispatch (benchmarks only: it reaches into the
+    strategy's private guard; safe only where each program is waited for before the next)."""
+    guard = strategy.extended._guard  # pylint: disable=protected-access
+    guard.enabled = False
+    try:
+        return call()
+    finally:
+        guard.enabled = True
+
+
 @contextlib.contextmanager
 def replayed_launches(strategy):
     """Inside, each compiled program ``strategy`` launches runs once; later launches of it return
