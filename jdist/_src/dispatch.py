@@ -73,10 +73,11 @@ class DispatchGuard:
             self.observer()
         if not self.enabled:
             return program(*args)
-        if self.inside_launch():
+        thread = threading.get_ident()
+        if self._owner == thread:  # `inside_launch`, read once: this runs on every step.
             return _launch_while_tracing(program, args, waited)
         with self._lock:
-            self._owner = threading.get_ident()
+            self._owner = thread
             try:
                 _wait(self._in_flight)
                 outputs = program(*args)
