@@ -35,8 +35,6 @@ BLOCK_BYTES = 4 << 20  # A block holds at most this many bytes of batches...
 MAX_BATCHES = 64  # ...and at most this many batches.
 ALIGNMENT = 64  # Bytes: what XLA's CPU buffers need to alias host memory.
 HUGE_PAGE = 2 << 20  # Bytes: blocks this large are placed in huge pages.
-FIRST_BLOCK = 4  # The first block holds at most this many batches: the first step starts
-# sooner (it waits for its block to be copied), and the next block is placed meanwhile.
 
 
 class _Reading(threading.local):
@@ -140,17 +138,13 @@ class BlockFeed:
       mesh: the strategy's mesh; ``axis``: its replica axis.
       full_rows: the leading size of a full global batch (a multiple of the replica count).
       size: how many batches a block holds (at least 2).
-
-    Attributes:
-      first: how many batches the first block holds at most (`FIRST_BLOCK`); it has the
-        others' shape, so the step's program is the same.
     """
 
     def __init__(self, mesh, axis, full_rows, size):
         spec = jax.sharding.PartitionSpec
         self._sharding = jax.sharding.NamedSharding(mesh, spec(axis))
         self._split = (mesh.devices.size, full_rows // mesh.devices.size)
-        self.size, self.first = size, min(size, FIRST_BLOCK)
+        self.size = size
         self._positions = _positions(mesh, size)
 
     def __call__(self, blocks, split):
@@ -165,13 +159,14 @@ class BlockFeed:
 
     def _place(self, number, nest):
         """`Elements` of ``number`` full batches, read one after another in ``nest``'s arrays,
-        placed as one block (padded to the block's size with zeros: positions nobody reads)."""
+        placed as one block (padded to the block's size: positions nobody reads)."""
         leaves, tree = jax.tree_util.tree_flatten(nest)
         blocks = []
         for leaf in leaves:
             batches = leaf.reshape((number,) + self._split + leaf.shape[1:])
-            block = _aligned_zeros((self._split[0], self.size) + batches.shape[2:], leaf.dtype)
+            block = _aligned_empty((self._split[0], self.size) + batches.shape[2:], leaf.dtype)
             np.copyto(block[:, :number], np.swapaxes(batches, 0, 1))
+            block[:, number:] = 0  # The data's last block: positions nobody reads.
             blocks.append(block)
         blocks = jax.device_put(blocks, self._sharding)
         return Elements(jax.tree_util.tree_unflatten(
@@ -188,23 +183,21 @@ def _positions(mesh, size):
     return jax.device_put([np.int32(i) for i in range(size)], replicated)
 
 
-def _aligned_zeros(shape, dtype):
-    """A host array of zeros at an address ``ALIGNMENT`` divides: JAX's CPU client then uses
-    its memory as the device buffers (no copy), where an unaligned one is copied again.
+def _aligned_empty(shape, dtype):
+    """An uninitialised host array at an address ``ALIGNMENT`` divides: JAX's CPU client then
+    uses its memory as the device buffers (no copy), where an unaligned one is copied again.
 
-    A large one is fresh anonymous memory advised to use huge pages (`_huge_page_zeros`): the
-    kernel zeroes a page when it is first touched, so a block's positions nobody writes (the
-    first block's, the last block's) cost nothing."""
+    A large one is fresh anonymous memory advised to use huge pages (`_huge_page_empty`)."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        return _huge_page_zeros(nbytes).view(dtype).reshape(shape)
-    raw = np.zeros(nbytes + ALIGNMENT, np.uint8)
+        return _huge_page_empty(nbytes).view(dtype).reshape(shape)
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % ALIGNMENT
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def _huge_page_zeros(nbytes):
+def _huge_page_empty(nbytes):
     """``nbytes`` of new private memory starting on a huge page, advised ``MADV_HUGEPAGE``.
 
     A block is allocated on the prefetch thread and freed on the consumer's, so the allocator

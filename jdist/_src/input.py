@@ -116,7 +116,7 @@ class _GlobalPlan:
     def open(self):
         splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows, self.order)
         if self.blocks is not None:
-            blocks = self.source.open_blocks(self.blocks.size, self.blocks.first)
+            blocks = self.source.open_blocks(self.blocks.size)
             return self.blocks(blocks, splitter), _unchanged, None
         return self.source.open(), splitter, None
 

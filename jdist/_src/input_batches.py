@@ -102,9 +102,9 @@ class Source:
             return _host_batches(iter(self._obj()), ())
         return _host_batches(iter(self._obj), ())
 
-    def open_blocks(self, count, first=None):
+    def open_blocks(self, count):
         """A batched `NumpyDataset`'s `NumpyDataset.blocks`."""
-        return self._checked_numpy().blocks(count, first)
+        return self._checked_numpy().blocks(count)
 
     def _checked_numpy(self):
         """The `NumpyDataset`, its arrays' dtypes and numbers checked once per pass (its batches

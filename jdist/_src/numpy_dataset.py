@@ -101,13 +101,11 @@ class NumpyDataset:
         for item in self._indices()():
             yield self._read(_rows(item))
 
-    def blocks(self, count, first=None):
+    def blocks(self, count):
         """The elements in order, consecutive full ones read together (for `batch_blocks`).
 
         Args:
           count: the most full elements one block holds.
-          first: the most the first block holds (default ``count``): a small first block is
-            ready sooner, and the next one is read while its elements are used.
 
         Yields:
           ``(number, nest)``: ``number`` full elements one after another along the first axis
@@ -119,17 +117,17 @@ class NumpyDataset:
           >>> [(k, b.tolist()) for k, b in NumpyDataset(np.arange(5)).batch(2).blocks(4)]
           [(2, [0, 1, 2, 3]), (None, [4])]
         """
-        rows, group, limit = self.batch_rows, [], first or count
+        rows, group = self.batch_rows, []
         for item in self._indices()():
             if _is_rows(item) and _length(item) == rows:
                 group.append(item)
-                if len(group) == limit:
-                    yield limit, self._read(_joined(group))
-                    group, limit = [], count
+                if len(group) == count:
+                    yield count, self._read(_joined(group))
+                    group = []
                 continue
             if group:
                 yield len(group), self._read(_joined(group))
-                group, limit = [], count
+                group = []
             yield None, self._read(_rows(item))
         if group:
             yield len(group), self._read(_joined(group))
