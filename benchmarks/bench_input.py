@@ -1,7 +1,9 @@
 """Input at device speed: distributed datasets against batches already on the devices.
 
-Every figure is a ratio of two loops interleaved in rounds (medians of per-round ratios, so load
-from other processes hits both alike), on simulated CPU devices:
+Every figure is a ratio of two loops interleaved in rounds, in a new random order each round
+(medians of per-round ratios, so load from other processes hits both alike, and no loop always
+follows the same one; the slow loader's pair runs in order, as its delay is measured first),
+on simulated CPU devices:
 
 * ``prefetched / on-device``: a loader that sleeps one step time per batch (a stand-in for
   decoding) feeds ``experimental_distribute_dataset``; its background thread splits and
@@ -41,7 +43,7 @@ SMALL_LAYERS = (64, 32, 10)  # The dispatch-bound step.
 GLOBAL_BATCH = 256
 STEPS = 60  # Batches per loop.
 ROUNDS = 7
-NUMPY_ROUNDS = 21  # The dispatch-bound loops: 7 rounds read 0.89 and 0.94 in two runs.
+NUMPY_ROUNDS = 41  # The dispatch-bound loops: 7 rounds read 0.89 and 0.94 in two runs.
 LEARNING_RATE = 0.05
 
 
@@ -84,12 +86,14 @@ def make_data(steps, batch, features=LAYERS[0]):
             "y": rng.integers(0, LAYERS[-1], size=(steps * batch,)).astype(np.int32)}
 
 
-def interleaved(loops, rounds=ROUNDS):
-    """Runs each ``loops[name]()`` once per round, in turn; returns the times by name."""
-    times = {name: [] for name in loops}
+def interleaved(loops, rounds=ROUNDS, ordered=False):
+    """Runs each ``loops[name]()`` once per round; returns the times by name. The order is a
+    new random one each round unless ``ordered``: a loop runs a few percent faster or slower
+    after some loops than after others here, which a fixed order turns into a bias."""
+    times, rng = {name: [] for name in loops}, np.random.default_rng(0)
     for _ in range(rounds):
-        for name, loop in loops.items():
-            times[name].append(loop())
+        for name in (list(loops) if ordered else rng.permutation(list(loops))):
+            times[name].append(loops[name]())
     return times
 
 
@@ -117,8 +121,8 @@ def bench_slow_loader(strategy):
         return loader.delay
     loops = {"on_device": on_device_loop, "prefetched": lambda: timed_loop(
         strategy, params, strategy.experimental_distribute_dataset(loader))}
-    interleaved(loops, 1)  # Compile and warm up.
-    times = interleaved(loops)
+    interleaved(loops, 1, ordered=True)  # Compile and warm up.
+    times = interleaved(loops, ordered=True)  # The loader's delay is measured first.
     ratio = paired_ratio(times, "on_device", "prefetched")
     report("prefetched / on-device steps/s", ratio, ">= 0.8", ratio >= 0.8,
            f"{REPLICAS} replicas, loader sleep = step time (median "
