@@ -201,8 +201,8 @@ def _huge_page_empty(nbytes):
     """``nbytes`` of new private memory starting on a huge page, advised ``MADV_HUGEPAGE``.
 
     A block is allocated on the prefetch thread and freed on the consumer's, so the allocator
-    hands the thread pages it has returned to the system: each 4 MiB block then took about 1000
-    page faults, 4 ms on this machine's 2 cores, a quarter of them at every epoch's start. As
+    hands the thread pages it has returned to the system: each 4 MiB block then took 400-1000
+    page faults, 4-6 ms on this machine's 2 cores (an epoch's first block waits on them). As
     two huge pages the same memory faults twice (0.4 ms). The mapping is unmapped when the
     array, and JAX's buffer aliasing it, are gone; where huge pages are off it is plain memory.
     """
