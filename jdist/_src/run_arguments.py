@@ -10,12 +10,12 @@ program with `Mirrored` ones, whose collectives combine each replica's copy (doc
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jdist._src import batch_blocks
 from jdist._src import errors
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import is_placeable
+from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
@@ -57,7 +57,7 @@ def classify_leaf(leaf, place):
         return ARRAY, leaf, (leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False)), traced
     if isinstance(leaf, SCALARS):
         if type(leaf) is int and not -2**31 <= leaf < 2**31:  # TF's int64 (JAX's, with x64).
-            check_host_numbers(np.asarray(leaf))
+            python_numbers_as_tf(leaf)  # Raises without x64, as TF's int64 would be wrapped.
         return ARRAY, leaf, (type(leaf),), False
     try:
         hash(leaf)

@@ -134,11 +134,10 @@ class Strategy(TF1Methods):
         """
         context.require_cross_replica(self, "strategy.reduce")
         op = ReduceOp.from_any(reduce_op)
-        leaves = jax.tree_util.tree_leaves(value, is_leaf=is_distributed)
-        check_reducible(op, [x for x in leaves if is_distributed(x)],
-                        adds=self.num_replicas_in_sync > 1 or axis is not None)
-        # TF adds no plain value without an axis: MEAN hands it back, SUM refuses it (bools too).
-        check_reducible(op, [x for x in leaves if not is_distributed(x)], adds=axis is not None)
+        across = self.num_replicas_in_sync > 1 or axis is not None
+        for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
+            # TF adds no plain value without an axis: MEAN hands it back, SUM refuses it.
+            check_reducible(op, leaf, adds=across if is_distributed(leaf) else axis is not None)
         self._extended.check_collective_dtypes(value, "strategy.reduce", reduces_one=True)
         if axis is not None and not _is_single_value(value):
             raise errors.UnsupportedValueError(
