@@ -3,7 +3,7 @@
 Example:
   >>> import numpy as np, jdist.testing
   >>> s = jdist.testing.mirrored(2)
-  >>> v = jdist.testing.per_replica(s, [np.array([1.0, 2.0]), np.array([3.0])])
+  >>> v = jdist.testing.per_replica(s, [np.float32([1.0, 2.0]), np.float32([3.0])])
   >>> jdist.testing.assert_local_results(s, v, [[1.0, 2.0], [3.0]])
 """
 
@@ -93,7 +93,8 @@ def padded_per_replica(strategy, components):
     Example:
       >>> import numpy as np, jdist.testing
       >>> s = jdist.testing.mirrored(2)
-      >>> jdist.testing.padded_per_replica(s, [np.ones(2), np.ones(1)]).lengths
+      >>> jdist.testing.padded_per_replica(s, [np.ones(2, np.float32), np.ones(1, np.float32)]
+      ...                                 ).lengths
       (2, 1)
     """
     options = jdist.InputOptions(experimental_replication_mode="PER_REPLICA",

@@ -185,7 +185,8 @@ def test_one_worker_policies_split_a_partial_batch_as_tf(policy):
     ceil(B/N) chunks; OFF, FILE and HINT cut the row stream by batch_sizes_for_worker, so a
     partial batch fills the first replicas (checked against TF in test_one_worker_tf_split)."""
     s = mirrored(4)
-    dataset = s.experimental_make_numpy_dataset(np.arange(18.0)).batch(7)  # 7, 7, 4.
+    # Batches of 7, 7 and 4 rows.
+    dataset = s.experimental_make_numpy_dataset(np.arange(18, dtype=np.float32)).batch(7)
     full = [[[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0]],
             [[7.0, 8.0], [9.0, 10.0], [11.0, 12.0], [13.0]]]
     last = ([[14.0, 15.0], [16.0, 17.0], [], []] if policy in (P.OFF, P.FILE, P.HINT)
@@ -196,7 +197,7 @@ def test_one_worker_policies_split_a_partial_batch_as_tf(policy):
 @pytest.mark.parametrize("policy", [None] + list(P))
 def test_one_replica_is_never_rebatched(policy):
     s = mirrored(1)
-    dataset = s.experimental_make_numpy_dataset(np.arange(10.0)).batch(4)
+    dataset = s.experimental_make_numpy_dataset(np.arange(10, dtype=np.float32)).batch(4)
     assert _steps(s, dataset, jdist.InputOptions(auto_shard_policy=policy)) == [
         [[0.0, 1.0, 2.0, 3.0]], [[4.0, 5.0, 6.0, 7.0]], [[8.0, 9.0]]]
 

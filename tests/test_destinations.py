@@ -71,7 +71,7 @@ def test_resolve_any_names_workers_of_the_cluster(two_workers):
         destinations.resolve("/job:worker/replica:0/task:1/device:CPU:0")
     with pytest.raises(errors.UnknownDeviceError, match="not a worker of this job"):
         jdist.ReductionToOneDevice(reduce_to_device="/job:worker/task:7/device:CPU:0").reduce(
-            jdist.ReduceOp.SUM, per_replica(mirrored(2), [np.ones(1)] * 2), "CPU:0")
+            jdist.ReduceOp.SUM, per_replica(mirrored(2), [np.ones(1, np.float32)] * 2), "CPU:0")
 
 
 @pytest.mark.parametrize("spec", ["/job:worker/task:1/device:TPUX:0", "/job:worker/task:1/x"])

@@ -24,7 +24,7 @@ def test_gather_concatenates_along_axis(n, axis):
 
 def test_gather_uneven_sizes_returns_the_real_rows():
     s = mirrored(3)
-    comps = [np.full((1, 2), 0.), np.full((2, 2), 1.), np.full((3, 2), 2.)]
+    comps = [np.full((rows, 2), rows - 1, np.float32) for rows in (1, 2, 3)]
     got = s.gather(per_replica(s, comps), axis=0)
     assert got.shape == (6, 2)
     np.testing.assert_array_equal(got, np.concatenate(comps))
@@ -32,13 +32,13 @@ def test_gather_uneven_sizes_returns_the_real_rows():
 
 def test_gather_with_empty_replica():
     s = mirrored(4)
-    comps = [np.array([1., 2.]), np.array([]), np.array([3.]), np.array([])]
+    comps = [np.float32([1., 2.]), np.float32([]), np.float32([3.]), np.float32([])]
     np.testing.assert_array_equal(s.gather(per_replica(s, comps), axis=0), [1., 2., 3.])
 
 
 def test_gather_uneven_along_another_axis_is_an_error():
     s = mirrored(2)
-    v = per_replica(s, [np.ones((1, 2)), np.ones((2, 2))])
+    v = per_replica(s, [np.ones((1, 2), np.float32), np.ones((2, 2), np.float32)])
     with pytest.raises(errors.ShapeMismatchError):
         s.gather(v, axis=1)
 
@@ -74,7 +74,7 @@ def test_gather_of_plain_tensor_comes_back_unchanged(n):
 def test_gather_of_mirrored_repeats_the_value():
     s = mirrored(3)
     m = s.run(lambda: jdist.get_replica_context().all_reduce("sum", jnp.ones((1, 2))))
-    np.testing.assert_array_equal(s.gather(m, axis=0), np.full((3, 2), 3.0))
+    np.testing.assert_array_equal(s.gather(m, axis=0), np.full((3, 2), 3.0, np.float32))
 
 
 AXIS_GATHERS = {
@@ -116,7 +116,7 @@ def test_a_negative_axis_counts_from_the_end_where_tf_concatenates(case, axis, h
 def test_gather_axis_out_of_range():
     s = mirrored(2)
     with pytest.raises(ValueError, match="out of range"):
-        s.gather(per_replica(s, [np.ones((2,))] * 2), axis=1)
+        s.gather(per_replica(s, [np.ones((2,), np.float32)] * 2), axis=1)
 
 
 def test_gather_nest():

@@ -177,8 +177,10 @@ def test_element_spec_is_one_replicas_full_batch(s):
 
 def test_element_spec_of_generators_is_read_from_the_first_batch():
     s = mirrored(4)
-    dist = s.experimental_distribute_dataset(lambda: iter([np.zeros((7, 2), np.float64)]))
-    assert dist.element_spec == jax.ShapeDtypeStruct((2, 2), jnp.float32)  # float64 -> default.
+    dist = s.experimental_distribute_dataset(lambda: iter([np.zeros((7, 2), np.float32)]))
+    assert dist.element_spec == jax.ShapeDtypeStruct((2, 2), jnp.float32)
+    with pytest.raises(errors.X64RequiredError):  # float64, which JAX would hold as float32.
+        _ = s.experimental_distribute_dataset(lambda: iter([np.zeros((7, 2))])).element_spec
     one_shot = s.experimental_distribute_dataset(iter([np.zeros((8,), np.int32)]))
     assert one_shot.element_spec == jax.ShapeDtypeStruct((2,), jnp.int32)
     assert [gathered(s, b).shape for b in one_shot] == [(8,)]  # Peeking lost nothing.
@@ -191,8 +193,8 @@ def test_cardinality():
     assert s.experimental_distribute_dataset(ds.batch(4, drop_remainder=True)).cardinality == 2
     assert s.experimental_distribute_dataset(ds.batch(4).repeat()).cardinality == (
         jdist.DistributedDataset.INFINITE_CARDINALITY)
-    assert s.experimental_distribute_dataset([np.zeros(2)] * 5).cardinality == 5
-    gen = s.experimental_distribute_dataset(lambda: iter([np.zeros(2)]))
+    assert s.experimental_distribute_dataset([np.zeros(2, np.float32)] * 5).cardinality == 5
+    gen = s.experimental_distribute_dataset(lambda: iter([np.zeros(2, np.float32)]))
     assert gen.cardinality == jdist.DistributedDataset.UNKNOWN_CARDINALITY
     dealt = s.distribute_datasets_from_function(lambda ctx: ds.batch(2))
     assert dealt.cardinality == 5  # TF's: the per-replica batches, not the 3 steps.
@@ -203,7 +205,7 @@ def test_batches_that_drop_their_remainder_end_at_the_last_whole_round(drop_rema
     # TF: 15 rows in batches of 2 over three replicas. Batches of a static shape end where a
     # replica would lack one; others give the replicas left over empty batches.
     s = mirrored(3)
-    ds = s.experimental_make_numpy_dataset(np.arange(15.0)).batch(2, drop_remainder)
+    ds = s.experimental_make_numpy_dataset(np.arange(15, dtype=np.float32)).batch(2, drop_remainder)
     dealt = s.distribute_datasets_from_function(lambda ctx: ds)
     sizes = [[np.asarray(v).shape[0] for v in s.experimental_local_results(b)] for b in dealt]
     assert sizes == [[2, 2, 2], [2, 2, 2], [2, 1, 0]][:steps]
@@ -224,7 +226,8 @@ def test_get_next_as_optional_hands_over_the_rounds_next_ends_before():
     # TF's get_next_as_optional goes on while any replica has data, filling the others with
     # dummies: empty batches, and zeros for single examples; next() ends at the last whole round.
     s = mirrored(3)
-    batches = s.experimental_make_numpy_dataset(np.arange(15.0)).batch(2, drop_remainder=True)
+    batches = s.experimental_make_numpy_dataset(np.arange(15, dtype=np.float32)).batch(
+        2, drop_remainder=True)
     dealt = s.distribute_datasets_from_function(lambda ctx: batches)
     assert len(list(dealt)) == 2
     assert optional_rounds(s, dealt)[2] == [[12.0, 13.0], [], []]
@@ -267,7 +270,7 @@ def test_get_next_as_optional_is_empty_where_the_first_dataset_is():
 def test_reduce_folds_one_pass():
     s = mirrored(2)
     dist = s.experimental_distribute_dataset(
-        s.experimental_make_numpy_dataset(np.arange(5.0)).batch(2))
+        s.experimental_make_numpy_dataset(np.arange(5, dtype=np.float32)).batch(2))
     total = dist.reduce(0.0, lambda acc, b: acc + float(s.reduce("sum", b, axis=0)))
     assert total == 10.0
 
@@ -289,18 +292,18 @@ def test_input_options_defaults_and_validation():
     s = mirrored(2)
     per_replica = jdist.InputOptions(experimental_replication_mode="PER_REPLICA")
     with pytest.raises(errors.InvalidArgumentError, match="distribute_datasets_from_function"):
-        s.experimental_distribute_dataset([np.zeros(2)], per_replica)
+        s.experimental_distribute_dataset([np.zeros(2, np.float32)], per_replica)
     with pytest.raises(ValueError, match="PER_REPLICA"):
         s.distribute_datasets_from_function(
-            lambda ctx: [np.zeros(1)],
+            lambda ctx: [np.zeros(1, np.float32)],
             jdist.InputOptions(experimental_place_dataset_on_device=True))
     with pytest.raises(ValueError, match="experimental_fetch_to_device"):
         s.distribute_datasets_from_function(
-            lambda ctx: [np.zeros(1)],
+            lambda ctx: [np.zeros(1, np.float32)],
             jdist.InputOptions(experimental_place_dataset_on_device=True,
                                experimental_replication_mode="PER_REPLICA"))
     with pytest.raises(TypeError):
-        s.experimental_distribute_dataset([np.zeros(2)], options={"buffer": 2})
+        s.experimental_distribute_dataset([np.zeros(2, np.float32)], options={"buffer": 2})
 
 
 @pytest.mark.parametrize("n", (1, 3))
@@ -329,13 +332,13 @@ def test_invalid_inputs():
     with pytest.raises(TypeError):
         s.experimental_distribute_dataset(3)
     with pytest.raises(TypeError):
-        s.distribute_datasets_from_function([np.zeros(2)])
+        s.distribute_datasets_from_function([np.zeros(2, np.float32)])
 
 
 # ------------------------------------------------------------------ default strategy
 def test_default_strategy_yields_the_global_batches():
     s = jdist.get_strategy()
-    dist = s.experimental_distribute_dataset([np.arange(3.0), np.arange(2.0)])
+    dist = s.experimental_distribute_dataset([np.float32([0, 1, 2]), np.float32([0, 1])])
     assert [np.asarray(b).tolist() for b in dist] == [[0.0, 1.0, 2.0], [0.0, 1.0]]
     assert float(s.reduce("sum", next(iter(dist)), axis=0)) == 3.0
     dealt = s.distribute_datasets_from_function(
@@ -345,7 +348,8 @@ def test_default_strategy_yields_the_global_batches():
 
 # ---------------------------------------------------------------------- TF1 names
 def test_make_dataset_iterator_and_experimental_run(s):
-    it = s.make_dataset_iterator(s.experimental_make_numpy_dataset(np.arange(6.0)).batch(4))
+    rows = np.arange(6, dtype=np.float32)
+    it = s.make_dataset_iterator(s.experimental_make_numpy_dataset(rows).batch(4))
     assert it.initialize() == []
 
     def step(x):
@@ -504,7 +508,7 @@ def test_element_spec_does_not_consume_a_shuffle_order():
 
 def test_importing_jdist_does_not_import_tensorflow():
     code = ("import sys, numpy as np, jdist; s = jdist.get_strategy(); "
-            "list(s.experimental_distribute_dataset([np.zeros(2)])); "
+            "list(s.experimental_distribute_dataset([np.zeros(2, np.float32)])); "
             "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -169,7 +169,7 @@ def test_loader_exceptions_reach_the_consumer():
 
 def test_splitting_errors_reach_the_consumer():
     s = mirrored(2)
-    it = iter(s.experimental_distribute_dataset([np.zeros(4), np.float32(1.0)]))
+    it = iter(s.experimental_distribute_dataset([np.zeros(4, np.float32), np.float32(1.0)]))
     next(it)
     with pytest.raises(ValueError, match="unbatched"):
         next(it)

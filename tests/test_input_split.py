@@ -111,13 +111,14 @@ def test_unbatched_dataset_on_several_replicas_is_a_clear_error():
 
 def test_unbatched_dataset_on_one_replica_passes_elements_through():
     s = mirrored(1)
-    ds = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(np.arange(3.0)))
+    rows = np.arange(3, dtype=np.float32)
+    ds = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(rows))
     assert [float(x) for x in ds] == [0.0, 1.0, 2.0]
 
 
 def test_leaves_with_different_batch_sizes_are_an_error():
     s = mirrored(2)
-    it = iter(s.experimental_distribute_dataset([(np.zeros(4), np.zeros(3))]))
+    it = iter(s.experimental_distribute_dataset([(np.float32([0] * 4), np.float32([0] * 3))]))
     with pytest.raises(errors.InvalidArgumentError, match="leading"):
         next(it)
 

@@ -139,8 +139,8 @@ def test_python_values_convert_as_tf_converts_them():
     ({"global_batch_size": True}, errors.InvalidArgumentError, "integer"),
     ({"global_batch_size": np.array([4])}, errors.InvalidArgumentError, "scalar"),
     ({"global_batch_size": -4}, errors.InvalidArgumentError, "non-negative"),
-    ({"sample_weight": np.ones((2, 3))}, errors.ShapeMismatchError, "size 1"),
-    ({"sample_weight": np.ones(3)}, errors.ShapeMismatchError, "broadcast"),
+    ({"sample_weight": np.ones((2, 3), np.float32)}, errors.ShapeMismatchError, "size 1"),
+    ({"sample_weight": np.ones(3, np.float32)}, errors.ShapeMismatchError, "broadcast"),
 ])
 def test_bad_arguments_raise_typed_errors(kwargs, error, match):
     kwargs = {"per_example_loss": jnp.ones(2), **kwargs}
@@ -161,7 +161,8 @@ def test_cross_replica_context_raises_without_a_global_batch_size():
 def test_a_per_replica_value_is_refused_outside_the_replica_function():
     s = mirrored(2)
     with pytest.raises(errors.UnsupportedValueError, match="inside the replica function"):
-        jdist.nn.compute_average_loss(per_replica(s, [np.ones(2)] * 2), global_batch_size=4)
+        jdist.nn.compute_average_loss(per_replica(s, [np.ones(2, np.float32)] * 2),
+                                      global_batch_size=4)
 
 
 @pytest.mark.parametrize("n", REPLICA_COUNTS)

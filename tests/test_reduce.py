@@ -69,7 +69,7 @@ def test_axis_none_on_run_output_nest():
 @pytest.mark.parametrize("n", [2, 3])
 def test_axis_none_with_different_shapes_raises(n):
     s = mirrored(n)
-    v = per_replica(s, [np.ones(2)] + [np.ones(1)] * (n - 1))
+    v = per_replica(s, [np.ones(2, np.float32)] + [np.ones(1, np.float32)] * (n - 1))
     with pytest.raises(errors.ShapeMismatchError, match="axis=0"):
         s.reduce("sum", v, axis=None)
 
@@ -100,14 +100,14 @@ def test_axis_reduces_within_then_across(n, axis, op):
 @pytest.mark.parametrize("axis", [2, -3, (0, 5)])
 def test_axis_out_of_range_is_value_error(axis):
     s = mirrored(2)
-    v = per_replica(s, [np.ones((2, 2))] * 2)
+    v = per_replica(s, [np.ones((2, 2), np.float32)] * 2)
     with pytest.raises(ValueError, match="out of range"):
         s.reduce("sum", v, axis=axis)
 
 
 def test_nest_with_axis_is_type_error():
     s = mirrored(2)
-    v = per_replica(s, [np.ones(2)] * 2)
+    v = per_replica(s, [np.ones(2, np.float32)] * 2)
     with pytest.raises(TypeError, match="nest"):
         s.reduce("sum", {"a": v}, axis=0)
 
@@ -148,14 +148,14 @@ def test_mirrored_value_is_one_value_per_replica(n):
 
 
 def test_per_replica_of_another_strategy_is_rejected():
-    v = per_replica(mirrored(2), [np.ones(1)] * 2)
+    v = per_replica(mirrored(2), [np.ones(1, np.float32)] * 2)
     with pytest.raises(errors.InvalidArgumentError, match="replicas"):
         mirrored(4).reduce("sum", v)
 
 
 def test_reduce_result_is_replicated_array():
     s = mirrored(4)
-    got = s.reduce("sum", per_replica(s, [np.ones(2)] * 4))
+    got = s.reduce("sum", per_replica(s, [np.ones(2, np.float32)] * 4))
     assert isinstance(got, jax.Array) and got.sharding.is_fully_replicated
 
 
@@ -281,6 +281,27 @@ def test_a_plain_bool_reduces_as_any_plain_value(n, value):
         np.testing.assert_array_equal(np.asarray(s.reduce("sum", value, axis=None)), value)
     with pytest.raises(errors.UnsupportedValueError, match="bool"):  # Along an axis TF adds.
         s.reduce("mean", np.array([True, False]), axis=0)
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("op, numbers, axis", [
+    ("sum", [1.0, 2.5], 0), ("mean", [1.0, 2.5], 0), ("sum", [[1, 2], [3, 4]], -1),
+    ("sum", [], 0), ("mean", [[0.5, 1.5, 2.0]], (0, 1))])
+def test_a_list_of_python_numbers_reduces_along_an_axis_as_one_tensor(n, op, numbers, axis):
+    # TF converts it as any Python numbers: floats to float32 (the mean is float32's too), ints
+    # to int32; every replica holds it, so SUM adds n copies.
+    s = mirrored(n)
+    tensor = np.asarray(numbers, np.float32 if "." in str(numbers) or not numbers else np.int32)
+    got = s.reduce(op, numbers, axis=axis)
+    want = (np.sum(tensor, axis=axis) * n if op == "sum"
+            else np.sum(tensor, axis=axis) / np.float32(tensor.size))
+    assert got.dtype == tensor.dtype
+    np.testing.assert_array_equal(got, want.astype(tensor.dtype))
+
+
+def test_a_list_holding_arrays_along_an_axis_is_refused():
+    with pytest.raises(errors.UnsupportedValueError, match="single value"):
+        mirrored(2).reduce("sum", [np.float32(1.0), {"a": 2.0}], axis=0)
 
 
 # ------------------------------------------- bfloat16: TF rounds every cross-replica partial sum

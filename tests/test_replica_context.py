@@ -104,7 +104,7 @@ def test_options_that_are_not_communication_options_raise_on_any_replica_count(n
 
 def test_padded_mode_all_gather_of_uneven_batch_puts_real_rows_first():
     s = mirrored(3)
-    comps = [np.array([5., 6.]), np.array([7.]), np.array([])]
+    comps = [np.array([5., 6.], np.float32), np.array([7.], np.float32), np.array([], np.float32)]
     v = padded_per_replica(s, comps)
 
     def fn(x):
@@ -119,7 +119,7 @@ def test_padded_mode_all_gather_of_uneven_batch_puts_real_rows_first():
 
 def test_padded_mode_valid_rows_and_row_mask_mark_real_rows():
     s = mirrored(3)
-    v = padded_per_replica(s, [np.ones(3), np.ones(1), np.ones(0)])
+    v = padded_per_replica(s, [np.ones(rows, np.float32) for rows in (3, 1, 0)])
     mask = s.run(lambda x: jdist.get_replica_context().row_mask(), args=(v,))
     assert [np.asarray(m).tolist() for m in mask.stacked] == [
         [True, True, True], [True, False, False], [False, False, False]]
@@ -127,7 +127,7 @@ def test_padded_mode_valid_rows_and_row_mask_mark_real_rows():
 
 def test_padded_mode_exact_per_replica_loss_with_row_mask():
     s = mirrored(2)
-    v = padded_per_replica(s, [np.array([1., 2., 3.]), np.array([10.])])
+    v = padded_per_replica(s, [np.array([1., 2., 3.], np.float32), np.array([10.], np.float32)])
 
     def mean_loss(x):
         ctx = jdist.get_replica_context()
@@ -320,7 +320,7 @@ def test_manual_replica_context_on_several_replicas_cannot_all_reduce():
 
 def test_row_mask_and_valid_rows_on_a_full_batch_cover_every_row():
     s = mirrored(2)
-    v = per_replica(s, [np.ones(3), np.ones(3)])
+    v = per_replica(s, [np.ones(3, np.float32), np.ones(3, np.float32)])
 
     def fn(x):
         ctx = jdist.get_replica_context()
@@ -350,7 +350,7 @@ def test_run_inside_a_merge_fn_returns_per_replica_values(n):
 
 def test_run_inside_the_merge_fn_of_an_uneven_step():
     s = mirrored(3)
-    v = per_replica(s, [np.ones(2), np.ones(1), np.ones(0)])
+    v = per_replica(s, [np.ones(2, np.float32), np.ones(1, np.float32), np.ones(0, np.float32)])
 
     def step(x):
         ctx = jdist.get_replica_context()

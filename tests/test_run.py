@@ -19,7 +19,7 @@ def rid():
     return jdist.get_replica_context().replica_id_in_sync_group
 
 
-@pytest.mark.parametrize("args", [1.0, {"x": 1.0}, np.ones(2)])
+@pytest.mark.parametrize("args", [1.0, {"x": 1.0}, np.ones(2, np.float32)])
 def test_args_must_be_tuple_or_list(args):
     with pytest.raises(ValueError, match="tuple or list"):
         mirrored(2).run(lambda x: x, args=args)
@@ -30,9 +30,9 @@ def test_distributed_args_are_unpacked_and_plain_args_passed_to_every_replica(n)
     s = mirrored(n)
     comps = [np.full((3,), float(i), np.float32) for i in range(n)]
     v = per_replica(s, comps) if n > 1 else comps[0]
-    out = s.run(lambda x, y, scale=1.0: x * y * scale, args=(v, np.arange(3.0, dtype=np.float32)),
+    out = s.run(lambda x, y, scale=1.0: x * y * scale, args=(v, np.arange(3, dtype=np.float32)),
                 kwargs={"scale": 2.0})
-    assert_local_results(s, out, [c * np.arange(3.0) * 2 for c in comps])
+    assert_local_results(s, out, [c * np.arange(3, dtype=np.float32) * 2 for c in comps])
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -121,8 +121,8 @@ def test_program_compiles_once_per_signature():
         traces.append(x.shape)
         return x + 1
     for _ in range(3):
-        s.run(fn, args=(per_replica(s, [np.ones(3)] * 2),))
-    s.run(fn, args=(per_replica(s, [np.ones(4)] * 2),))
+        s.run(fn, args=(per_replica(s, [np.ones(3, np.float32)] * 2),))
+    s.run(fn, args=(per_replica(s, [np.ones(4, np.float32)] * 2),))
     assert traces == [(3,), (4,)]
 
 
@@ -180,7 +180,7 @@ def test_values_pass_through_tree_util():
 
 def test_padded_mode_uneven_batch_outputs_inherit_lengths():
     s = mirrored(2)
-    v = padded_per_replica(s, [np.array([5., 6.]), np.array([7.])])
+    v = padded_per_replica(s, [np.array([5., 6.], np.float32), np.array([7.], np.float32)])
     doubled, total = s.run(lambda x: (x * 2, jnp.sum(x)), args=(v,))
     assert doubled.lengths == (2, 1) and total.lengths is None
     np.testing.assert_array_equal(s.gather(doubled, 0), [10., 12., 14.])
@@ -194,8 +194,8 @@ def test_padded_mode_partial_batch_does_not_recompile():
     def fn(x):
         traces.append(1)
         return x
-    s.run(fn, args=(padded_per_replica(s, [np.array([5., 6.]), np.array([7.])]),))
-    s.run(fn, args=(padded_per_replica(s, [np.array([1.]), np.array([2., 3.])]),))
+    s.run(fn, args=(padded_per_replica(s, [np.float32([5., 6.]), np.float32([7.])]),))
+    s.run(fn, args=(padded_per_replica(s, [np.float32([1.]), np.float32([2., 3.])]),))
     assert len(traces) == 1
 
 
@@ -206,7 +206,7 @@ def test_a_result_of_python_numbers_alone_is_one_plain_value(n, uneven):
     """TF: x * 2 on a Python int every replica got is the int 4, not a distributed value (in
     an exact uneven step too)."""
     s = mirrored(n)
-    batch = per_replica(s, [np.ones(r % 2 + 1 if uneven else 2) for r in range(n)])
+    batch = per_replica(s, [np.ones(r % 2 + 1 if uneven else 2, np.float32) for r in range(n)])
     out, rows = s.run(lambda x, b: (x * 2, b.shape[0]), args=(2, batch))
     assert rows == 2 or isinstance(rows, jdist.PerReplica)
     assert int(out) == 4 and len(s.experimental_local_results(out)) == 1

@@ -96,7 +96,7 @@ def test_mirror_places_one_replicated_array_per_leaf(n):
 def test_mirror_uses_the_current_strategy():
     strategy = mirrored(4)
     with strategy.scope():
-        state = jdist.mirror({"w": np.zeros(2)})
+        state = jdist.mirror({"w": np.zeros(2, np.float32)})
     assert state["w"].num_replicas == 4
 
 
@@ -105,11 +105,11 @@ def test_mirror_uses_the_current_strategy():
 def test_per_replica_leaves_are_rejected(fn):
     value = per_replica(mirrored(2), [np.float32(1), np.float32(2)])
     with pytest.raises(errors.UnsupportedValueError, match="PerReplica"):
-        fn({"a": np.ones(2), "b": value})
+        fn({"a": np.ones(2, np.float32), "b": value})
 
 
 def test_to_host_rejects_sharded_arrays():
-    stacked = per_replica(mirrored(2), [np.ones(2), np.zeros(2)]).stacked
+    stacked = per_replica(mirrored(2), [np.ones(2, np.float32), np.zeros(2, np.float32)]).stacked
     with pytest.raises(errors.UnsupportedValueError, match="replicated"):
         jdist.to_host(stacked)
 

@@ -91,7 +91,7 @@ def test_reduce_to_of_a_value_that_is_not_per_replica_is_tfs(n):
     assert s.extended.reduce_to("mean", 0.1, "") == 0.1  # A Python number, not float32 0.1.
     plain = np.float32([3.0, 4.0])
     assert s.extended.reduce_to("mean", plain, "cpu:0") is plain
-    mirrored_value = s.extended.broadcast_to(plain, per_replica(s, [np.ones(1)] * n))
+    mirrored_value = s.extended.broadcast_to(plain, per_replica(s, [np.ones(1, np.float32)] * n))
     assert s.extended.reduce_to("mean", mirrored_value, "cpu:0") is mirrored_value
     for op in ("sum", "mean"):
         zeros = s.extended.reduce_to(op, np.zeros((2,), np.int32), "cpu:0")
@@ -119,7 +119,7 @@ def test_batch_reduce_to_sums_a_plain_value_once_and_a_mirrored_one_per_copy(n):
 
 def test_legacy_names_have_their_jax_meaning():
     s = mirrored(2)
-    v = per_replica(s, [np.ones(2), np.zeros(2)])
+    v = per_replica(s, [np.ones(2, np.float32), np.zeros(2, np.float32)])
     assert len(s.unwrap(v)) == 2
     assert s.group(v) is v
     with s.colocate_vars_with(v):
@@ -132,7 +132,7 @@ def test_legacy_names_have_their_jax_meaning():
     assert s.experimental_initialize() == [] and s.experimental_finalize() == []
     assert copy.deepcopy(s) is s
     with pytest.raises(errors.InvalidArgumentError):
-        s.colocate_vars_with(per_replica(mirrored(4), [np.ones(1)] * 4)).__enter__()
+        s.colocate_vars_with(per_replica(mirrored(4), [np.ones(1, np.float32)] * 4)).__enter__()
 
 
 # ------------------------------------------------- issue 9: local results of plain values
@@ -169,7 +169,7 @@ def test_local_results_of_a_nest_of_another_strategys_values_raises():
 def test_one_replica_values_from_function_are_placed_on_its_device(make):
     # One replica's value is the value itself (no PerReplica), already where run takes it.
     v = make().experimental_distribute_values_from_function(
-        lambda ctx: {"x": np.arange(3.0), "k": 2})
+        lambda ctx: {"x": np.arange(3, dtype=np.float32), "k": 2})
     assert isinstance(v["x"], jax.Array) and v["x"].devices() == {jax.devices()[3]}
     np.testing.assert_array_equal(v["x"], [0., 1., 2.])
     assert v["k"] == 2

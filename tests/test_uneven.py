@@ -215,13 +215,15 @@ def test_merge_call_runs_once_on_the_true_values():
 def test_a_collective_inside_an_inner_jit_is_cut_too():
     s = mirrored(2)
     total = jax.jit(lambda x: jdist.get_replica_context().all_reduce("sum", jnp.sum(x)))
-    out = s.run(lambda x: total(x) / 3, args=(per_replica(s, [np.ones(2), np.ones(1)]),))
+    v = per_replica(s, [np.ones(2, np.float32), np.ones(1, np.float32)])
+    out = s.run(lambda x: total(x) / 3, args=(v,))
     assert_local_results(s, out, [1.0, 1.0])
 
 
 def test_distribute_datasets_from_function_with_different_inner_sizes():
     s = mirrored(2)
-    batches = [np.ones((2, 3)), np.full((1, 4), 2.0), np.full((3, 3), 3.0)]
+    batches = [np.full(shape, fill, np.float32)
+               for shape, fill in [((2, 3), 1), ((1, 4), 2), ((3, 3), 3)]]
     first, second = list(s.distribute_datasets_from_function(lambda ctx: batches))
     assert [c.shape for c in first.values] == [(2, 3), (1, 4)]
     with pytest.raises(errors.ShapeMismatchError):
@@ -234,14 +236,14 @@ def test_distribute_datasets_from_function_with_different_inner_sizes():
 # --------------------------------------------------------------------- what raises, and why
 def test_all_reduce_of_different_shapes_raises_before_any_collective():
     s = mirrored(2)
-    v = per_replica(s, [np.ones(2), np.ones(1)])
+    v = per_replica(s, [np.ones(2, np.float32), np.ones(1, np.float32)])
     with pytest.raises(errors.ShapeMismatchError, match="all_reduce"):
         s.run(lambda x: jdist.get_replica_context().all_reduce("sum", x), args=(v,))
 
 
 def test_a_collective_inside_scan_with_uneven_inputs_raises():
     s = mirrored(2)
-    v = per_replica(s, [np.ones(2), np.ones(1)])
+    v = per_replica(s, [np.ones(2, np.float32), np.ones(1, np.float32)])
 
     def step(x):
         ctx = jdist.get_replica_context()
@@ -270,7 +272,7 @@ def test_a_compiled_function_takes_full_and_partial_batches_in_turn(n, jit_kwarg
 
 def test_run_on_uneven_values_a_compiled_function_captures_raises():
     s = mirrored(2)
-    v = per_replica(s, [np.ones(2), np.ones(1)])
+    v = per_replica(s, [np.ones(2, np.float32), np.ones(1, np.float32)])
     with pytest.raises(errors.UnevenValuesError, match="as arguments"):
         jdist.function(lambda: s.run(lambda x: jnp.sum(x), args=(v,)))()
 
@@ -279,7 +281,7 @@ def test_run_on_uneven_values_inside_a_scan_of_a_compiled_function_raises():
     """Such arguments make jdist.function run its function as Python; a scan there still
     traces ``run``, which cannot give each replica its own shape."""
     s = mirrored(2)
-    v = per_replica(s, [np.ones(2), np.ones(1)])
+    v = per_replica(s, [np.ones(2, np.float32), np.ones(1, np.float32)])
 
     def loop(w, v):
         return lax.scan(lambda w, _: (s.run(lambda w, x: w + jnp.sum(x), args=(w, v)), None),

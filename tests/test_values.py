@@ -53,7 +53,8 @@ def test_mirrored_is_one_replicated_array(n):
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_mirrored_keeps_its_replica_count_through_copies(n, copy):
     # The count is the class's (one pytree node type per count), so every copy must keep it.
-    m = copy(mirrored(n).run(lambda: jnp.arange(3.0)) if n > 1 else jdist.Mirrored([np.arange(3.0)]))
+    m = copy(mirrored(n).run(lambda: jnp.arange(3.0)) if n > 1 else
+             jdist.Mirrored([np.arange(3, dtype=np.float32)]))
     assert isinstance(m, jdist.Mirrored) and m.num_replicas == n and len(m.values) == n
     np.testing.assert_array_equal(np.asarray(m), [0., 1., 2.])
 
@@ -71,7 +72,7 @@ def test_local_results_of_a_nest():
 
 def test_uneven_value_is_ragged_with_each_component_on_its_device():
     s = mirrored(3)
-    v = per_replica(s, [np.array([1., 2.]), np.array([3.]), np.zeros((0,))])
+    v = per_replica(s, [np.float32([1., 2.]), np.float32([3.]), np.float32([])])
     results = s.experimental_local_results(v)
     assert [r.tolist() for r in results] == [[1., 2.], [3.], []]
     assert v.ragged and v.lengths is None
@@ -82,17 +83,17 @@ def test_uneven_value_is_ragged_with_each_component_on_its_device():
 
 def test_padded_mode_local_results_drop_padding():
     s = mirrored(3)
-    v = padded_per_replica(s, [np.array([1., 2.]), np.array([3.]), np.zeros((0,))])
+    v = padded_per_replica(s, [np.float32([1., 2.]), np.float32([3.]), np.float32([])])
     assert [r.tolist() for r in s.experimental_local_results(v)] == [[1., 2.], [3.], []]
     assert v.lengths == (2, 1, 0)
 
 
 @pytest.mark.parametrize("op", [lambda v: v + 1, lambda v: 1 + v, lambda v: v * v, lambda v: -v,
-                                lambda v: np.ones(2) + v, lambda v: jnp.ones(2) * v,
+                                lambda v: np.ones(2, np.float32) + v, lambda v: jnp.ones(2) * v,
                                 lambda v: float(v), lambda v: np.asarray(v)])
 def test_arithmetic_on_per_replica_in_cross_replica_context_is_type_error(op):
     s = mirrored(2)
-    v = per_replica(s, [np.ones(2), np.zeros(2)])
+    v = per_replica(s, [np.ones(2, np.float32), np.zeros(2, np.float32)])
     with pytest.raises(TypeError):
         op(v)
     with pytest.raises(errors.CrossReplicaArithmeticError):
@@ -242,14 +243,14 @@ def test_per_replica_constructor_assembles_device_arrays_without_copy():
 
 def test_per_replica_constructor_validates():
     with pytest.raises(TypeError):
-        jdist.PerReplica(np.ones(2))
+        jdist.PerReplica(np.ones(2, np.float32))
     with pytest.raises(errors.InvalidArgumentError):
-        jdist.Mirrored([np.ones(2), np.zeros(2)])
+        jdist.Mirrored([np.ones(2, np.float32), np.zeros(2, np.float32)])
 
 
-# TF accepts components of one dtype kind (float32 with float64; JAX holds both as float32).
+# TF accepts components of one dtype kind (int32 with int64; JAX holds both as int32).
 @pytest.mark.parametrize("components, want, dtype", [
-    ([np.float32(1.5), np.float64(2.5)], [1.5, 2.5], np.float32),
+    ([np.int32(1), np.int64(2)], [1, 2], np.int32),
     ([np.float32(1.5), 2.5], [1.5, 2.5], np.float32),
     ([1, np.int32(2)], [1, 2], np.int32),
     ([True, np.bool_(False)], [True, False], np.bool_),
@@ -265,10 +266,10 @@ def test_per_replica_accepts_numbers_and_arrays_of_one_dtype_kind(components, wa
 
 def test_per_replica_ragged_components_of_one_kind_stay_ragged():
     s = mirrored(2)
-    v = jdist.PerReplica([np.arange(2, dtype=np.float32), np.arange(3, dtype=np.float64)])
+    v = jdist.PerReplica([np.arange(2, dtype=np.int32), np.arange(3, dtype=np.int64)])
     assert v.ragged
     out = s.run(lambda x: x * 2, args=(v,))
-    assert [np.asarray(c).tolist() for c in out.values] == [[0., 2.], [0., 2., 4.]]
+    assert [np.asarray(c).tolist() for c in out.values] == [[0, 2], [0, 2, 4]]
 
 
 # TF rejects components of different dtype kinds; jdist says so when the value is made.
@@ -289,7 +290,7 @@ def test_per_replica_mixing_dtype_kinds_is_an_error(components):
     ["a", "b"],
     [None, None],
     [1.0, None],
-    [[np.ones(2)], [np.ones(2)]],
+    [[np.ones(2, np.float32)], [np.ones(2, np.float32)]],
     [np.array(["x"]), np.array(["y"])],
 ])
 def test_per_replica_components_must_be_arrays_or_numbers(components):
@@ -311,7 +312,7 @@ def test_per_replica_dtypes_jax_keeps_apart_are_an_error(x64, components):
 
 def test_values_pass_through_jit():
     s = mirrored(2)
-    v = per_replica(s, [np.ones(2), np.zeros(2)])
+    v = per_replica(s, [np.ones(2, np.float32), np.zeros(2, np.float32)])
     out = jax.jit(lambda v: jax.tree_util.tree_map(lambda x: x + 1, v))(v)
     assert isinstance(out, jdist.PerReplica)
     assert_local_results(s, out, [[2., 2.], [1., 1.]])
@@ -327,7 +328,7 @@ def test_ragged_value_of_several_workers_holds_only_this_workers_arrays():
     assert v.values == (mine,) and jdist.MirroredStrategy().experimental_local_results(v) == (
         mine,)
     assert ragged_components(v)[1].shape == (3,)
-    assert not spans_workers(PerReplica([np.zeros(2), np.zeros(3)]))
+    assert not spans_workers(PerReplica([np.zeros(2, np.float32), np.zeros(3, np.float32)]))
     assert "shapes=[(2,), (3,)]" in repr(v)
 
 
@@ -342,6 +343,8 @@ ENTRIES = {
     "values from a function": lambda s, v: s.experimental_distribute_values_from_function(
         lambda ctx: v),
     "run argument": lambda s, v: s.run(lambda x: x + 1, args=(v,)),
+    "jdist.function argument": lambda s, v: jdist.function(
+        lambda x: s.run(lambda y: y + 1, args=(x,)))(v),
     "dataset batch": lambda s, v: next(iter(s.experimental_distribute_dataset(
         [np.repeat(v, s.num_replicas_in_sync)]))),
     "numpy dataset": lambda s, v: next(iter(s.experimental_distribute_dataset(
@@ -359,34 +362,36 @@ def test_64_bit_integers_jax_would_wrap_raise(n, entry, dtype):
         ENTRIES[entry](s, np.array([BIG], dtype))
 
 
-@pytest.mark.parametrize("value", [INEXACT, 1e300, 1.0 + 2.0**-30])
+@pytest.mark.parametrize("value", [INEXACT, 1e300, 0.5, -3.0, np.inf, np.nan])
 @pytest.mark.parametrize("entry", sorted(ENTRIES))
 @pytest.mark.parametrize("n", [1, 2, 8])
-def test_float64_values_jax_would_round_raise(n, entry, value):
+def test_float64_values_raise_whatever_their_numbers(n, entry, value):
+    """TF computes with float64 values in float64; JAX without x64 would round them (0.1) or
+    compute with them (a mean of 0.5, 1.5 and 2.0) in float32. The rule is the dtype."""
     s = mirrored(n)
     with pytest.raises(errors.X64RequiredError, match="jax_enable_x64.*astype"):
         ENTRIES[entry](s, np.array([value], np.float64))
 
 
-@pytest.mark.parametrize("value", [0.5, -3.0, 2.0**-20, np.inf, np.nan])
 @pytest.mark.parametrize("entry", sorted(ENTRIES))
 @pytest.mark.parametrize("n", [1, 3])
-def test_float64_values_float32_holds_keep_them(n, entry, value):
+def test_float64_values_stay_float64_with_x64(n, entry):
     s = mirrored(n)
-    out = ENTRIES[entry](s, np.array([value], np.float64))
-    for local in s.experimental_local_results(out):  # Placed as float32, or kept on the host.
-        assert np.asarray(local).dtype in (np.float32, np.float64)
-        np.testing.assert_array_equal(np.asarray(local).ravel(),
-                                      value + 1 if entry == "run argument" else value)
+    with jax.enable_x64(True):
+        out = ENTRIES[entry](s, np.array([INEXACT], np.float64))
+        for local in s.experimental_local_results(out):
+            assert np.asarray(local).dtype == np.float64
+            np.testing.assert_array_equal(np.asarray(local).ravel(),
+                                          INEXACT + 1 if "argument" in entry else INEXACT)
 
 
 @pytest.mark.parametrize("entry", sorted(ENTRIES))
 @pytest.mark.parametrize("n", [1, 3])
 def test_64_bit_integers_that_fit_keep_their_values(n, entry):
     s = mirrored(n)
-    value = np.array([2**31 - 1 if entry != "run argument" else 2**31 - 2], np.int64)
+    value = np.array([2**31 - 2 if "argument" in entry else 2**31 - 1], np.int64)
     out = ENTRIES[entry](s, value)
-    expected = value + 1 if entry == "run argument" else value
+    expected = value + 1 if "argument" in entry else value
     for local in s.experimental_local_results(out):
         np.testing.assert_array_equal(np.asarray(local).ravel(), expected.ravel()[:local.size])
 
@@ -401,6 +406,45 @@ def test_a_python_int_beyond_int32_given_to_run_is_tfs_int64_or_an_error(n, numb
     with jax.enable_x64(True):
         out = s.run(lambda x: x + 1, args=(number,))
         assert {int(v) for v in s.experimental_local_results(out)} == {number + 1}
+
+
+def _merge_sum(s, v):
+    return s.run(lambda: jdist.get_replica_context().merge_call(
+        lambda strategy, x: strategy.reduce("sum", x, axis=None), args=(v,)))
+
+
+# The calls that compute with a host value (TF in the value's own dtype).
+COMPUTING = {
+    "reduce along an axis": lambda s, v: s.reduce("mean", v, axis=0),
+    "reduce_to": lambda s, v: s.extended.reduce_to("sum", v, s.extended.worker_devices[0]),
+    "batch_reduce_to": lambda s, v: s.extended.batch_reduce_to(
+        "sum", [(v, s.extended.worker_devices[0])])[0],
+    "all_reduce": lambda s, v: s.run(lambda: jdist.get_replica_context().all_reduce("sum", v)),
+    "merge_call argument": _merge_sum,
+    "mirror": lambda s, v: jdist.mirror(v, s),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(COMPUTING))
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_float64_host_value_a_call_computes_with_raises(n, entry):
+    """Without x64 the mean of 0.5, 1.5 and 2.0 would be float32 1.3333334: TF's is float64."""
+    with pytest.raises(errors.X64RequiredError, match="jax_enable_x64"):
+        COMPUTING[entry](mirrored(n), np.array([0.5, 1.5, 2.0]))
+
+
+@pytest.mark.parametrize("entry", sorted(COMPUTING))
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_float64_host_value_computes_in_float64_with_x64(n, entry):
+    if n > 1 and entry.endswith("reduce_to"):
+        pytest.skip("TF refuses SUM of a value that is not per-replica on several replicas")
+    s, value = mirrored(n), np.array([0.5, 1.5, 2.0])
+    adds = {"reduce along an axis": 1, "mirror": 1}.get(entry, n)  # MEAN along the axis.
+    want = np.mean(value) if entry == "reduce along an axis" else value * adds
+    with jax.enable_x64(True):
+        for local in s.experimental_local_results(COMPUTING[entry](s, value)):
+            assert np.asarray(local).dtype == np.float64
+            np.testing.assert_array_equal(local, want)
 
 
 @pytest.mark.parametrize("n", [2, 3, 8])

@@ -100,7 +100,7 @@ class CheckpointManager:
     Example:
       >>> import tempfile, numpy as np, jdist
       >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
-      >>> state = jdist.mirror({"w": np.arange(3.0)}, s)
+      >>> state = jdist.mirror({"w": np.arange(3.0, dtype=np.float32)}, s)
       >>> with jdist.checkpoint.CheckpointManager(tempfile.mkdtemp(), s) as manager:
       ...   manager.save(1, state)
       ...   manager.wait_until_finished()

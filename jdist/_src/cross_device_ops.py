@@ -268,7 +268,7 @@ class ReductionToOneDevice(CrossDeviceOps):
       ...     accumulation_fn=lambda xs: functools.reduce(jnp.maximum, xs))
       >>> s = jdist.MirroredStrategy(jax.devices()[:2], cross_device_ops=ops)
       >>> v = s.experimental_distribute_values_from_function(
-      ...     lambda ctx: np.array([1.0, 5.0]) * (-1) ** ctx.replica_id_in_sync_group)
+      ...     lambda ctx: np.array([1.0, 5.0], np.float32) * (-1) ** ctx.replica_id_in_sync_group)
       >>> s.reduce("sum", v, axis=None).tolist()
       [1.0, 5.0]
     """

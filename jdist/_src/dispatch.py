@@ -24,6 +24,7 @@ from jax.extend import core
 from jdist._src import batch_blocks
 from jdist._src import context
 from jdist._src import errors
+from jdist._src import host_values
 from jdist._src.run_arguments import SCALARS
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
@@ -125,24 +126,37 @@ def _wait(arrays):
 
 
 class _FunctionTrace(threading.local):
-    """How many `function` calls are under way on this thread (their traces are guarded), and
-    how many of them run their function as Python (arguments of different shapes per replica)."""
+    """How many `function` calls are under way on this thread (their traces are guarded), how
+    many of them run their function as Python (arguments of different shapes per replica), and
+    the innermost call's arguments as given (checked when they are traced)."""
 
     def __init__(self):
         self.depth = 0
         self.as_python = 0
+        self.arguments = None
 
 
 _function_trace = _FunctionTrace()
 
 
 @contextlib.contextmanager
-def _inside_function():
-    _function_trace.depth += 1
+def _inside_function(arguments):
+    trace = _function_trace
+    trace.depth += 1
+    outer, trace.arguments = trace.arguments, arguments
     try:
         yield
     finally:
-        _function_trace.depth -= 1
+        trace.depth -= 1
+        trace.arguments = outer
+
+
+def _check_host_arguments():
+    """`check_host_numbers` of the host arrays given to the `function` call being traced: the
+    trace sees them as 32-bit tracers, so a float64 batch is refused once, when its program is
+    traced, at no cost to the calls that reuse that program."""
+    for leaf in jax.tree_util.tree_leaves(_function_trace.arguments):
+        host_values.check_host_numbers(leaf)
 
 
 def check_traced_run(guard):
@@ -260,6 +274,7 @@ def function(fun=None, **jit_kwargs):
     def traced(*args, **kwargs):
         if _holds_ragged_values((args, kwargs)):
             raise _RaggedArguments()  # Before ``fun`` is traced: `call` runs it as Python.
+        _check_host_arguments()
         batch_blocks.blocks_read()  # Arguments flattened: what ``fun`` captures reads plainly.
         return _checked_outputs(fun(*args, **kwargs))
     jitted = jax.jit(traced, **jit_kwargs)
@@ -270,7 +285,7 @@ def function(fun=None, **jit_kwargs):
 
     def call(*args, **kwargs):
         try:
-            with _inside_function(), batch_blocks.reading_blocks(blocks):
+            with _inside_function((args, kwargs)), batch_blocks.reading_blocks(blocks):
                 if guard.inside_launch():  # Traced by a launch: part of that launch's program.
                     return jitted(*args, **kwargs)
                 return guard.dispatch(lambda: jitted(*args, **kwargs), spans_all_devices=False)
@@ -284,7 +299,7 @@ def function(fun=None, **jit_kwargs):
         return _as_python(fun, args, kwargs)
 
     def lower(*args, **kwargs):
-        with _inside_function(), batch_blocks.reading_blocks(blocks):
+        with _inside_function((args, kwargs)), batch_blocks.reading_blocks(blocks):
             try:
                 return jitted.lower(*args, **kwargs)
             except _RaggedArguments as ragged:

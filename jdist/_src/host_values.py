@@ -28,13 +28,22 @@ def dtype_kind(dtype):
 
 
 def check_host_numbers(value) -> None:
-    """Raises `X64RequiredError` when JAX would hold host numbers as other numbers.
+    """Raises `X64RequiredError` when JAX would hold host numbers as other numbers, or compute
+    with them in a precision TF does not.
 
-    Without ``jax_enable_x64`` JAX holds 64-bit values in 32 bits: integers keep only their low
-    bits (``np.int64(2**40 + 5)`` becomes ``5``) and float64 values are rounded to float32
-    (``0.1`` becomes ``0.100000001``), silently, where TF keeps int64 and float64 and computes
-    with them. Values that 32 bits hold exactly pass (``np.arange(3)``, ``np.ones(2)``). Every
-    host array jdist places (batches, per-replica components, ``run`` arguments) passes here.
+    Without ``jax_enable_x64`` JAX holds 64-bit values in 32 bits, where TF keeps int64, float64
+    and complex128 and computes with them:
+
+    - float64 and complex128 values are rounded to 32 bits (``0.1`` becomes ``0.100000001``), and
+      even values that 32 bits hold exactly are then computed with in 32 bits (the mean of
+      ``[0.5, 1.5, 2.0]`` is 1.3333334, TF's is 1.3333333333333333). Such a value raises
+      whatever its numbers: the rule is its dtype, so data that happens to be round (``np.ones``)
+      fails as real data would, at the first call.
+    - int64 values keep only their low bits (``2**40 + 5`` becomes ``5``); values int32 holds
+      pass (``np.arange(3)``, labels), since integer arithmetic on them gives TF's numbers.
+
+    Every host array jdist places (batches, per-replica components, ``run`` arguments, values to
+    reduce) passes here.
 
     Args:
       value: anything; only NumPy arrays and scalars of 64-bit dtypes are checked.
@@ -42,30 +51,33 @@ def check_host_numbers(value) -> None:
     Example:
       >>> import numpy as np
       >>> check_host_numbers(np.arange(3))  # int64 values that fit in 32 bits: fine.
-      >>> check_host_numbers(np.array([0.5, 2.0]))  # float64 values float32 holds: fine.
+      >>> check_host_numbers(np.ones(2, np.float32))
+      >>> check_host_numbers(np.ones(2))  # doctest: +IGNORE_EXCEPTION_DETAIL
+      Traceback (most recent call last):
+      jdist.errors.X64RequiredError: a host value of dtype float64 ...
     """
     if not isinstance(value, (np.ndarray, np.generic)) or value.dtype.kind not in "iufc":
         return
     held = jax.dtypes.canonicalize_dtype(value.dtype)
-    if held == value.dtype or not value.size:
+    if held == value.dtype:
         return
     if value.dtype.kind in "iu":
+        if not value.size:
+            return
         low, high, limits = value.min(), value.max(), np.iinfo(held)
         if low >= limits.min and high <= limits.max:
             return
-        found = f"numbers from {low} to {high}; JAX without 64-bit mode holds it as {held} " \
-                "and would wrap them to other numbers"
+        found = f"holds numbers from {low} to {high}; JAX without 64-bit mode holds it as " \
+                f"{held} and would wrap them to other numbers"
         fix = "bring the values into range in the input pipeline (e.g. ids modulo a table size)"
     else:
-        with np.errstate(over="ignore"):
-            if np.array_equal(value.astype(held), value, equal_nan=True):
-                return
-        found = f"numbers that {held} does not (JAX without 64-bit mode would round them: " \
-                f"{_first_rounded(value, held)})"
+        found = f"would be held and computed with as {held} by JAX without 64-bit mode (a " \
+                f"float32 mean of [0.5, 1.5, 2.0] is 1.3333334, TF's float64 one " \
+                "1.3333333333333333)"
         fix = (f"cast to {held} where the data is made (x.astype(np.{held}); tf.cast in a "
                "tf.data pipeline, as a Keras layer casts its inputs)")
     raise errors.X64RequiredError(
-        f"a host value of dtype {value.dtype} holds {found}, where TF keeps {value.dtype}. Enable "
+        f"a host value of dtype {value.dtype} {found}, where TF keeps {value.dtype}. Enable "
         "64-bit mode before creating arrays (jax.config.update('jax_enable_x64', True)), or "
         f"{fix}.")
 
@@ -143,10 +155,3 @@ def is_placeable(value) -> bool:
 def _short_repr(v):
     dtype = getattr(v, "dtype", None)
     return f"an array of dtype {dtype}" if dtype is not None else f"of type {type(v).__name__}"
-
-
-def _first_rounded(value, held):
-    flat = np.ravel(value)
-    with np.errstate(over="ignore"):
-        i = int(np.flatnonzero(flat.astype(held) != flat)[0])
-        return f"{flat[i].item()!r} becomes {flat[i].astype(held).item()!r}"

@@ -12,6 +12,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jdist._src import context
 from jdist._src import errors
+from jdist._src import host_values
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
@@ -45,6 +46,7 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
             # replica holds as that one object in TF (`context._Binding.shared`).
             views.append(leaf)
             continue
+        host_values.check_host_numbers(leaf)  # A host array the step closed over.
         # Every replica gets every replica's value: merge_fn runs SPMD on the same inputs.
         view = PerReplica._from_stacked(lax.all_gather(jnp.asarray(leaf), axis))
         if (binding.valid_rows is not None and view.stacked.ndim >= 2

@@ -24,6 +24,8 @@ import queue
 import threading
 import weakref
 
+import jax
+
 END = object()  # Put by the worker after the last element.
 _POLL_S = 0.05  # How often a blocked worker or consumer re-checks whether it should stop.
 _names = itertools.count()
@@ -57,7 +59,8 @@ class Prefetcher:
         self._closed = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(
-            target=_work, args=(source, transform, self._queue, self._stop),
+            target=_work, args=(source, transform, self._queue, self._stop,
+                                jax.config.jax_enable_x64),
             name=f"jdist-prefetch-{next(_names)}", daemon=False)
         with _live_lock:
             _live.add(self)
@@ -102,21 +105,27 @@ class Prefetcher:
             self._on_close(source)
 
 
-def _work(source, transform, out, stop):
+def _work(source, transform, out, stop, x64):
+    # JAX's 64-bit mode may be a thread's own (`jax.enable_x64()`): place as the consumer would.
     try:
-        while not stop.is_set():
-            try:
-                item = next(source)
-            except StopIteration:
-                _put(out, END, stop)
-                return
-            element = transform(item)
-            del item
-            if not _put(out, element, stop):
-                return
-            del element
+        with jax.enable_x64(x64):
+            _feed(source, transform, out, stop)
     except BaseException as exc:  # Forwarded to the consumer, whatever it is.
         _put(out, _Raised(exc), stop)
+
+
+def _feed(source, transform, out, stop):
+    while not stop.is_set():
+        try:
+            item = next(source)
+        except StopIteration:
+            _put(out, END, stop)
+            return
+        element = transform(item)
+        del item
+        if not _put(out, element, stop):
+            return
+        del element
 
 
 def _put(out, item, stop):

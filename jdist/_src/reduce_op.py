@@ -48,7 +48,9 @@ class ReduceOp(enum.Enum):
 
 def check_reducible(op, value, adds: bool = True):
     """Raises `UnsupportedValueError` when ``value`` (a nest) holds bools, which TF cannot reduce,
-    or values no device holds (strings, objects: `host_values.is_placeable`).
+    or values no device holds (strings, objects: `host_values.is_placeable`); and
+    `X64RequiredError` for 64-bit host values JAX would hold in 32 bits
+    (`host_values.check_host_numbers`: TF reduces a float64 array in float64).
 
     TF adds the replicas' values (``add_n``), which has no bool kernel, so both SUM and MEAN of
     bool values raise there; every other dtype is summed in its own dtype (a MEAN of integers
@@ -72,6 +74,7 @@ def check_reducible(op, value, adds: bool = True):
         host_values.check_array(leaf, str(op))
         dtype = getattr(leaf, "dtype", None)
         kind = host_values.dtype_kind(np.asarray(leaf).dtype if dtype is None else dtype)
+        host_values.check_host_numbers(leaf)  # TF reduces them in 64 bits.
         if kind == "bool" and adds:
             raise errors.UnsupportedValueError(
                 f"{op} of bool values is not defined (TF raises too: it adds the values); cast "

@@ -141,6 +141,7 @@ def mirror(tree: Any, strategy: Optional[Any] = None) -> Any:
     def place(leaf):
         array = leaf.value if isinstance(leaf, Mirrored) else leaf
         host_values.check_array(array, "mirror")
+        host_values.check_host_numbers(array)
         return treedef.unflatten([jax.device_put(array, sharding)])
     return _map_leaves(place, tree, "mirror")
 

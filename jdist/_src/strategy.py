@@ -20,6 +20,7 @@ from jdist._src import dispatch
 from jdist._src import errors
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import check_placeable
+from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
 from jdist._src.strategy_extended import StrategyExtended
@@ -118,7 +119,7 @@ class Strategy(TF1Methods):
         Args:
           reduce_op: ``ReduceOp.SUM`` / ``ReduceOp.MEAN`` or their names in any case.
           value: a `PerReplica` or `Mirrored` value, a nest of them (only with ``axis=None``),
-            or a plain array.
+            or a plain array (with an axis, also a list of Python numbers, one tensor in TF).
           axis: None to combine replicas element-wise; an int or tuple of ints to reduce inside
             each replica along those axes first. MEAN then divides by the total number of
             elements along ``axis`` over all replicas, padding excluded.
@@ -134,6 +135,8 @@ class Strategy(TF1Methods):
         """
         context.require_cross_replica(self, "strategy.reduce")
         op = ReduceOp.from_any(reduce_op)
+        if axis is not None and _is_number_list(value):  # TF reduces it as one tensor.
+            value = python_numbers_as_tf(value)
         across = self.num_replicas_in_sync > 1 or axis is not None
         for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
             # TF adds no plain value without an axis: MEAN hands it back, SUM refuses it.
@@ -238,7 +241,7 @@ class Strategy(TF1Methods):
           >>> import numpy as np, jdist
           >>> s = jdist.get_strategy()
           >>> v = s.experimental_distribute_values_from_function(
-          ...     lambda ctx: np.arange(2.0) + ctx.replica_id_in_sync_group)
+          ...     lambda ctx: np.arange(2, dtype=np.float32) + ctx.replica_id_in_sync_group)
           >>> v.tolist()
           [0.0, 1.0]
         """
@@ -355,3 +358,10 @@ context._register_default_strategy_factory(_DefaultStrategy)
 
 def _is_single_value(value):
     return isinstance(value, (DistributedValues, jax.Array, np.ndarray, np.generic, int, float))
+
+
+def _is_number_list(value) -> bool:
+    """Whether ``value`` is a list or tuple of Python numbers (nested ones too), which TF's
+    ``reduce`` along an axis converts to one tensor."""
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(leaf, (bool, int, float)) for leaf in jax.tree_util.tree_leaves(value))

@@ -26,7 +26,7 @@ from jdist._src.base import PyTree
 from jdist._src.base import ReduceOpLike
 from jdist._src.base import ReplicaCollectives
 from jdist._src.destinations import Target
-from jdist._src.host_values import check_host_numbers
+from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.packing import CommunicationOptions
 from jdist._src.packing import as_options
 from jdist._src.reduce_op import ReduceOp
@@ -495,13 +495,7 @@ def _as_tensor(value):
             "Leave None out of the nest, or reduce it with MEAN, which hands it back.")
     if not isinstance(value, (int, float, complex)):
         return value
-    if isinstance(value, int):
-        dtype = np.int32 if -2**31 <= value < 2**31 else np.int64
-    else:
-        dtype = np.float32 if isinstance(value, float) else np.complex128
-    host = np.asarray(value, dtype)
-    check_host_numbers(host)  # An int64 or complex128 needs x64, as any host value.
-    return jnp.asarray(host)
+    return jnp.asarray(python_numbers_as_tf(value))  # An int64 or complex128 needs x64.
 
 
 def across_workers(extended, value):

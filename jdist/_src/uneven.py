@@ -34,6 +34,7 @@ from jax.extend import core
 from jax.sharding import PartitionSpec as P
 
 from jdist._src import errors
+from jdist._src import host_values
 from jdist._src import invariance
 from jdist._src.run_arguments import ARRAY
 from jdist._src.run_arguments import PER_REPLICA
@@ -364,5 +365,6 @@ def _per_device(x, ragged, stacked, programs, local):
         return jax.device_put([components[r] for r in local], devices)
     if stacked:
         return _by_device(x, devices)
-    value = x if isinstance(x, jax.Array) else np.asarray(x)
-    return _by_device(programs.place_replicated(value), devices)
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        x = host_values.python_numbers_as_tf(x)  # As the trace typed it (a float is float32).
+    return _by_device(programs.place_replicated(x), devices)

@@ -23,6 +23,7 @@ import numpy as np
 from jdist._src import errors
 from jdist._src.host_values import check_arrays
 from jdist._src.host_values import check_host_numbers
+from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.host_values import dtype_kind
 
 
@@ -84,7 +85,7 @@ class PerReplica(DistributedValues):
       >>> v = jdist.PerReplica([np.float32(1.0), np.float32(2.0)])
       >>> [float(x) for x in v.values]
       [1.0, 2.0]
-      >>> jdist.PerReplica([np.zeros(2), np.zeros(3)]).ragged
+      >>> jdist.PerReplica([np.zeros(2, np.float32), np.zeros(3, np.float32)]).ragged
       True
       >>> jdist.PerReplica([np.float32(1.0), 2.0]).stacked.dtype  # float32 and float64: one kind
       dtype('float32')
@@ -337,7 +338,7 @@ def _stack_or_keep(values):
     """``(stacked, None)`` for values of one shape; ``(None, components)`` for ragged ones.
 
     The values are validated first (`_components`); dtypes of one kind must agree once JAX
-    canonicalises them (float32 and float64 do, unless ``jax_enable_x64`` is on).
+    canonicalises them (int32 and int64 do, unless ``jax_enable_x64`` is on).
     """
     arrays = _components(values)
     dtypes = {jax.dtypes.canonicalize_dtype(a.dtype, allow_extended_dtype=True) for a in arrays}
@@ -372,9 +373,11 @@ def _components(values):
     for i, v in enumerate(values):
         if isinstance(v, jax.Array):  # Tracers too (values built inside a traced merge_fn).
             arrays.append(v)
-        elif isinstance(v, (np.ndarray, np.generic, bool, int, float, complex)):
+        elif isinstance(v, (np.ndarray, np.generic)):
+            check_host_numbers(v)
             arrays.append(np.asarray(v))
-            check_host_numbers(arrays[-1])
+        elif isinstance(v, (bool, int, float, complex)):
+            arrays.append(python_numbers_as_tf(v))  # TF's types: a float is float32.
         else:
             raise errors.UnsupportedValueError(
                 f"PerReplica component {i} is a {type(v).__name__}; each replica's value must "
@@ -400,7 +403,7 @@ def _stack(arrays):
             (len(arrays), *arrays[0].shape), sharding, [a[None] for a in arrays])
     if jax.dtypes.issubdtype(arrays[0].dtype, jax.dtypes.extended):
         return jax.numpy.stack(arrays)  # Typed PRNG keys have no NumPy form.
-    # Dtypes of one kind that JAX canonicalises alike (float32 and float64 without x64) are
+    # Dtypes of one kind that JAX canonicalises alike (int32 and int64 without x64) are
     # stacked in that dtype, as JAX would place each of them.
     dtype = (None if len({a.dtype for a in arrays}) == 1
              else jax.dtypes.canonicalize_dtype(arrays[0].dtype))
