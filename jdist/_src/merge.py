@@ -40,13 +40,13 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
     binding.note_collected(leaves)
     views = []
     for leaf in leaves:
+        host_values.check_host_numbers(leaf)  # A host array the step closed over.
         if (not isinstance(leaf, ARRAYS) or num_replicas == 1
                 or binding.shared(leaf)):
             # Python objects pass as they are; so does one replica's value, and a tensor every
             # replica holds as that one object in TF (`context._Binding.shared`).
             views.append(leaf)
             continue
-        host_values.check_host_numbers(leaf)  # A host array the step closed over.
         # Every replica gets every replica's value: merge_fn runs SPMD on the same inputs.
         view = PerReplica._from_stacked(lax.all_gather(jnp.asarray(leaf), axis))
         if (binding.valid_rows is not None and view.stacked.ndim >= 2

@@ -46,7 +46,7 @@ class ReduceOp(enum.Enum):
         raise errors.InvalidArgumentError(f"{op!r} is not a valid ReduceOp; use {hint}.")
 
 
-def check_reducible(op, value, adds: bool = True):
+def check_reducible(op, value, adds: bool = True, places: bool = True):
     """Raises `UnsupportedValueError` when ``value`` (a nest) holds bools, which TF cannot reduce,
     or values no device holds (strings, objects: `host_values.is_placeable`); and
     `X64RequiredError` for 64-bit host values JAX would hold in 32 bits
@@ -61,6 +61,8 @@ def check_reducible(op, value, adds: bool = True):
         op: the `ReduceOp`, for the message.
         value: a nest of arrays, Python scalars or distributed values.
         adds: whether the reduction adds values (False: one replica, no axis).
+        places: whether the call places ``value`` on devices (False: it hands a plain value
+          back as it is, as TF's MEAN of one does).
 
     Example:
         >>> import numpy as np
@@ -74,7 +76,8 @@ def check_reducible(op, value, adds: bool = True):
         host_values.check_array(leaf, str(op))
         dtype = getattr(leaf, "dtype", None)
         kind = host_values.dtype_kind(np.asarray(leaf).dtype if dtype is None else dtype)
-        host_values.check_host_numbers(leaf)  # TF reduces them in 64 bits.
+        if places:  # TF reduces them in 64 bits.
+            host_values.check_host_numbers(leaf)
         if kind == "bool" and adds:
             raise errors.UnsupportedValueError(
                 f"{op} of bool values is not defined (TF raises too: it adds the values); cast "

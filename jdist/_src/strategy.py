@@ -135,12 +135,14 @@ class Strategy(TF1Methods):
         """
         context.require_cross_replica(self, "strategy.reduce")
         op = ReduceOp.from_any(reduce_op)
-        if axis is not None and _is_number_list(value):  # TF reduces it as one tensor.
-            value = python_numbers_as_tf(value)
+        if axis is not None and _is_number_list(value):  # TF sums it as one tensor.
+            value = _number_list_as_tf(op, value)
         across = self.num_replicas_in_sync > 1 or axis is not None
         for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
             # TF adds no plain value without an axis: MEAN hands it back, SUM refuses it.
-            check_reducible(op, leaf, adds=across if is_distributed(leaf) else axis is not None)
+            distributed = is_distributed(leaf)
+            check_reducible(op, leaf, adds=across if distributed else axis is not None,
+                            places=distributed or axis is not None)
         self._extended.check_collective_dtypes(value, "strategy.reduce", reduces_one=True)
         if axis is not None and not _is_single_value(value):
             raise errors.UnsupportedValueError(
@@ -358,6 +360,15 @@ context._register_default_strategy_factory(_DefaultStrategy)
 
 def _is_single_value(value):
     return isinstance(value, (DistributedValues, jax.Array, np.ndarray, np.generic, int, float))
+
+
+def _number_list_as_tf(op, numbers):
+    if op is ReduceOp.MEAN:  # TF reads the list's shape, which a list has not.
+        raise errors.UnsupportedValueError(
+            f"ReduceOp.MEAN along an axis of a {type(numbers).__name__} of numbers: TF raises "
+            "here (AttributeError: it reads the value's shape). Pass an array instead, e.g. "
+            "np.float32(numbers).")
+    return python_numbers_as_tf(numbers)
 
 
 def _is_number_list(value) -> bool:
