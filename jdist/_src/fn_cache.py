@@ -26,14 +26,16 @@ class FnCache:
       flatten_first: whether calls go straight to being made canonical (two missed in a row,
         until a call's arguments come canonical again).
       plans: the programs the direct program calls, by number (`plan_number`).
+      placing: ``(tree, plain)`` of the last call made canonical (`spmd`): its argument tree
+        and the positions of its plain arrays, which a call of that tree places again alone.
     """
     __slots__ = ("_fn", "programs", "direct", "token", "direct_missed", "flatten_first",
-                 "plans", "__weakref__")
+                 "plans", "placing", "__weakref__")
 
     def __init__(self, fn, weak):
         self._fn = weakref.ref(fn) if weak else (lambda: fn)
         self.programs, self.plans = {}, []
-        self.direct = self.token = None
+        self.direct = self.token = self.placing = None
         self.direct_missed = self.flatten_first = False
 
     def plan_number(self, program):

@@ -183,38 +183,73 @@ class ReplicatedRunner:
     def _launch_canonical(self, cache, call):
         """The direct program's outputs on ``call`` made canonical (None: it cannot be, or
         its program is not the call's: a collective takes a plain argument, `_Program`)."""
-        call, changed, plain = self._canonical(call)
-        if call is None:
+        canonical, changed, plain = self._placed_as_before(cache, call)
+        if canonical is not None:
+            try:
+                return self._launch_direct(cache, canonical, changed, plain)
+            except _NotCanonical:  # An argument the last call's plan did not place.
+                cache.placing = None
+        canonical, changed, plain = self._canonical(cache, call)
+        if canonical is None:
             return None
+        return self._launch_direct(cache, canonical, changed, plain)
+
+    def _launch_direct(self, cache, canonical, changed, plain):
         if not changed:  # Arguments the direct program takes as they come: try it again.
             cache.flatten_first = False
         try:
             with batch_blocks.reading_blocks():
-                outputs = self._guard.launch(cache.direct, call, cache.token)
+                outputs = self._guard.launch(cache.direct, canonical, cache.token)
         except (TypeError, ValueError):
             return None
         (number, _), = outputs.items()  # Plain arguments a collective takes: the general path.
         return None if set(cache.plans[number].collected_args) & set(plain) else outputs
 
-    def _canonical(self, call):
+    def _canonical(self, cache, call):
         """``(arguments, changed, plain)``: ``call``'s arguments as the direct program takes
         them (every array placed on the mesh, plain ones as `Mirrored` on several replicas),
         whether that changed any, and the indices of the plain ones; ``(None, False, ())`` for
-        arguments it does not take (ragged or padded values, Python objects and numbers)."""
+        arguments it does not take (ragged or padded values, Python objects and numbers).
+        Records in ``cache.placing`` what the next call of this tree places (`_placed_as_before`)."""
         leaves, tree = jax.tree_util.tree_flatten(call, is_leaf=is_distributed)
         if not all(run_arguments.fast_leaf(leaf, self._n) for leaf in leaves):
             return None, False, ()
         place = self._programs
         placed = [run_arguments.placed(leaf, place) if is_distributed(leaf) else leaf
                   for leaf in leaves]
-        plain = [i for i, leaf in enumerate(placed) if not is_distributed(leaf)]
+        plain = tuple(i for i, leaf in enumerate(placed) if not is_distributed(leaf))
+        changed = any(new is not old for new, old in zip(placed, leaves))
         for i, x in zip(plain, place.place_replicated_all([placed[i] for i in plain])):
             placed[i] = x
-        changed = any(new is not old for new, old in zip(placed, leaves))
-        if self._n > 1 and plain:  # One replica's replicated outputs are plain arrays: kept so.
-            mirror_at(placed, plain, self._n)
+        moved = tuple(i for i in plain if placed[i] is not leaves[i])
+        cache.placing = None if changed else _placing(call, leaves, plain,
+                                                      plain if self._n > 1 else moved)
+        return self._mirrored(tree, placed, plain, changed or bool(moved))
+
+    def _placed_as_before(self, cache, call):
+        """`_canonical` for a call of the last one's argument tree, placing only what that call
+        placed (a batch given as a NumPy or loose array: no Python work per parameter). The
+        direct program checks the other arguments as it checks any call: one that is not
+        canonical raises `_NotCanonical`. ``(None, False, ())`` for another tree."""
+        if cache.placing is None:
+            return None, False, ()
+        tree, plain, moved = cache.placing
+        leaves, this_tree = jax.tree_util.tree_flatten(call)  # No Python call per array.
+        if this_tree != tree or not all(isinstance(leaves[i], ARRAYS) for i in moved):
+            return None, False, ()
+        changed = False
+        for i, x in zip(moved, self._programs.place_replicated_all([leaves[i] for i in moved])):
+            changed = changed or x is not leaves[i]
+            leaves[i] = x
+        return self._mirrored(tree, leaves, moved, changed)[:2] + (plain,)
+
+    def _mirrored(self, tree, leaves, plain, changed):
+        """The arguments of ``tree`` with the plain arrays at ``plain`` as `Mirrored` (on
+        several replicas: one replica's replicated outputs are plain arrays, kept so)."""
+        if self._n > 1 and plain:
+            mirror_at(leaves, plain, self._n)
             changed = True
-        return jax.tree_util.tree_unflatten(tree, placed), changed, tuple(plain)
+        return jax.tree_util.tree_unflatten(tree, leaves), changed, plain
 
     def _run_in_merge(self, fn, args, kwargs):
         """``run`` inside a traced ``merge_fn``: every replica's values are at hand (the merge
@@ -520,6 +555,15 @@ class ReplicatedRunner:
     def merge_call(self, binding, merge_fn, args, kwargs):
         """A replica context's ``merge_call`` while its function is traced (`merge`)."""
         return merge.merge_call(self._strategy, self._n, binding, merge_fn, args, kwargs)
+
+
+def _placing(call, leaves, plain, moved):
+    """`FnCache.placing` for ``call``, whose leaves (distributed values kept whole) are
+    ``leaves``: its tree flattened through the values, ``plain``, and the positions of the
+    arrays at ``moved`` in that flattening (found by identity)."""
+    full, tree = jax.tree_util.tree_flatten(call)
+    targets = {id(leaves[i]) for i in moved}
+    return tree, plain, tuple(k for k, x in enumerate(full) if id(x) in targets)
 
 
 class _NotCanonical(Exception):
