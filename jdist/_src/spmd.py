@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jdist._src import argument_paths
 from jdist._src import batch_blocks
 from jdist._src import batch_rows
 from jdist._src import context
@@ -183,34 +184,41 @@ class ReplicatedRunner:
     def _launch_canonical(self, cache, call):
         """The direct program's outputs on ``call`` made canonical (None: it cannot be, or
         its program is not the call's: a collective takes a plain argument, `_Program`)."""
-        canonical, changed, plain = self._placed_as_before(cache, call)
-        if canonical is not None:
-            try:
-                return self._launch_direct(cache, canonical, changed, plain)
-            except _NotCanonical:  # An argument the last call's plan did not place.
-                cache.placing = None
+        placing = cache.placing
+        if placing is not None:
+            outputs = self._launch_placed_as_before(cache, placing, call)
+            if outputs is not None:
+                return outputs
+            cache.placing = None
         canonical, changed, plain = self._canonical(cache, call)
         if canonical is None:
             return None
-        return self._launch_direct(cache, canonical, changed, plain)
+        outputs = self._launch_direct(cache, canonical, changed)
+        if outputs is None:
+            return None
+        (number, _), = outputs.items()  # Plain arguments a collective takes: the general path.
+        if set(cache.plans[number].collected_args) & set(plain):
+            cache.placing = None
+            return None
+        if cache.placing is not None:  # The program the next call's placing is checked by.
+            cache.placing = cache.placing[:2] + (number,)
+        return outputs
 
-    def _launch_direct(self, cache, canonical, changed, plain):
+    def _launch_direct(self, cache, canonical, changed):
         if not changed:  # Arguments the direct program takes as they come: try it again.
             cache.flatten_first = False
         try:
             with batch_blocks.reading_blocks():
-                outputs = self._guard.launch(cache.direct, canonical, cache.token)
+                return self._guard.launch(cache.direct, canonical, cache.token)
         except (TypeError, ValueError):
             return None
-        (number, _), = outputs.items()  # Plain arguments a collective takes: the general path.
-        return None if set(cache.plans[number].collected_args) & set(plain) else outputs
 
     def _canonical(self, cache, call):
         """``(arguments, changed, plain)``: ``call``'s arguments as the direct program takes
         them (every array placed on the mesh, plain ones as `Mirrored` on several replicas),
         whether that changed any, and the indices of the plain ones; ``(None, False, ())`` for
         arguments it does not take (ragged or padded values, Python objects and numbers).
-        Records in ``cache.placing`` what the next call of this tree places (`_placed_as_before`)."""
+        Records in ``cache.placing`` where the arrays it placed were, for the next call."""
         leaves, tree = jax.tree_util.tree_flatten(call, is_leaf=is_distributed)
         if not all(run_arguments.fast_leaf(leaf, self._n) for leaf in leaves):
             return None, False, ()
@@ -221,27 +229,33 @@ class ReplicatedRunner:
         changed = any(new is not old for new, old in zip(placed, leaves))
         for i, x in zip(plain, place.place_replicated_all([placed[i] for i in plain])):
             placed[i] = x
-        moved = tuple(i for i in plain if placed[i] is not leaves[i])
-        cache.placing = None if changed else _placing(call, leaves, plain,
-                                                      plain if self._n > 1 else moved)
+        moved = plain if self._n > 1 else tuple(i for i in plain if placed[i] is not leaves[i])
+        paths = None if changed else argument_paths.paths_of(call, moved, is_distributed)
+        cache.placing = None if paths is None else (plain, paths, None)
         return self._mirrored(tree, placed, plain, changed or bool(moved))
 
-    def _placed_as_before(self, cache, call):
-        """`_canonical` for a call of the last one's argument tree, placing only what that call
-        placed (a batch given as a NumPy or loose array: no Python work per parameter). The
-        direct program checks the other arguments as it checks any call: one that is not
-        canonical raises `_NotCanonical`. ``(None, False, ())`` for another tree."""
-        if cache.placing is None:
-            return None, False, ()
-        tree, plain, moved = cache.placing
-        leaves, this_tree = jax.tree_util.tree_flatten(call)  # No Python call per array.
-        if this_tree != tree or not all(isinstance(leaves[i], ARRAYS) for i in moved):
-            return None, False, ()
-        changed = False
-        for i, x in zip(moved, self._programs.place_replicated_all([leaves[i] for i in moved])):
-            changed = changed or x is not leaves[i]
-            leaves[i] = x
-        return self._mirrored(tree, leaves, moved, changed)[:2] + (plain,)
+    def _launch_placed_as_before(self, cache, placing, call):
+        """The direct program's outputs on ``call`` with only the arrays the last canonical
+        call placed placed again, read and replaced by their paths (a batch given as a host
+        array every step: no Python work per parameter); None where that does not serve. The
+        direct program checks the other arguments as any call's: one not canonical makes it
+        raise `_NotCanonical`, and a program other than that call's means another tree."""
+        _, paths, number = placing
+        leaves = [argument_paths.leaf_at(call, path) for path in paths]
+        if number is None or not all(
+                isinstance(x, ARRAYS) and not is_distributed(x) for x in leaves):
+            return None
+        placed = self._programs.place_replicated_all(leaves)
+        changed = self._n > 1 or any(x is not y for x, y in zip(placed, leaves))
+        if self._n > 1:
+            mirror_at(placed, range(len(placed)), self._n)
+        for path, x in zip(paths, placed):
+            call = argument_paths.with_leaf(call, path, x)
+        try:
+            outputs = self._launch_direct(cache, call, changed)
+        except _NotCanonical:
+            return None
+        return outputs if outputs is not None and next(iter(outputs)) == number else None
 
     def _mirrored(self, tree, leaves, plain, changed):
         """The arguments of ``tree`` with the plain arrays at ``plain`` as `Mirrored` (on
@@ -555,15 +569,6 @@ class ReplicatedRunner:
     def merge_call(self, binding, merge_fn, args, kwargs):
         """A replica context's ``merge_call`` while its function is traced (`merge`)."""
         return merge.merge_call(self._strategy, self._n, binding, merge_fn, args, kwargs)
-
-
-def _placing(call, leaves, plain, moved):
-    """`FnCache.placing` for ``call``, whose leaves (distributed values kept whole) are
-    ``leaves``: its tree flattened through the values, ``plain``, and the positions of the
-    arrays at ``moved`` in that flattening (found by identity)."""
-    full, tree = jax.tree_util.tree_flatten(call)
-    targets = {id(leaves[i]) for i in moved}
-    return tree, plain, tuple(k for k, x in enumerate(full) if id(x) in targets)
 
 
 class _NotCanonical(Exception):
