@@ -91,10 +91,22 @@ class ReplicaMesh:
         if unplaced:
             for i in unplaced:
                 check_host_numbers(values[i])
-            placed = jax.device_put([values[i] for i in unplaced], self.replicated_sharding)
+            placed = self._put_replicated([values[i] for i in unplaced])
             for i, x in zip(unplaced, placed):
                 values[i] = x
         return values
+
+    def _put_replicated(self, values: list) -> list:
+        # On one device, host arrays enter through a compiled identity, whose C++ dispatch
+        # transfers them: about 5x faster than jax.device_put's Python (a host batch per step).
+        if self.num_replicas == 1 and all(isinstance(x, np.ndarray) for x in values):
+            return list(self._identity(*values))
+        return jax.device_put(values, self.replicated_sharding)
+
+    @functools.cached_property
+    def _identity(self):
+        return jax.jit(lambda *xs: xs, in_shardings=self.replicated_sharding,
+                       out_shardings=self.replicated_sharding)
 
     def tile(self, value) -> jax.Array:
         """A replicated ``value`` as ``num_replicas`` stacked copies, sharded over the replicas."""
