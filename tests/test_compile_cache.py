@@ -223,6 +223,29 @@ def test_a_host_batch_given_every_step_is_placed_without_looking_at_each_paramet
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_calls_that_change_what_is_on_the_host_compute_each_its_own_numbers(n):
+    # Each call after the first may be placed as the one before it was: whatever moved
+    # between host and mesh, or whichever tree the call has, its numbers are its own.
+    s = mirrored(n)
+    placed = s.run(lambda: {"a": jnp.ones(2), "b": jnp.full((2,), 2.0)})
+
+    def step(w, batch, scale=1.0):
+        return jax.tree_util.tree_map(lambda p: p * scale + jnp.sum(batch["x"]), w)
+    host = {"a": np.ones(2, np.float32), "b": np.full(2, 2.0, np.float32)}
+    calls = [(placed, "host", {}), (placed, "host", {}), (host, "host", {}),
+             (placed, "placed", {}), (placed, "host", {"scale": np.float32(3.0)}),
+             (placed, "host", {}), (host, "placed", {}), (placed, "host", {})]
+    for k, (w, where, kwargs) in enumerate(calls):
+        x = np.full(3, k, np.float32)
+        batch = {"x": x if where == "host" else s.run(lambda v=x: jnp.asarray(v))}
+        out = s.run(step, args=(w, batch), kwargs=kwargs)
+        scale = float(kwargs.get("scale", 1.0))
+        for key, base in (("a", 1.0), ("b", 2.0)):
+            for local in s.experimental_local_results(out[key]):
+                np.testing.assert_array_equal(local, [base * scale + 3 * k] * 2)
+
+
 @pytest.mark.parametrize("extra", [float, str], ids=["number", "string"])
 def test_a_step_given_python_objects_stops_trying_the_direct_program(extra, monkeypatch):
     # Python numbers and constants take the general path; after two misses run goes there at
