@@ -447,6 +447,38 @@ def test_a_float64_host_value_computes_in_float64_with_x64(n, entry):
             np.testing.assert_array_equal(local, want)
 
 
+# The SUMs jdist computes of int64 host values (TF's are int64).
+INT64_SUMS = {
+    "reduce of a PerReplica": lambda s, v: s.reduce(
+        "sum", jdist.PerReplica([v] * s.num_replicas_in_sync), axis=None),
+    "reduce of values from a function": lambda s, v: s.reduce(
+        "sum", s.experimental_distribute_values_from_function(lambda ctx: v), axis=None),
+    "reduce_to": lambda s, v: s.extended.reduce_to(
+        "sum", jdist.PerReplica([v] * s.num_replicas_in_sync), s.extended.worker_devices[0]),
+    "batch_reduce_to": lambda s, v: s.extended.batch_reduce_to(
+        "sum", [(jdist.PerReplica([v] * s.num_replicas_in_sync),
+                 s.extended.worker_devices[0])])[0],
+    "reduce of a host array along an axis": lambda s, v: s.reduce("sum", v, axis=0),
+    "all_reduce of a host array": lambda s, v: s.experimental_local_results(s.run(
+        lambda: jdist.get_replica_context().all_reduce("sum", v)))[0],
+}
+
+
+@pytest.mark.parametrize("entry", sorted(INT64_SUMS))
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_sum_of_int64_values_that_may_leave_int32_is_tfs_or_an_error(n, entry):
+    """4 x 2**30 is 4294967296 in TF's int64 and 0 in int32: without x64 such a sum raises;
+    one whose magnitudes stay under 2**31 gives TF's number."""
+    s, big, small = mirrored(n), np.array([2**30], np.int64), np.array([2**20], np.int64)
+    with pytest.raises(errors.X64RequiredError, match="jax_enable_x64"):
+        INT64_SUMS[entry](s, big)
+    np.testing.assert_array_equal(INT64_SUMS[entry](s, small), [n * 2**20])
+    with jax.enable_x64(True):
+        got = INT64_SUMS[entry](s, big)
+        assert np.asarray(got).dtype == np.int64
+        np.testing.assert_array_equal(got, [n * 2**30])
+
+
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_a_mirrored_knows_whether_run_returned_it(n):
     """TF's run returns a value every replica computed alike as a PerReplica of equal values,

@@ -471,7 +471,8 @@ class ReplicaContext:
         op = ReduceOp.from_any(reduce_op)
         packing.as_options(options)  # Checked on one replica too, which reduces nothing.
         self._strategy.extended.check_batch_reduce(value, "all_reduce")  # A nest is one batch.
-        check_reducible(op, value, adds=self.num_replicas_in_sync > 1)
+        check_reducible(op, value, adds=self.num_replicas_in_sync > 1,
+                        copies=self.num_replicas_in_sync)
         self._strategy.extended.check_collective_dtypes(value, "all_reduce")
         if self.num_replicas_in_sync == 1:  # TF: one replica's value reduces to itself, dtype
             return jax.tree_util.tree_map(jnp.asarray, value)  # too (an int MEAN stays int).

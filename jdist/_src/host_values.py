@@ -82,6 +82,29 @@ def check_host_numbers(value) -> None:
         f"{fix}.")
 
 
+WRAPS_AT = 2**31  # A sum of int32 values whose magnitudes add up to this may wrap.
+
+
+def int64_magnitude(values) -> int:
+    """The sum of the magnitudes of the int64 (and uint64) host arrays among ``values`` that
+    JAX holds as int32 (0 with x64 on, or for other values).
+
+    TF sums such values in int64; held as int32, a sum of them is TF's number while this
+    magnitude is under `WRAPS_AT`, and may wrap above it. `values` being checked first
+    (`check_host_numbers`), each number fits int32 and the total fits int64.
+
+    Example:
+      >>> int64_magnitude([np.array([2**30, -2**30]), np.float32(1.0)]) == 2**31
+      True
+    """
+    total = 0
+    for v in values:
+        if (isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "iu"
+                and jax.dtypes.canonicalize_dtype(v.dtype) != v.dtype):
+            total += int(np.abs(v.astype(np.int64)).sum(dtype=np.int64))
+    return total
+
+
 def python_numbers_as_tf(value) -> np.ndarray:
     """Python numbers (or nested lists of them) typed as TF's ``convert_to_tensor`` types them,
     whatever JAX's mode: floats float32, ints int32 (int64 beyond its range, which

@@ -46,7 +46,7 @@ class ReduceOp(enum.Enum):
         raise errors.InvalidArgumentError(f"{op!r} is not a valid ReduceOp; use {hint}.")
 
 
-def check_reducible(op, value, adds: bool = True, places: bool = True):
+def check_reducible(op, value, adds: bool = True, places: bool = True, copies: int = 1):
     """Raises `UnsupportedValueError` when ``value`` (a nest) holds bools, which TF cannot reduce,
     or values no device holds (strings, objects: `host_values.is_placeable`); and
     `X64RequiredError` for 64-bit host values JAX would hold in 32 bits
@@ -63,6 +63,7 @@ def check_reducible(op, value, adds: bool = True, places: bool = True):
         adds: whether the reduction adds values (False: one replica, no axis).
         places: whether the call places ``value`` on devices (False: it hands a plain value
           back as it is, as TF's MEAN of one does).
+        copies: how many copies of a plain value the reduction adds (one per replica).
 
     Example:
         >>> import numpy as np
@@ -72,6 +73,8 @@ def check_reducible(op, value, adds: bool = True, places: bool = True):
         ...
         jdist._src.errors.UnsupportedValueError: ReduceOp.SUM of bool values ...
     """
+    if adds and op is ReduceOp.SUM:
+        _check_int64_sums(op, value, copies)
     for leaf in jax.tree_util.tree_leaves(value):  # One walk of the nest: reduce is per step.
         host_values.check_array(leaf, str(op))
         dtype = getattr(leaf, "dtype", None)
@@ -85,3 +88,18 @@ def check_reducible(op, value, adds: bool = True, places: bool = True):
         if kind == "PRNG key":
             raise errors.UnsupportedValueError(
                 f"{op} of PRNG keys is not defined; reduce what the replicas drew with them.")
+
+
+def _check_int64_sums(op, value, copies):
+    """Raises `X64RequiredError` where ``value`` (or one of a list of values) is an int64 host
+    array, or a `PerReplica` made from int64 host values, whose sum, TF's int64, may wrap in
+    the int32 JAX holds them in (`host_values.int64_magnitude`; a plain value is added
+    ``copies`` times)."""
+    for v in value if isinstance(value, (list, tuple)) else (value,):
+        magnitude = getattr(v, "_int64_magnitude", 0) or host_values.int64_magnitude([v]) * copies
+        if magnitude >= host_values.WRAPS_AT:
+            raise errors.X64RequiredError(
+                f"{op} of int64 host values whose magnitudes add up to "
+                f"{magnitude}: TF sums them in int64, JAX without 64-bit mode in int32, where "
+                "the sum may wrap to another number. Enable 64-bit mode before creating arrays "
+                "(jax.config.update('jax_enable_x64', True)), or sum values that int32 holds.")

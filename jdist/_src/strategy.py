@@ -20,6 +20,7 @@ from jdist._src import dispatch
 from jdist._src import errors
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import check_placeable
+from jdist._src.host_values import int64_magnitude
 from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
@@ -142,7 +143,8 @@ class Strategy(TF1Methods):
             # TF adds no plain value without an axis: MEAN hands it back, SUM refuses it.
             distributed = is_distributed(leaf)
             check_reducible(op, leaf, adds=across if distributed else axis is not None,
-                            places=distributed or axis is not None)
+                            places=distributed or axis is not None,
+                            copies=self.num_replicas_in_sync)
         self._extended.check_collective_dtypes(value, "strategy.reduce", reduces_one=True)
         if axis is not None and not _is_single_value(value):
             raise errors.UnsupportedValueError(
@@ -269,6 +271,9 @@ class Strategy(TF1Methods):
         for column in columns:
             check_placeable(column)
         leaves = [self._extended._distribute_components(c) for c in columns]
+        for leaf, column in zip(leaves, columns):
+            if isinstance(leaf, PerReplica):  # TF's sums of int64 values stay int64.
+                leaf._int64_magnitude = int64_magnitude(column)
         return jax.tree_util.tree_unflatten(trees[0], leaves)
 
     # ----- Distributed input: thin delegations to jdist._src.input (see that module). -----

@@ -25,6 +25,7 @@ from jdist._src.host_values import check_arrays
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.host_values import dtype_kind
+from jdist._src.host_values import int64_magnitude
 
 
 ARRAYS = (jax.Array, np.ndarray, np.generic)  # What jdist takes as an array leaf.
@@ -93,7 +94,8 @@ class PerReplica(DistributedValues):
 
     # `_components`: the per-replica arrays of a ragged value (then `_stacked` is None).
     # `_view_valid_rows`: traced real-row counts of a merge_call view (see spmd.merge_call).
-    __slots__ = ("_stacked", "_lengths", "_view_valid_rows", "_components")
+    # `_int64_magnitude`: `host_values.int64_magnitude` of the host values it was made from.
+    __slots__ = ("_stacked", "_lengths", "_view_valid_rows", "_components", "_int64_magnitude")
 
     def __init__(self, values):
         if isinstance(values, DistributedValues) or not isinstance(values, (tuple, list)):
@@ -103,12 +105,14 @@ class PerReplica(DistributedValues):
         if not values:
             raise errors.InvalidArgumentError("PerReplica needs at least one replica value.")
         self._init(*_stack_or_keep(values), None)
+        self._int64_magnitude = int64_magnitude(values)
 
     def _init(self, stacked, components, lengths):
         self._stacked = stacked
         self._components = components
         self._lengths = None if lengths is None else tuple(int(n) for n in lengths)
         self._view_valid_rows = None
+        self._int64_magnitude = 0
 
     @classmethod
     def _from_stacked(cls, stacked, lengths=None):
