@@ -20,7 +20,6 @@ from jdist._src import dispatch
 from jdist._src import errors
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import check_placeable
-from jdist._src.host_values import int64_magnitude
 from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
@@ -32,6 +31,7 @@ from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
 from jdist._src.values import local_results
+from jdist._src.values import record_int64_magnitude
 
 
 class Strategy(TF1Methods):
@@ -271,9 +271,8 @@ class Strategy(TF1Methods):
         for column in columns:
             check_placeable(column)
         leaves = [self._extended._distribute_components(c) for c in columns]
-        for leaf, column in zip(leaves, columns):
-            if isinstance(leaf, PerReplica):  # TF's sums of int64 values stay int64.
-                leaf._int64_magnitude = int64_magnitude(column)
+        for leaf, column in zip(leaves, columns):  # TF's sums of int64 values stay int64.
+            record_int64_magnitude(leaf, column)
         return jax.tree_util.tree_unflatten(trees[0], leaves)
 
     # ----- Distributed input: thin delegations to jdist._src.input (see that module). -----

@@ -105,7 +105,7 @@ class PerReplica(DistributedValues):
         if not values:
             raise errors.InvalidArgumentError("PerReplica needs at least one replica value.")
         self._init(*_stack_or_keep(values), None)
-        self._int64_magnitude = int64_magnitude(values)
+        record_int64_magnitude(self, values)
 
     def _init(self, stacked, components, lengths):
         self._stacked = stacked
@@ -513,6 +513,22 @@ def mirror_at(leaves, indices, num_replicas):
         m = new(cls)
         m._value = leaves[i]
         leaves[i] = m
+
+
+def record_int64_magnitude(value, components) -> None:
+    """Records on ``value``, a `PerReplica` made from the host values ``components``, the sum of
+    the magnitudes of their int64 numbers (`host_values.int64_magnitude`), which TF sums in
+    int64 and JAX without x64 holds as int32 (`int64_sum_magnitude` reads it)."""
+    if isinstance(value, PerReplica):
+        value._int64_magnitude = int64_magnitude(components)
+
+
+def int64_sum_magnitude(value, copies: int = 1) -> int:
+    """The magnitude of the int64 host numbers a SUM of ``value`` adds: a `PerReplica`'s
+    recorded one, a host array's ``copies`` times (one per replica holding it), else 0."""
+    if isinstance(value, PerReplica):  # Views made without `_init` (dataset blocks) have none.
+        return getattr(value, "_int64_magnitude", 0)
+    return int64_magnitude([value]) * copies
 
 
 def is_distributed(x):
