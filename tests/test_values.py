@@ -373,6 +373,33 @@ def test_float64_values_raise_whatever_their_numbers(n, entry, value):
         ENTRIES[entry](s, np.array([value], np.float64))
 
 
+def _plus_one(x):
+    return x + 1
+
+
+REUSED = {  # Callables whose second call jax.jit would serve with the first call's program.
+    "run": lambda s: lambda v: s.run(_plus_one, args=(v,)),
+    "jdist.function of run": lambda s: jdist.function(lambda v: s.run(_plus_one, args=(v,))),
+    "jdist.function": lambda s: jdist.function(_plus_one),
+    "jdist.function lowered": lambda s: jdist.function(_plus_one).lower,
+}
+
+
+@pytest.mark.parametrize("first,later", [(np.float32(1.5), np.float64(1.5)),
+                                         (np.int64(7), np.int64(BIG))])
+@pytest.mark.parametrize("entry", sorted(REUSED))
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_a_64_bit_value_after_a_32_bit_one_of_its_shape_raises(n, entry, first, later):
+    """JAX holds both calls' values in 32 bits, so a cached program would take the second."""
+    call = REUSED[entry](mirrored(n))
+    out = call(np.array([first, first]))
+    if "lowered" not in entry:
+        for local in mirrored(n).experimental_local_results(out):
+            np.testing.assert_array_equal(np.asarray(local), [first + 1] * 2)
+    with pytest.raises(errors.X64RequiredError, match="jax_enable_x64"):
+        call(np.array([later, later]))
+
+
 @pytest.mark.parametrize("entry", sorted(ENTRIES))
 @pytest.mark.parametrize("n", [1, 3])
 def test_float64_values_stay_float64_with_x64(n, entry):

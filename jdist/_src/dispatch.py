@@ -126,37 +126,24 @@ def _wait(arrays):
 
 
 class _FunctionTrace(threading.local):
-    """How many `function` calls are under way on this thread (their traces are guarded), how
-    many of them run their function as Python (arguments of different shapes per replica), and
-    the innermost call's arguments as given (checked when they are traced)."""
+    """How many `function` calls are under way on this thread (their traces are guarded), and
+    how many of them run their function as Python (arguments of different shapes per replica)."""
 
     def __init__(self):
         self.depth = 0
         self.as_python = 0
-        self.arguments = None
 
 
 _function_trace = _FunctionTrace()
 
 
 @contextlib.contextmanager
-def _inside_function(arguments):
-    trace = _function_trace
-    trace.depth += 1
-    outer, trace.arguments = trace.arguments, arguments
+def _inside_function():
+    _function_trace.depth += 1
     try:
         yield
     finally:
-        trace.depth -= 1
-        trace.arguments = outer
-
-
-def _check_host_arguments():
-    """`check_host_numbers` of the host arrays given to the `function` call being traced: the
-    trace sees them as 32-bit tracers, so a float64 batch is refused once, when its program is
-    traced, at no cost to the calls that reuse that program."""
-    for leaf in jax.tree_util.tree_leaves(_function_trace.arguments):
-        host_values.check_host_numbers(leaf)
+        _function_trace.depth -= 1
 
 
 def check_traced_run(guard):
@@ -274,7 +261,6 @@ def function(fun=None, **jit_kwargs):
     def traced(*args, **kwargs):
         if _holds_ragged_values((args, kwargs)):
             raise _RaggedArguments()  # Before ``fun`` is traced: `call` runs it as Python.
-        _check_host_arguments()
         batch_blocks.blocks_read()  # Arguments flattened: what ``fun`` captures reads plainly.
         return _checked_outputs(fun(*args, **kwargs))
     jitted = jax.jit(traced, **jit_kwargs)
@@ -285,7 +271,9 @@ def function(fun=None, **jit_kwargs):
 
     def call(*args, **kwargs):
         try:
-            with _inside_function((args, kwargs)), batch_blocks.reading_blocks(blocks):
+            with _inside_function(), batch_blocks.reading_blocks(blocks):
+                # Every call: jax.jit would run a float64 array on a float32 one's program.
+                host_values.check_host_leaves((args, kwargs))
                 if guard.inside_launch():  # Traced by a launch: part of that launch's program.
                     return jitted(*args, **kwargs)
                 return guard.dispatch(lambda: jitted(*args, **kwargs), spans_all_devices=False)
@@ -299,7 +287,8 @@ def function(fun=None, **jit_kwargs):
         return _as_python(fun, args, kwargs)
 
     def lower(*args, **kwargs):
-        with _inside_function((args, kwargs)), batch_blocks.reading_blocks(blocks):
+        with _inside_function(), batch_blocks.reading_blocks(blocks):
+            host_values.check_host_leaves((args, kwargs))
             try:
                 return jitted.lower(*args, **kwargs)
             except _RaggedArguments as ragged:

@@ -82,6 +82,27 @@ def check_host_numbers(value) -> None:
         f"{fix}.")
 
 
+def check_host_leaves(tree) -> None:
+    """`check_host_numbers` of every leaf of the nest ``tree``, for calls that must check on
+    every call because nothing else sees the dtypes: ``jax.jit`` keys its programs on the
+    32-bit types it holds values as, so a float64 array given where a float32 one was traced
+    reuses that program. Where no leaf is a NumPy value (arrays already on devices, the usual
+    case) the cost is one flatten and a look at the set of leaf types.
+
+    Example:
+      >>> check_host_leaves({"w": np.ones(2, np.float32), "n": 3})
+      >>> check_host_leaves([np.ones(2)])  # doctest: +IGNORE_EXCEPTION_DETAIL
+      Traceback (most recent call last):
+      jdist.errors.X64RequiredError: a host value of dtype float64 ...
+    """
+    if jax.config.jax_enable_x64:
+        return  # JAX holds every host value as it is.
+    leaves = jax.tree_util.tree_leaves(tree)
+    if any(issubclass(kind, (np.ndarray, np.generic)) for kind in set(map(type, leaves))):
+        for leaf in leaves:
+            check_host_numbers(leaf)
+
+
 WRAPS_AT = 2**31  # A sum of int32 values whose magnitudes add up to this may wrap.
 
 
