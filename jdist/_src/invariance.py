@@ -18,9 +18,11 @@ answer errs towards `PerReplica`, never towards a wrong `Mirrored`.
 
 from jax.extend import core
 
-# Collectives whose result is the same on every replica of the axis.
+# Collectives whose result is the same on every replica of the axis ("jdist_collectives": an
+# exact uneven step's group of psums, pmaxes and pmins, `uneven_schedule`).
 _SAME_COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin", "pmean", "all_gather",
-                               "all_gather_invariant", "pbroadcast", "axis_size"})
+                               "all_gather_invariant", "pbroadcast", "axis_size",
+                               "jdist_collectives"})
 # Primitives whose result can differ between replicas whatever their inputs.
 _DIFFERING = frozenset({"axis_index", "ppermute", "all_to_all", "psum_scatter", "reduce_scatter",
                         "pgather", "pure_callback", "io_callback", "debug_callback", "shard_map"})

@@ -41,6 +41,7 @@ from jdist._src.run_arguments import PER_REPLICA
 from jdist._src.run_arguments import SCALARS
 from jdist._src.run_arguments import SHARED
 from jdist._src import uneven_multi_worker
+from jdist._src import uneven_schedule
 from jdist._src import uneven_trace
 from jdist._src.uneven_trace import merge_p
 from jdist._src.values import Mirrored
@@ -184,11 +185,8 @@ def _collective_step(programs, eqn):
     out_avals = tuple(v.aval for v in eqn.outvars)
     if any(v.aval.size == 0 for v in eqn.invars) or any(a.size == 0 for a in out_avals):
         return _CollectiveStep(programs, None, out_avals)
-    primitive, params = eqn.primitive, dict(eqn.params)
-
     def body(*blocks):
-        outs = primitive.bind(*[b[0] for b in blocks], **params)
-        return tuple(o[None] for o in (outs if primitive.multiple_results else [outs]))
+        return tuple(o[None] for o in uneven_schedule.bind_cut(eqn, [b[0] for b in blocks]))
     axis = programs.axis_name
     mapped = jax.shard_map(body, mesh=programs.mesh, in_specs=(P(axis),) * len(eqn.invars),
                            out_specs=(P(axis),) * len(out_avals), check_vma=False)

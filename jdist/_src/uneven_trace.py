@@ -23,6 +23,7 @@ from jax.interpreters import ad
 from jdist._src import context
 from jdist._src import errors
 from jdist._src import host_values
+from jdist._src import uneven_schedule
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import ARRAYS
@@ -215,7 +216,8 @@ class Trace:
 
 
 def is_cut(eqn):
-    return eqn.primitive.name in COLLECTIVES or eqn.primitive is merge_p
+    return (eqn.primitive.name in COLLECTIVES or eqn.primitive is merge_p
+            or eqn.primitive is uneven_schedule.collectives_p)
 
 
 def _has_cut(jaxpr):
@@ -303,6 +305,7 @@ def _flat_trace(traced, eqn, mesh, out_tree, out_statics, out_unwrapped, out_pas
                 "drop_remainder=True, or opt into padded batches with "
                 "jdist.InputOptions(pad_partial_batches=True) and mask with row_mask().")
     replicated = tuple(all(a is None for a in spec) for spec in eqn.params["in_specs"])
+    inner = uneven_schedule.grouped_collectives(inner, is_cut)
     return Trace(inner, sources, replicated, out_tree, out_statics, out_unwrapped, out_passed)
 
 

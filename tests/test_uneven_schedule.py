@@ -1,0 +1,86 @@
+"""An exact uneven step groups its independent all-reduces into one collective (uneven_schedule).
+
+The order of the body's equations changes, its numbers do not: the structure is checked on
+jaxprs, the numbers against NumPy computed replica by replica.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jdist
+from jdist._src import uneven_schedule
+from jdist._src.base import REPLICA_AXIS as AXIS
+from jdist._src.uneven_trace import is_cut
+from jdist.testing import assert_local_results, mirrored, per_replica
+
+
+def scheduled(body, *args):
+    """The primitive names of ``body``'s shard_map jaxpr once scheduled, a group spelled as
+    the list of its members' names."""
+    mesh = jax.sharding.Mesh(jax.devices()[:1], (AXIS,))
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
+                           check_vma=False)
+    inner = jax.make_jaxpr(mapped)(*args).jaxpr.eqns[0].params["jaxpr"]
+    return [[m[0].name for m in e.params["members"]] if e.primitive is
+            uneven_schedule.collectives_p else e.primitive.name
+            for e in uneven_schedule.grouped_collectives(inner, is_cut).eqns]
+
+
+ONE = jnp.ones(1)
+
+
+@pytest.mark.parametrize("body,names", [
+    (lambda a, b: (lax.psum(a * 2, AXIS), lax.psum(jnp.sin(b), AXIS)),
+     ["mul", "sin", ["psum", "psum"]]),
+    # A sum of a sum waits for it; the other sum joins the first round.
+    (lambda a, b: (lax.psum(lax.psum(a, AXIS) * 2, AXIS), lax.psum(b, AXIS)),
+     [["psum", "psum"], "mul", "psum"]),
+    # Unlike collectives share a round, each its own cut.
+    (lambda a, b: (lax.psum(a, AXIS), lax.pmax(b, AXIS), lax.psum(b, AXIS)),
+     [["psum", "psum"], "pmax"]),
+    # Another collective is a barrier: the sums on either side of it stay there.
+    (lambda a, b: (lax.psum(a, AXIS), lax.all_gather(a, AXIS), lax.psum(b, AXIS)),
+     ["psum", "all_gather", "psum"]),
+    (lambda a, b: (lax.psum(lax.psum(a, AXIS), AXIS), lax.all_gather(b, AXIS), lax.psum(b, AXIS)),
+     ["psum", "psum", "all_gather", "psum"]),
+])
+def test_independent_all_reduces_share_one_cut(body, names):
+    assert scheduled(body, ONE, ONE) == names
+
+
+def test_equations_with_effects_keep_their_order():
+    def body(a, b):
+        jax.debug.callback(print, lax.psum(a, AXIS))
+        jax.debug.callback(print, b)  # Needs no sum, and still runs after the first callback.
+        return lax.psum(b, AXIS)
+    assert scheduled(body, ONE, ONE) == [["psum", "psum"], "debug_callback", "debug_callback"]
+
+
+# ------------------------------------------------------------------- numbers, end to end
+def step(x, w):
+    """Independent sums, a sum of a sum, a mean and a zero-size sum in one exact step."""
+    ctx = jdist.get_replica_context()
+    total, rows, grads = ctx.all_reduce("sum", (jnp.sum(x, 0), jnp.float32(x.shape[0]),
+                                                {"w": x.T @ jnp.ones(x.shape[0]) * w}))
+    mean = ctx.all_reduce("mean", jnp.sum(x * w))
+    twice = ctx.all_reduce("sum", total * rows)
+    empty = ctx.all_reduce("sum", jnp.zeros((0,)))
+    return total, rows, grads, mean, twice, empty
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_a_grouped_step_computes_each_replicas_numbers(n):
+    s, rng = mirrored(n), np.random.default_rng(n)
+    comps = [rng.normal(size=(i % 3 + (i == 0), 2)).astype(np.float32) for i in range(n)]
+    outs = s.run(step, args=(per_replica(s, comps), np.float32(0.5)))
+    total = sum(c.sum(0) for c in comps)
+    rows = float(sum(len(c) for c in comps))
+    expected = (total, rows, {"w": sum(c.T @ np.ones(len(c)) * 0.5 for c in comps)},
+                np.mean([np.sum(c * 0.5) for c in comps]), total * rows * n, np.zeros((0,)))
+    leaves = jax.tree_util.tree_leaves(outs, is_leaf=lambda v: isinstance(v, jdist.DistributedValues))
+    for out, want in zip(leaves, jax.tree_util.tree_leaves(expected)):
+        assert_local_results(s, out, [np.asarray(want, np.float32)] * n, rtol=1e-5)
