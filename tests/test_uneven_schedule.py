@@ -84,3 +84,21 @@ def test_a_grouped_step_computes_each_replicas_numbers(n):
     leaves = jax.tree_util.tree_leaves(outs, is_leaf=lambda v: isinstance(v, jdist.DistributedValues))
     for out, want in zip(leaves, jax.tree_util.tree_leaves(expected)):
         assert_local_results(s, out, [np.asarray(want, np.float32)] * n, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_replicas_whose_sums_depend_differently_are_not_grouped(n):
+    """Python code branching on a shape: a one-row replica's second sum needs the first, the
+    others' do not; grouping would give the replicas different collectives."""
+    s = mirrored(n)
+    comps = [np.arange(1 + i % 2, dtype=np.float32) + i for i in range(n)]
+
+    def step(x):
+        ctx = jdist.get_replica_context()
+        first = ctx.all_reduce("sum", jnp.sum(x))
+        local = jnp.sum(x * 2) + (first * 0 if x.shape[0] == 1 else 0)
+        return first, ctx.all_reduce("sum", local)
+    first, second = s.run(step, args=(per_replica(s, comps),))
+    total = float(sum(c.sum() for c in comps))
+    assert_local_results(s, first, [total] * n)
+    assert_local_results(s, second, [2 * total] * n)

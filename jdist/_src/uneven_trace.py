@@ -305,7 +305,6 @@ def _flat_trace(traced, eqn, mesh, out_tree, out_statics, out_unwrapped, out_pas
                 "drop_remainder=True, or opt into padded batches with "
                 "jdist.InputOptions(pad_partial_batches=True) and mask with row_mask().")
     replicated = tuple(all(a is None for a in spec) for spec in eqn.params["in_specs"])
-    inner = uneven_schedule.grouped_collectives(inner, is_cut)
     return Trace(inner, sources, replicated, out_tree, out_statics, out_unwrapped, out_passed)
 
 
@@ -460,6 +459,7 @@ def trace_replicas(runner, fn, in_tree, kinds, statics, per_replica):
             traces[key] = _flat_trace(traced, eqn, runner.programs.mesh, record["tree"],
                                       record["statics"], record["unwrapped"], record["passed"])
         if not suspended:
+            traces = _grouped(traces)
             return [traces[key] for key in keys], resolved
         if traces or len({s.index for s in suspended.values()}) != 1:
             raise errors.UnevenValuesError(
@@ -468,6 +468,17 @@ def trace_replicas(runner, fn, in_tree, kinds, statics, per_replica):
         index = len(resolved)
         resolved[index] = _resolve_merge(runner.strategy,
                                          [suspended[key].request for key in keys])
+
+
+def _grouped(traces):
+    """``traces`` (by key) with their independent all-reduces grouped into one cut each
+    (`uneven_schedule`), where every trace groups them alike: Python code that branches on a
+    shape can make one replica's sums depend on each other and not another's, and the replicas
+    must reach the same collectives (`check_cuts`); then none is grouped."""
+    grouped = {key: dataclasses.replace(t, jaxpr=uneven_schedule.grouped_collectives(
+        t.jaxpr, is_cut)) for key, t in traces.items()}
+    cuts = {tuple(_describe(t.jaxpr.eqns[i]) for i in t.cuts) for t in grouped.values()}
+    return grouped if len(cuts) == 1 else traces
 
 
 def _describe(eqn):
