@@ -10,8 +10,9 @@ batches of 128 rows plus a partial batch of 37 rows on eight simulated CPU devic
   step masks the padding with ``row_mask()``;
 * ``drop_remainder``: the partial batch is dropped (37 fewer examples).
 
-Each epoch is timed after a first warm epoch (so compiles are excluded; the first exact epoch's
-extra compile time is reported separately), the three alternate over rounds and the median is
+Each epoch is timed after a first warm epoch (so compiles are excluded; the first epoch's time
+and its XLA compile count are reported separately: exact mode compiles each piece of the step
+once per device, `docs/design.md` section 10), the three alternate over rounds and the median is
 reported, as a ratio to ``drop_remainder``. No target: the figures say what exactness costs.
 """
 
@@ -26,6 +27,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jdist  # noqa: E402
+from jdist.testing import count_compiles  # noqa: E402
 
 LAYERS, BATCH, ROWS, ROUNDS = (64, 256, 256, 10), 128, 8 * 128 + 37, 7
 OPTIMIZER = optax.sgd(0.1)
@@ -71,9 +73,11 @@ def main():
     }
     params = common.init_mlp(jax.random.key(0), LAYERS)
     state = {name: (params, OPTIMIZER.init(params)) for name in ways}
-    first = {}
+    first, compiles = {}, {}
     for name, (dist, step) in ways.items():  # Warm-up epoch: every program compiles here.
-        first[name], *state[name] = epoch(strategy, dist, step, *state[name])
+        with count_compiles() as compiled:
+            first[name], *state[name] = epoch(strategy, dist, step, *state[name])
+        compiles[name] = len(compiled)
     times = {name: [] for name in ways}
     for _ in range(ROUNDS):
         for name, (dist, step) in ways.items():
@@ -86,9 +90,11 @@ def main():
     for name in ways:
         ratio = median[name] / base
         print(f"  {name:15s} {median[name] * 1e3:8.1f} ms/epoch  {ratio:5.2f}x drop_remainder; "
-              f"first epoch (compiles included) {first[name]:.2f} s")
+              f"first epoch (compiles included) {first[name]:.2f} s, {compiles[name]} XLA "
+              "compiles")
         common.record("uneven", f"epoch time, {name} / drop_remainder", ratio, "x",
-                      detail=f"{median[name] * 1e3:.1f} ms/epoch; first epoch {first[name]:.2f} s")
+                      detail=f"{median[name] * 1e3:.1f} ms/epoch; first epoch {first[name]:.2f} s, "
+                      f"{compiles[name]} XLA compiles")
     np.testing.assert_allclose(  # Exact and masked padded training compute the same numbers.
         np.asarray(state["exact"][0]["w0"]), np.asarray(state["padded"][0]["w0"]), atol=1e-4)
     return 0
