@@ -4,6 +4,8 @@ The order of the body's equations changes, its numbers do not: the structure is 
 jaxprs, the numbers against NumPy computed replica by replica.
 """
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,13 +20,18 @@ from jdist._src.uneven_trace import is_cut
 from jdist.testing import assert_local_results, mirrored, per_replica
 
 
-def scheduled(body, *args):
-    """The primitive names of ``body``'s shard_map jaxpr once scheduled, a group spelled as
-    the list of its members' names."""
-    mesh = jax.sharding.Mesh(jax.devices()[:1], (AXIS,))
+def body_jaxpr(body, *args, devices=1):
+    """The jaxpr of ``body`` as a replica body over ``devices`` devices, and its mesh."""
+    mesh = jax.sharding.Mesh(jax.devices()[:devices], (AXIS,))
     mapped = jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
                            check_vma=False)
-    inner = jax.make_jaxpr(mapped)(*args).jaxpr.eqns[0].params["jaxpr"]
+    return jax.make_jaxpr(mapped)(*args).jaxpr.eqns[0].params["jaxpr"], mesh
+
+
+def scheduled(body, *args):
+    """The primitive names of ``body``'s jaxpr once scheduled, a group spelled as the list of
+    its members' names."""
+    inner, _ = body_jaxpr(body, *args)
     return [[m[0].name for m in e.params["members"]] if e.primitive is
             uneven_schedule.collectives_p else e.primitive.name
             for e in uneven_schedule.grouped_collectives(inner, is_cut).eqns]
@@ -58,6 +65,54 @@ def test_equations_with_effects_keep_their_order():
         jax.debug.callback(print, b)  # Needs no sum, and still runs after the first callback.
         return lax.psum(b, AXIS)
     assert scheduled(body, ONE, ONE) == [["psum", "psum"], "debug_callback", "debug_callback"]
+
+
+def evaluated(jaxpr, mesh, *args):
+    """``jaxpr`` run over ``mesh`` equation by equation, a collective as the exact step binds
+    it (`uneven_schedule.bind_cut`)."""
+    def run(*values):
+        env = dict(zip(jaxpr.invars, values))
+        read = lambda v: v.val if hasattr(v, "val") else env[v]  # noqa: E731
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            if is_cut(eqn):
+                outs = uneven_schedule.bind_cut(eqn, ins)
+            else:
+                outs = eqn.primitive.bind(*ins, **eqn.params)
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            env.update(zip(eqn.outvars, outs))
+        return tuple(read(v) for v in jaxpr.outvars)
+    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
+                                 check_vma=False))(*args)
+
+
+OPS = {"sin": lambda u, v: jnp.sin(u), "add": lambda u, v: u + v, "twice": lambda u, v: u * 2,
+       "psum": lambda u, v: lax.psum(u, AXIS), "pmax": lambda u, v: lax.pmax(u, AXIS),
+       "pmin": lambda u, v: lax.pmin(v, AXIS), "gather": lambda u, v: lax.all_gather(u, AXIS)[0]}
+
+
+@st.composite
+def programs(draw):
+    """A random body: each step applies an op to two of the values so far (two inputs first)."""
+    return [(draw(st.sampled_from(sorted(OPS))), draw(st.integers(0, i + 1)),
+             draw(st.integers(0, i + 1))) for i in range(draw(st.integers(1, 12)))]
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(programs())
+def test_a_scheduled_body_computes_what_the_body_computes(ops):
+    def body(x, y):
+        values = [x, y]
+        for op, a, b in ops:
+            values.append(OPS[op](values[a], values[b]))
+        return tuple(values[2:])
+    rng = np.random.default_rng(len(ops))
+    x, y = (rng.normal(size=(4, 3)).astype(np.float32) for _ in range(2))
+    inner, mesh = body_jaxpr(body, x, y, devices=4)
+    grouped = uneven_schedule.grouped_collectives(inner, is_cut)
+    assert sum(map(is_cut, grouped.eqns)) <= sum(map(is_cut, inner.eqns))
+    for got, want in zip(evaluated(grouped, mesh, x, y), evaluated(inner, mesh, x, y)):
+        np.testing.assert_array_equal(got, want)
 
 
 # ------------------------------------------------------------------- numbers, end to end
