@@ -185,6 +185,7 @@ def _collective_step(programs, eqn):
     out_avals = tuple(v.aval for v in eqn.outvars)
     if any(v.aval.size == 0 for v in eqn.invars) or any(a.size == 0 for a in out_avals):
         return _CollectiveStep(programs, None, out_avals)
+
     def body(*blocks):
         return tuple(o[None] for o in uneven_schedule.bind_cut(eqn, [b[0] for b in blocks]))
     axis = programs.axis_name

@@ -66,11 +66,13 @@ def grouped_collectives(jaxpr: core.Jaxpr, is_cut: Callable) -> core.Jaxpr:
       >>> [e.primitive.name for e in grouped.eqns]
       ['mul', 'sin', 'jdist_collectives']
     """
-    rounds = _rounds(jaxpr, is_cut)
+    by_round = {}  # Round -> (its other equations, its collectives), in program order.
+    for eqn, (at, cut) in zip(jaxpr.eqns, _rounds(jaxpr, is_cut)):
+        by_round.setdefault(at, ([], []))[cut].append(eqn)
     eqns = []
-    for r in range(max((at for at, _ in rounds), default=-1) + 1):
-        eqns += [e for e, (at, cut) in zip(jaxpr.eqns, rounds) if at == r and not cut]
-        eqns += _grouped([e for e, (at, cut) in zip(jaxpr.eqns, rounds) if at == r and cut])
+    for at in sorted(by_round):
+        others, cuts = by_round[at]
+        eqns += others + _grouped(cuts)
     return jaxpr.replace(eqns=eqns)
 
 
