@@ -26,9 +26,9 @@ class FnCache:
       flatten_first: whether calls go straight to being made canonical (two missed in a row,
         until a call's arguments come canonical again).
       plans: the programs the direct program calls, by number (`plan_number`).
-      placing: ``(plain, paths, number)`` of the last call made canonical (`spmd`): the
-        positions of its plain arrays, the paths of those it placed (`argument_paths`), which
-        the next call places alone, and the number of the program that took it.
+      placing: ``(paths, number)`` of the last call made canonical (`spmd`): the paths of
+        the arrays it placed (`argument_paths`), which the next call places alone, and the
+        number of the program that took it.
     """
     __slots__ = ("_fn", "programs", "direct", "token", "direct_missed", "flatten_first",
                  "plans", "placing", "__weakref__")

@@ -27,6 +27,18 @@ def dtype_kind(dtype):
                 None)
 
 
+_NUMPY = (np.ndarray, np.generic)  # Host values: what JAX converts to its own dtypes.
+
+
+def _held_narrower(value):
+    """The dtype JAX holds the NumPy ``value`` in where it is narrower than the value's own
+    (64-bit numbers without x64), else None: the one place that rule is read."""
+    if not isinstance(value, _NUMPY) or value.dtype.kind not in "iufc":
+        return None
+    held = jax.dtypes.canonicalize_dtype(value.dtype)
+    return None if held == value.dtype else held
+
+
 def check_host_numbers(value) -> None:
     """Raises `X64RequiredError` when JAX would hold host numbers as other numbers, or compute
     with them in a precision TF does not.
@@ -56,10 +68,8 @@ def check_host_numbers(value) -> None:
       Traceback (most recent call last):
       jdist.errors.X64RequiredError: a host value of dtype float64 ...
     """
-    if not isinstance(value, (np.ndarray, np.generic)) or value.dtype.kind not in "iufc":
-        return
-    held = jax.dtypes.canonicalize_dtype(value.dtype)
-    if held == value.dtype:
+    held = _held_narrower(value)
+    if held is None:
         return
     if value.dtype.kind in "iu":
         if not value.size:
@@ -98,7 +108,7 @@ def check_host_leaves(tree) -> None:
     if jax.config.jax_enable_x64:
         return  # JAX holds every host value as it is.
     leaves = jax.tree_util.tree_leaves(tree)
-    if any(issubclass(kind, (np.ndarray, np.generic)) for kind in set(map(type, leaves))):
+    if any(issubclass(kind, _NUMPY) for kind in set(map(type, leaves))):
         for leaf in leaves:
             check_host_numbers(leaf)
 
@@ -120,8 +130,7 @@ def int64_magnitude(values) -> int:
     """
     total = 0
     for v in values:
-        if (isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "iu"
-                and jax.dtypes.canonicalize_dtype(v.dtype) != v.dtype):
+        if _held_narrower(v) is not None and v.dtype.kind in "iu":
             total += int(np.abs(v.astype(np.int64)).sum(dtype=np.int64))
     return total
 

@@ -201,7 +201,7 @@ class ReplicatedRunner:
             cache.placing = None
             return None
         if cache.placing is not None:  # The program the next call's placing is checked by.
-            cache.placing = cache.placing[:2] + (number,)
+            cache.placing = (cache.placing[0], number)
         return outputs
 
     def _launch_direct(self, cache, canonical, changed):
@@ -231,7 +231,7 @@ class ReplicatedRunner:
             placed[i] = x
         moved = plain if self._n > 1 else tuple(i for i in plain if placed[i] is not leaves[i])
         paths = None if changed else argument_paths.paths_of(call, moved, is_distributed)
-        cache.placing = None if paths is None else (plain, paths, None)
+        cache.placing = None if paths is None else (paths, None)
         return self._mirrored(tree, placed, plain, changed or bool(moved))
 
     def _launch_placed_as_before(self, cache, placing, call):
@@ -240,7 +240,7 @@ class ReplicatedRunner:
         array every step: no Python work per parameter); None where that does not serve. The
         direct program checks the other arguments as any call's: one not canonical makes it
         raise `_NotCanonical`, and a program other than that call's means another tree."""
-        _, paths, number = placing
+        paths, number = placing
         leaves = [argument_paths.leaf_at(call, path) for path in paths]
         if number is None or not all(
                 isinstance(x, ARRAYS) and not is_distributed(x) for x in leaves):
