@@ -57,6 +57,12 @@ def record(benchmark, metric, value, unit="", target=None, met=None, detail="", 
     path.write_text(json.dumps(figures, indent=1))
 
 
+def guard_waits(strategy):
+    """Whether ``strategy``'s CPU dispatch guard waits on the previous program before each
+    launch (several CPU devices): a fair hand-written loop waits exactly where it does."""
+    return strategy.extended._guard.enabled  # pylint: disable=protected-access
+
+
 def unguarded(strategy, call):
     """``call()`` with ``strategy``'s CPU dispatch guard off, as it is on GPU and TPU: what
     ``run`` costs there besides the device's own dispatch (benchmarks only: it reaches into the

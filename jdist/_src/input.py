@@ -95,8 +95,7 @@ def _has_arrays(value):
 
 
 def _check_not_in_replica(what):
-    ctx = context.get_replica_context()
-    if ctx is not None and ctx.strategy is not context._default():
+    if context.in_replica_function():
         raise errors.InvalidArgumentError(
             f"{what} was called inside a replica function (strategy.run). Take the batch in the "
             "outer loop and pass it in: strategy.run(step, args=(next(iterator),)).")
