@@ -50,7 +50,9 @@ _default_strategy_factory = None
 _default_replica_context = None  # The default strategy's one replica context (a singleton).
 
 
-def _register_default_strategy_factory(factory):
+def register_default_strategy_factory(factory):
+    """Sets what makes the default strategy (`strategy` registers it: it imports this module,
+    so this module cannot import it)."""
     global _default_strategy_factory
     _default_strategy_factory = factory
 

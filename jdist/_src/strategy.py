@@ -359,7 +359,7 @@ class _DefaultStrategy(Strategy):
         return "DefaultStrategy()"
 
 
-context._register_default_strategy_factory(_DefaultStrategy)
+context.register_default_strategy_factory(_DefaultStrategy)
 
 
 def _is_single_value(value):
