@@ -314,6 +314,46 @@ def test_a_partial_batch_compiles_once_per_split_not_per_epoch(compiled):
     assert compiles[1:] == [0, 0]  # Every XLA compile happens in the first epoch.
 
 
+def test_a_partial_batch_compiles_as_often_on_any_replica_count():
+    """Each piece of an exact step compiles once over the whole mesh for every per-replica
+    shape (ceil, floor), not once per device: the count is the same on 3, 4 and 8 replicas."""
+    def step(w, x):  # One cut (the all-reduce): a piece before it and one after.
+        grad = jdist.get_replica_context().all_reduce("sum", jnp.sum(x * w, axis=0))
+        return w - 0.5 * grad, jnp.mean(x)
+    counts = {}
+    for n in (3, 4, 8):
+        s, rng = mirrored(n), np.random.default_rng(n)
+        rows = [2] * (n // 2) + [1] * (n - n // 2)  # Two distinct shapes.
+        xs = [rng.normal(size=(k, 3)).astype(np.float32) for k in rows]
+        w = np.float32([0.5, -1.0, 2.0])
+        with count_compiles() as compiles:
+            new_w, means = s.run(step, args=(w, per_replica(s, xs)))
+        counts[n] = len(compiles)
+        want = w - 0.5 * sum((x * w).sum(axis=0) for x in xs)
+        np.testing.assert_allclose(np.asarray(new_w), want, rtol=1e-6)
+        assert_local_results(s, means, [x.mean() for x in xs])
+    assert counts[3] == counts[4] == counts[8], counts
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_per_replica_prng_keys_of_uneven_sizes(n):
+    """Typed keys (``jax.random.key``) split per replica row, uneven like the rows: each replica
+    draws from its own keys, and the sum of the draws is all-reduced."""
+    s = mirrored(n)
+    sizes = [2] * (n // 2) + [1] * (n - n // 2)
+    keys = [jax.random.split(jax.random.key(r), k) for r, k in enumerate(sizes)]
+    draw = jax.vmap(lambda key: jax.random.normal(key, (3,)))
+
+    def step(k):
+        total = jdist.get_replica_context().all_reduce("sum", jnp.sum(draw(k)))
+        return total, jax.vmap(lambda key: jax.random.split(key)[0])(k)
+    total, next_keys = s.run(step, args=(per_replica(s, keys),))
+    np.testing.assert_allclose(float(total), sum(float(np.sum(draw(k))) for k in keys),
+                               rtol=1e-5)
+    assert [jax.random.key_data(v).shape for v in s.experimental_local_results(next_keys)] == [
+        (k, 2) for k in sizes]
+
+
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_all_reduce_of_a_python_number_in_an_uneven_step(n):
     """``all_reduce("sum", x.shape[0])``: the operand is a number the trace folds in, different

@@ -11,7 +11,8 @@ jdist runs the same replica body in pieces (``docs/design.md``, section 10):
    ``jax.jit``) are inlined.
 2. **Cut at the collectives.** The body is cut at each top-level collective (the ``psum`` of an
    ``all_reduce``, those of ``jax.grad``'s backward pass included) and at each ``merge_call``.
-   Each piece between two cuts is compiled for one device.
+   Each piece between two cuts is compiled once, as one program over the whole mesh for every
+   trace (`uneven_mesh`), or where that does not serve, once per device.
 3. **Run.** Each piece runs on every replica's own device with that replica's values; each
    collective runs across the replicas as one compiled ``shard_map`` program binding the same
    primitive, so it computes what an even step computes (shapes must agree, as TF requires);
@@ -40,6 +41,10 @@ from jdist._src.run_arguments import ARRAY
 from jdist._src.run_arguments import PER_REPLICA
 from jdist._src.run_arguments import SCALARS
 from jdist._src.run_arguments import SHARED
+from jdist._src import uneven_mesh
+from jdist._src.uneven_mesh import BLOCK
+from jdist._src.uneven_mesh import PLAIN
+from jdist._src.uneven_mesh import SQUEEZE
 from jdist._src import uneven_multi_worker
 from jdist._src import uneven_schedule
 from jdist._src import uneven_trace
@@ -47,10 +52,6 @@ from jdist._src.uneven_trace import merge_p
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import ragged_components
-
-# How a value is held between pieces, relative to its variable's shape: as it is, with a
-# leading axis of 1 (what a collective program takes and gives), or without its leading axis.
-PLAIN, BLOCK, SQUEEZE = "plain", "block", "squeeze"
 
 
 def plan(runner, fn, in_tree, kinds, statics, dynamic, abstract):
@@ -82,6 +83,8 @@ class _Segment:
     run: Any  # Jitted: (replica id, *inputs) -> outputs.
     inputs: tuple  # Environment keys read: (var, form).
     outputs: tuple  # Environment keys written: (var, PLAIN), ("in", cut, i) or ("out", j).
+    body: Any  # ``run`` before jit (`uneven_mesh` maps it over the mesh).
+    effects: bool  # Whether the piece has effects (callbacks).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +144,8 @@ def _segment(jaxpr, bounds, k, last, stored, uses, later, out_forms):
         return [_from_plain(x, f) for x, f in zip(results, out_forms_k)]
     # The replica id (on its replica's device) is kept even if unused: it is what places a piece
     # that reads no other value (one computing only from its shapes) on the replica's device.
-    return _Segment(jax.jit(run, keep_unused=True), in_keys, tuple(key for key, _, _ in outs))
+    return _Segment(jax.jit(run, keep_unused=True), in_keys, tuple(key for key, _, _ in outs),
+                    run, bool(effects))
 
 
 def _to_plain(x, form):
@@ -243,6 +247,7 @@ class _Plan:
     out_statics: tuple  # Per output leaf: a Python object returned as it is, or `OUTPUT`.
     ragged_args: frozenset
     stacked_args: frozenset  # Even per-replica arguments: their stacked array, a block each.
+    mesh_pieces: Any  # A `uneven_mesh.MeshPieces` where it serves; None: one device at a time.
 
     @classmethod
     def build(cls, programs, traces, merges, dynamic, kinds):
@@ -275,12 +280,17 @@ class _Plan:
         consts = {r: tuple(jax.device_put(np.asarray(v), devices[r]) if kind == "const" else None
                            for kind, v in traces[r].sources) for r in local}
         ids = {r: jax.device_put(np.int32(r), devices[r]) for r in local}
-        return cls(programs, tuple(by_trace[id(t)] for t in traces), local, consts, ids, steps,
-                   out_kinds, first.out_tree, _regroup(programs, traces), ragged_args,
-                   stacked_args)
+        replica_programs = tuple(by_trace[id(t)] for t in traces)
+        mesh_pieces = (uneven_mesh.MeshPieces(programs, replica_programs)
+                       if uneven_mesh.serves(replica_programs, local) else None)
+        return cls(programs, replica_programs, local, consts, ids, steps, out_kinds,
+                   first.out_tree, _regroup(programs, traces), ragged_args, stacked_args,
+                   mesh_pieces)
 
     def __call__(self, dynamic):
-        per_arg = [_per_device(x, i in self.ragged_args, i in self.stacked_args, self.programs,
+        replicated = [None if i in self.ragged_args or i in self.stacked_args
+                      else _replicated(x, self.programs) for i, x in enumerate(dynamic)]
+        per_arg = [_per_device(x, i in self.ragged_args, replicated[i], self.programs,
                                self.local) for i, x in enumerate(dynamic)]
         envs = {}  # Per local replica: its values, by environment key.
         for j, r in enumerate(self.local):
@@ -288,14 +298,18 @@ class _Plan:
             envs[r] = {key: per_arg[src[1]][j] if src[0] == "arg" else const
                        for key, src, const in zip(program.input_keys, program.trace.sources,
                                                   self.replica_consts[r])}
+        mesh = self.mesh_pieces
+        values = None if mesh is None else mesh.start(per_arg, replicated)
         for k in range(len(self.steps) + 1):
-            for r, env in envs.items():
-                segment = self.replica_programs[r].segments[k]
-                outs = segment.run(self.replica_ids[r], *[env[key] for key in segment.inputs])
-                env.update(zip(segment.outputs, outs))
+            if mesh is not None:
+                mesh.run(k, envs, values)
+            else:
+                self._run_per_device(k, envs)
             if k < len(self.steps):
                 self.steps[k](envs, [p.trace.jaxpr.eqns[p.trace.cuts[k]]
                                      for p in self.replica_programs], k)
+                if mesh is not None:
+                    mesh.after_cut(k, envs, values)
         outputs = [self._output(j, [env[("out", j)] for env in envs.values()])
                    for j in range(len(self.out_kinds))]
         if self.programs.guard.enabled:  # The next collective program must not overlap (CPU).
@@ -303,6 +317,13 @@ class _Plan:
         arrays = iter(outputs)
         return jax.tree_util.tree_unflatten(self.out_tree, [
             next(arrays) if s is uneven_trace.OUTPUT else s for s in self.out_statics])
+
+    def _run_per_device(self, k, envs):
+        """Piece ``k`` of each replica's trace, on its device (compiled once per device)."""
+        for r, env in envs.items():
+            segment = self.replica_programs[r].segments[k]
+            outs = segment.run(self.replica_ids[r], *[env[key] for key in segment.inputs])
+            env.update(zip(segment.outputs, outs))
 
     def _output(self, j, values):
         kind, n = self.out_kinds[j], len(self.replica_programs)
@@ -354,16 +375,19 @@ def _regroup(programs, traces):
     return tuple(statics)
 
 
-def _per_device(x, ragged, stacked, programs, local):
+def _replicated(x, programs):
+    """A replicated argument (not per replica) placed on every device of the mesh."""
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        x = host_values.python_numbers_as_tf(x)  # As the trace typed it (a float is float32).
+    return programs.place_replicated(x)
+
+
+def _per_device(x, ragged, replicated, programs, local):
     """A dynamic argument as one array per local replica's device, in the form the pieces read
     it: a ragged `PerReplica`'s components, an even per-replica argument's blocks of its
-    stacked array (placed per replica already), a replicated one's copies."""
+    stacked array (placed per replica already), a ``replicated`` one's copies."""
     devices = [_devices(programs)[r] for r in local]
     if ragged:  # Components stay where they are when already on their devices.
         components = ragged_components(x)
         return jax.device_put([components[r] for r in local], devices)
-    if stacked:
-        return _by_device(x, devices)
-    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        x = host_values.python_numbers_as_tf(x)  # As the trace typed it (a float is float32).
-    return _by_device(programs.place_replicated(x), devices)
+    return _by_device(x if replicated is None else replicated, devices)
