@@ -281,8 +281,8 @@ class _Plan:
                            for kind, v in traces[r].sources) for r in local}
         ids = {r: jax.device_put(np.int32(r), devices[r]) for r in local}
         replica_programs = tuple(by_trace[id(t)] for t in traces)
-        mesh_pieces = (uneven_mesh.MeshPieces(programs, replica_programs)
-                       if uneven_mesh.serves(replica_programs, local) else None)
+        mesh_pieces = (uneven_mesh.MeshPieces(programs, replica_programs, local)
+                       if uneven_mesh.serves(replica_programs) else None)
         return cls(programs, replica_programs, local, consts, ids, steps, out_kinds,
                    first.out_tree, _regroup(programs, traces), ragged_args, stacked_args,
                    mesh_pieces)

@@ -15,8 +15,9 @@ Each input enters as an array assembled from one buffer per device, its sharding
 replication check); an output a cut or the step returns is taken apart per device the same
 way. Nothing is copied.
 
-Served where one process holds every replica, fewer traces than replicas make a gain, and no
-piece has effects (callbacks: run one device at a time, the replicas' come in replica order).
+Served where fewer traces than replicas make a gain and no piece has effects (callbacks: run
+one device at a time, the replicas' come in replica order). Across workers each process runs
+every program on its own devices, as its piece of one program over the global mesh.
 """
 
 import jax
@@ -36,11 +37,11 @@ def held_shape(aval, form):
         aval.shape)
 
 
-def serves(replica_programs, local) -> bool:
+def serves(replica_programs) -> bool:
     """Whether `MeshPieces` runs the plan of ``replica_programs`` (see the module doc)."""
     distinct = {id(p): p for p in replica_programs}.values()
-    return (len(local) == len(replica_programs) and len(distinct) < len(replica_programs)
-            and not any(s.effects for p in distinct for s in p.segments))
+    return len(distinct) < len(replica_programs) and not any(
+        s.effects for p in distinct for s in p.segments)
 
 
 class MeshPieces:
@@ -50,26 +51,31 @@ class MeshPieces:
     what a cut or the step's outputs read is taken apart per replica (`envs`, the replicas' own
     environments that `uneven._Plan` hands its cut steps and reads its outputs from).
 
+    Per-device lists follow ``local``: this process's replicas (all of them on one process;
+    across workers, each process runs every program on its own devices).
+
     Args:
       programs: the strategy's `replica_mesh.ReplicaMesh`.
       replica_programs: per replica, its `uneven._TraceProgram`.
+      local: the replicas whose devices this process holds, in order.
     """
 
-    def __init__(self, programs, replica_programs):
+    def __init__(self, programs, replica_programs, local):
         self._sharding = programs.replicated_sharding
-        self._devices = tuple(programs.mesh.devices.flat)
+        self._local = local
+        self._devices = [tuple(programs.mesh.devices.flat)[r] for r in local]
         self._guard = programs.guard
-        self._owner = replica_programs
+        self._owner = [replica_programs[r] for r in local]
         self._distinct = list({id(p): p for p in replica_programs}.values())
-        self._own = {id(p): [d for d, q in enumerate(replica_programs) if q is p]
+        self._own = {id(p): [j for j, q in enumerate(self._owner) if q is p]
                      for p in self._distinct}
         self._runs = [_switched(programs.mesh, [p.segments[k] for p in self._distinct])
                       for k in range(len(self._distinct[0].segments))]
         self._ids = self._assemble([jax.device_put(np.int32(r), d)
-                                    for r, d in enumerate(self._devices)])
+                                    for r, d in zip(local, self._devices)])
         self._branch = self._assemble([  # Per device: which trace its replica has.
             jax.device_put(np.int32(self._distinct.index(q)), d)
-            for q, d in zip(replica_programs, self._devices)])
+            for q, d in zip(self._owner, self._devices)])
         self._zeros = {}  # (shape, dtype, device): the stand-in of a value of other shapes.
         self._consts = {id(p): [[jax.device_put(np.asarray(v), d) if kind == "const" else None
                                  for kind, v in p.trace.sources] for d in self._devices]
@@ -78,7 +84,7 @@ class MeshPieces:
     def start(self, per_arg, replicated):
         """Per distinct trace, the inputs of its first piece: ``replicated[i]`` (a replicated
         array, or None) as it is, else from ``per_arg[i]`` (one value per device) on its own
-        replicas and stand-ins elsewhere."""
+        replicas and stand-ins elsewhere (both in ``local``'s order)."""
         values = {}
         for p in self._distinct:
             consts, held = self._consts[id(p)], {}
@@ -104,7 +110,7 @@ class MeshPieces:
                 if key[0] in ("in", "out"):  # Read per replica (a cut's operand, an output).
                     shards = {s.device: s.data for s in output.addressable_shards}
                     for d in self._own[id(p)]:
-                        envs[d][key] = shards[self._devices[d]]
+                        envs[self._local[d]][key] = shards[self._devices[d]]
                 else:
                     held[key] = output
                 waited.append(output)
@@ -118,7 +124,7 @@ class MeshPieces:
             outvars = p.trace.jaxpr.eqns[p.trace.cuts[k]].outvars
             for i, v in enumerate(outvars):
                 values[id(p)][v, BLOCK] = self._gather(p, (v, BLOCK), [
-                    envs[d].get((_cut_outvars(q, k)[i], BLOCK))
+                    envs[self._local[d]].get((_cut_outvars(q, k)[i], BLOCK))
                     if i < len(_cut_outvars(q, k)) else None for d, q in enumerate(self._owner)])
 
     def _gather(self, program, key, per_device):
