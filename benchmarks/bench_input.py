@@ -102,10 +102,6 @@ def interleaved(loops, rounds=ROUNDS, ordered=False):
     return times
 
 
-def paired_ratio(times, num, den):
-    return statistics.median(n / d for n, d in zip(times[num], times[den]))
-
-
 def report(metric, ratio, target, met, detail):
     verdict = "" if met else "  MISSED"
     common.record("input", metric, ratio, "x", target, met, detail)
@@ -128,7 +124,7 @@ def bench_slow_loader(strategy):
         strategy, params, strategy.experimental_distribute_dataset(loader))}
     interleaved(loops, 1, ordered=True)  # Compile and warm up.
     times = interleaved(loops, ordered=True)  # The loader's delay is measured first.
-    ratio = paired_ratio(times, "on_device", "prefetched")
+    ratio = common.paired_ratio(times, "on_device", "prefetched")
     report("prefetched / on-device steps/s", ratio, ">= 0.8", ratio >= 0.8,
            f"{REPLICAS} replicas, loader sleep = step time (median "
            f"{statistics.median(times['on_device']) * 1e3:.1f} ms)")
@@ -171,14 +167,14 @@ def bench_numpy_dataset(strategy):
     pair = interleaved({k: loops[k] for k in ("on_device", "dataset")}, NUMPY_ROUNDS)
     refs = interleaved({k: loops[k] for k in ("on_device", "inline", "device_put")},
                        REFERENCE_ROUNDS)
-    ratio = paired_ratio(pair, "on_device", "dataset")
+    ratio = common.paired_ratio(pair, "on_device", "dataset")
     us = {k: f"{statistics.median(v) * 1e6:.0f}" for k, v in {**refs, **pair}.items()}
     report(f"numpy dataset / on-device steps/s (dispatch-bound step, {EPOCH_BATCHES}-batch "
            "epochs)", ratio, ">= 0.95", ratio >= 0.95,
            f"{REPLICAS} replicas, us per step: on device {us['on_device']}, dataset "
-           f"{us['dataset']}; fed inline {paired_ratio(refs, 'on_device', 'inline'):.2f} "
+           f"{us['dataset']}; fed inline {common.paired_ratio(refs, 'on_device', 'inline'):.2f} "
            f"({us['inline']} us), hand-written device_put "
-           f"{paired_ratio(refs, 'on_device', 'device_put'):.2f} ({us['device_put']} us)")
+           f"{common.paired_ratio(refs, 'on_device', 'device_put'):.2f} ({us['device_put']} us)")
     bench_short_epochs(strategy, params)
 
 
@@ -188,7 +184,7 @@ def bench_short_epochs(strategy, params):
     loops = numpy_dataset_loops(strategy, make_data(STEPS, GLOBAL_BATCH, SMALL_LAYERS[0]),
                                 params, with_references=False)
     times = interleaved(loops, SHORT_EPOCH_ROUNDS)
-    ratio = paired_ratio(times, "on_device", "dataset")
+    ratio = common.paired_ratio(times, "on_device", "dataset")
     start_ms = (statistics.median(times["dataset"])
                 - statistics.median(times["on_device"])) * STEPS * 1e3
     common.record("input", f"the same, {STEPS}-batch epochs (reference)", ratio, "x",
@@ -224,7 +220,7 @@ def bench_dataset_alone(strategy, global_batch=1024):
              "device_put": device_put_loop}
     interleaved(loops, 1)
     times = interleaved(loops)
-    ratio = paired_ratio(times, "inline", "device_put")
+    ratio = common.paired_ratio(times, "inline", "device_put")
     us = {k: f"{statistics.median(v) * 1e6:.0f}" for k, v in times.items()}
     # The machinery's own cost is the inline figure; with the default thread and no step to
     # overlap, the consumer also waits on the hand-off (shown, not a target).
@@ -232,7 +228,7 @@ def bench_dataset_alone(strategy, global_batch=1024):
            "<= 1.5", ratio <= 1.5, f"global batch {global_batch}, {REPLICAS} replicas: "
            f"{us['inline']} us vs {us['device_put']} us; through the default prefetch thread "
            f"with no step running {us['thread']} us "
-           f"({paired_ratio(times, 'thread', 'device_put'):.2f}x)")
+           f"({common.paired_ratio(times, 'thread', 'device_put'):.2f}x)")
 
 
 def bench_one_replica():
@@ -248,7 +244,7 @@ def bench_one_replica():
              for name, batch in (("placed", placed), ("dataset", from_dataset))}
     interleaved(loops, 1)
     times = interleaved(loops, 2 * ROUNDS + 1)
-    ratio = paired_ratio(times, "dataset", "placed")
+    ratio = common.paired_ratio(times, "dataset", "placed")
     report("1 replica: step on a dataset batch / on a placed batch", ratio, "<= 1.05",
            ratio <= 1.05, f"{statistics.median(times['dataset']) * 1e6:.0f} us vs "
            f"{statistics.median(times['placed']) * 1e6:.0f} us per step")

@@ -163,7 +163,8 @@ def bench_throughput(strategy, mesh, rounds=ROUNDS):
             times.append(timed(block))
     return Throughput(STEPS_PER_BLOCK / statistics.median(hand_times),
                       STEPS_PER_BLOCK / statistics.median(jdist_times),
-                      statistics.median(h / j for h, j in zip(hand_times, jdist_times)))
+                      common.paired_ratio({"hand": hand_times, "jdist": jdist_times},
+                                          "hand", "jdist"))
 
 
 class Throughput(NamedTuple):

@@ -6,6 +6,7 @@ when its backend starts (a device count the caller already set in ``XLA_FLAGS`` 
 
 import contextlib
 import os
+import statistics
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -55,6 +56,12 @@ def record(benchmark, metric, value, unit="", target=None, met=None, detail="", 
     figures.append({"metric": metric, "value": float(value), "unit": unit, "target": target,
                     "met": met, "detail": detail, "data": data})
     path.write_text(json.dumps(figures, indent=1))
+
+
+def paired_ratio(times, num, den):
+    """The median over rounds of ``times[num][i] / times[den][i]``: two ways timed in the same
+    rounds, so the machine's drifts (20-30% between rounds here) hit both alike."""
+    return statistics.median(n / d for n, d in zip(times[num], times[den]))
 
 
 def guard_waits(strategy):

@@ -113,19 +113,20 @@ class MeshPieces:
                         envs[self._local[d]][key] = shards[self._devices[d]]
                 else:
                     held[key] = output
-                waited.append(output)
-        if self._guard.enabled:  # As every piece before a collective on CPU (`uneven`).
+                if self._guard.enabled:
+                    waited.append(output)
+        if waited:  # As every piece before a collective on CPU (`uneven`).
             jax.block_until_ready(waited)
 
     def after_cut(self, k, envs, values):
         """Cut ``k``'s results (in ``envs``) as each trace's whole-mesh arrays: on the other
         devices, the device's own result where its shape is the trace's, zeros elsewhere."""
+        own = [_cut_outvars(q, k) for q in self._owner]  # Per local device, its trace's.
         for p in self._distinct:
-            outvars = p.trace.jaxpr.eqns[p.trace.cuts[k]].outvars
-            for i, v in enumerate(outvars):
+            for i, v in enumerate(_cut_outvars(p, k)):
                 values[id(p)][v, BLOCK] = self._gather(p, (v, BLOCK), [
-                    envs[self._local[d]].get((_cut_outvars(q, k)[i], BLOCK))
-                    if i < len(_cut_outvars(q, k)) else None for d, q in enumerate(self._owner)])
+                    envs[r].get((outvars[i], BLOCK)) if i < len(outvars) else None
+                    for r, outvars in zip(self._local, own)])
 
     def _gather(self, program, key, per_device):
         """One whole-mesh array of ``key`` for ``program``'s trace: ``per_device[d]`` on its
