@@ -167,18 +167,18 @@ def run_overhead(strategy, mesh, leaves):
 
     raw = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS)),
                                 out_specs=(P(), P(AXIS)), check_vma=False))
-    plain = jdist.unwrap_mirrored(params)
-    out_tree = jax.tree_util.tree_structure(raw(plain, x.stacked))
+    plain, stacked = jdist.unwrap_mirrored(params), replica_stacked(x)
+    out_tree = jax.tree_util.tree_structure(raw(plain, stacked))
     flat = jax.jit(jax.shard_map(lambda p, x: tuple(jax.tree_util.tree_leaves(body(p, x))),
                                  mesh=mesh, in_specs=(P(), P(AXIS)),
                                  out_specs=tuple([P()] * leaves + [P(AXIS)]),
                                  check_vma=False))
     wrapper = minimal_wrapper(flat, out_tree, leaves)
-    calls = {"raw": lambda: raw(plain, x.stacked)[1],
-             "floor": lambda: wrapper(plain, x.stacked)[1].value,
-             "jdist": lambda: strategy.run(step, args=(params, x))[1].stacked,
+    calls = {"raw": lambda: raw(plain, stacked)[1],
+             "floor": lambda: wrapper(plain, stacked)[1].value,
+             "jdist": lambda: array_of(strategy.run(step, args=(params, x))[1]),
              "unguarded": lambda: common.unguarded(
-                 strategy, lambda: strategy.run(step, args=(params, x))[1].stacked)}
+                 strategy, lambda: array_of(strategy.run(step, args=(params, x))[1]))}
     samples, order = {name: [] for name in calls}, np.random.default_rng(leaves)
     for _ in range(CALLS[leaves]):
         # A random order each round: a call made right after the same call runs its program
@@ -190,6 +190,17 @@ def run_overhead(strategy, mesh, leaves):
     raw = np.asarray(samples["raw"])
     return {name: paired_overhead(np.asarray(samples[name]) - raw)
             for name in ("jdist", "floor", "unguarded")}
+
+
+def replica_stacked(value):
+    """A per-replica argument's array with the replica axis first: one replica's value is a
+    plain array (as in TF), which gets the axis here, once, outside the timed calls."""
+    return value.stacked if isinstance(value, jdist.PerReplica) else value[None]
+
+
+def array_of(value):
+    """The array of one per-replica output, to wait on (no new array: timed calls use it)."""
+    return value.stacked if isinstance(value, jdist.PerReplica) else value
 
 
 def paired_overhead(differences, rounds=1000):
@@ -216,8 +227,9 @@ def host_overhead(strategy, leaves):
         return jax.tree_util.tree_map(lambda v: v + 1.0, p), x * 2
     nothing = jax.jit(lambda *args: None)
     plain = jdist.unwrap_mirrored(params)
+    stacked = replica_stacked(x)
     calls = {"jdist_dispatch": lambda: nothing((params, x), {}),
-             "raw_dispatch": lambda: nothing(plain, x.stacked),
+             "raw_dispatch": lambda: nothing(plain, stacked),
              "python": lambda: strategy.run(step, args=(params, x))}
     number = max(10, 20000 // leaves)
     rounds = {name: [] for name in calls}

@@ -14,6 +14,7 @@ from jdist._src.errors import UnevenValuesError
 from jdist._src.errors import UnavailableError
 from jdist._src.errors import UnguardedTraceError
 from jdist._src.errors import UnknownDeviceError
+from jdist._src.errors import UnsupportedJaxError
 from jdist._src.errors import UnsupportedValueError
 from jdist._src.errors import WrongContextError
 from jdist._src.errors import X64RequiredError
@@ -33,6 +34,7 @@ __all__ = (
     "UnavailableError",
     "UnguardedTraceError",
     "UnknownDeviceError",
+    "UnsupportedJaxError",
     "UnsupportedValueError",
     "WrongContextError",
     "X64RequiredError",

@@ -71,6 +71,11 @@ class UnevenValuesError(JdistError, RuntimeError):
     ways out: run that batch outside the jit, ``drop_remainder=True``, or padded batches."""
 
 
+class UnsupportedJaxError(JdistError, ImportError):
+    """The installed JAX is not a release jdist is tested on (raised when jdist is imported);
+    the message names the tested releases and how to try another anyway."""
+
+
 class MissingDependencyError(JdistError, ImportError):
     """A feature needs an optional package (an extra such as ``jdist[checkpoint]``) not installed."""
 
