@@ -170,19 +170,26 @@ class _CollectiveStep:
         devices = [_devices(self.programs)[r] for r in local]
         blocks = [[envs[r].pop(("in", k, i)) for i in range(len(eqns[r].invars))]
                   for r in local]
-        if self.run is None:  # XLA rejects zero-size collectives; their results are empty.
-            results = [jax.device_put([jnp.zeros((1,) + a.shape, a.dtype)] * len(devices),
-                                      devices) for a in self.out_avals]
-        else:
-            stacked = [jax.make_array_from_single_device_arrays(
-                (n,) + column[0].shape[1:], self.programs.per_replica_sharding,
-                list(column)) for column in zip(*blocks)]
-            guard = self.programs.guard
-            if guard.enabled:  # Never start a collective while a piece still runs (CPU).
-                jax.block_until_ready(stacked)
-            results = [_by_device(x, devices) for x in guard.dispatch(self.run, *stacked)]
+        stacked = [jax.make_array_from_single_device_arrays(
+            (n,) + column[0].shape[1:], self.programs.per_replica_sharding, list(column))
+            for column in zip(*blocks)]
+        results = [_by_device(x, devices) for x in self.on_stacked(stacked)]
         for j, r in enumerate(local):
             envs[r].update(((v, BLOCK), column[j]) for v, column in zip(eqns[r].outvars, results))
+
+    def on_stacked(self, stacked):
+        """The collective's results on its operands ``stacked`` over the replicas (one block of
+        each per replica), stacked the same way."""
+        sharding = self.programs.per_replica_sharding
+        if self.run is None:  # XLA rejects zero-size collectives; their results are empty.
+            n = sharding.mesh.devices.size
+            return [jax.make_array_from_callback(
+                (n,) + a.shape, sharding, lambda index, a=a: np.zeros((n,) + a.shape, a.dtype)[
+                    index]) for a in self.out_avals]
+        guard = self.programs.guard
+        if guard.enabled:  # Never start a collective while a piece still runs (CPU).
+            jax.block_until_ready(stacked)
+        return guard.dispatch(self.run, *stacked)
 
 
 def _collective_step(programs, eqn):
@@ -281,8 +288,14 @@ class _Plan:
                            for kind, v in traces[r].sources) for r in local}
         ids = {r: jax.device_put(np.int32(r), devices[r]) for r in local}
         replica_programs = tuple(by_trace[id(t)] for t in traces)
-        mesh_pieces = (uneven_mesh.MeshPieces(programs, replica_programs, local)
-                       if uneven_mesh.serves(replica_programs) else None)
+        mesh_pieces = None
+        if uneven_mesh.serves(replica_programs):
+            collective_cuts = {k for k, step in enumerate(steps)
+                               if isinstance(step, _CollectiveStep)}
+            output_specs = tuple(None if kind == RAGGED else P(programs.axis_name)
+                                 if kind == STACKED else P() for kind in out_kinds)
+            mesh_pieces = uneven_mesh.MeshPieces(programs, replica_programs, local,
+                                                 collective_cuts, output_specs)
         return cls(programs, replica_programs, local, consts, ids, steps, out_kinds,
                    first.out_tree, _regroup(programs, traces), ragged_args, stacked_args,
                    mesh_pieces)
@@ -298,19 +311,16 @@ class _Plan:
             envs[r] = {key: per_arg[src[1]][j] if src[0] == "arg" else const
                        for key, src, const in zip(program.input_keys, program.trace.sources,
                                                   self.replica_consts[r])}
-        mesh = self.mesh_pieces
-        values = None if mesh is None else mesh.start(per_arg, replicated)
-        for k in range(len(self.steps) + 1):
-            if mesh is not None:
-                mesh.run(k, envs, values)
-            else:
+        if self.mesh_pieces is not None:
+            merged = self.mesh_pieces(per_arg, replicated, envs, self.steps, self._cut_eqns)
+        else:
+            merged = {}
+            for k in range(len(self.steps) + 1):
                 self._run_per_device(k, envs)
-            if k < len(self.steps):
-                self.steps[k](envs, [p.trace.jaxpr.eqns[p.trace.cuts[k]]
-                                     for p in self.replica_programs], k)
-                if mesh is not None:
-                    mesh.after_cut(k, envs, values)
-        outputs = [self._output(j, [env[("out", j)] for env in envs.values()])
+                if k < len(self.steps):
+                    self.steps[k](envs, self._cut_eqns(k), k)
+        outputs = [self._wrap(j, merged[j]) if j in merged else
+                   self._output(j, [env[("out", j)] for env in envs.values()])
                    for j in range(len(self.out_kinds))]
         if self.programs.guard.enabled:  # The next collective program must not overlap (CPU).
             jax.block_until_ready(outputs)
@@ -325,7 +335,12 @@ class _Plan:
             outs = segment.run(self.replica_ids[r], *[env[key] for key in segment.inputs])
             env.update(zip(segment.outputs, outs))
 
+    def _cut_eqns(self, k):
+        """Cut ``k``'s equation in each replica's trace."""
+        return [p.trace.jaxpr.eqns[p.trace.cuts[k]] for p in self.replica_programs]
+
     def _output(self, j, values):
+        """Output ``j`` of the step from its value on each local replica's device."""
         kind, n = self.out_kinds[j], len(self.replica_programs)
         if kind == RAGGED and len(values) < n:  # Other workers' replicas: their shapes.
             mine = dict(zip(self.local, values))
@@ -336,11 +351,19 @@ class _Plan:
         if kind == RAGGED:
             return PerReplica._from_components(tuple(values))
         if kind in (MIRRORED, UNWRAPPED):
-            value = jax.make_array_from_single_device_arrays(
-                values[0].shape, self.programs.replicated_sharding, values)
-            return value if kind == UNWRAPPED else Mirrored._from_value(value, n, True)
-        return PerReplica._from_stacked(jax.make_array_from_single_device_arrays(
+            return self._wrap(j, jax.make_array_from_single_device_arrays(
+                values[0].shape, self.programs.replicated_sharding, values))
+        return self._wrap(j, jax.make_array_from_single_device_arrays(
             (n,) + values[0].shape[1:], self.programs.per_replica_sharding, values))
+
+    def _wrap(self, j, array):
+        """Output ``j`` of the step from its whole-mesh ``array`` (replicated where it is one
+        value, stacked over the replicas where it is per replica)."""
+        kind = self.out_kinds[j]
+        if kind == STACKED:
+            return PerReplica._from_stacked(array)
+        return array if kind == UNWRAPPED else Mirrored._from_value(
+            array, len(self.replica_programs), True)
 
 
 def _one_tensor(trace, dynamic, kinds):

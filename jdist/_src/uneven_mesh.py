@@ -12,8 +12,12 @@ piece compiles once, whatever the replica count and however many traces.
 
 Each input enters as an array assembled from one buffer per device, its sharding replicated
 (one device's shape), and each device reads its own buffer (``in_specs=P()`` without the
-replication check); an output a cut or the step returns is taken apart per device the same
-way. Nothing is copied.
+replication check). Where every trace gives an output of one type, the traces share one
+program output for it, which each device fills from its own branch: a collective's operands,
+stacked over the replicas (``P(axis)``) as the collective program takes them, and the step's
+even outputs, stacked or replicated as the step returns them. A collective's results enter the
+next piece as they come (``P(axis)``), the same arrays for every trace. Only a ``merge_call``'s
+operands and ragged outputs are taken apart per device. Nothing is copied.
 
 Served where fewer traces than replicas make a gain and no piece has effects (callbacks: run
 one device at a time, the replicas' come in replica order). Across workers each process runs
@@ -45,11 +49,15 @@ def serves(replica_programs) -> bool:
 
 
 class MeshPieces:
-    """Runs an exact plan's pieces as whole-mesh programs, one per distinct trace and piece.
+    """Runs an exact plan's pieces as whole-mesh programs, one per piece for every trace.
 
-    A call keeps, per distinct trace, its values as whole-mesh arrays from piece to piece; only
-    what a cut or the step's outputs read is taken apart per replica (`envs`, the replicas' own
-    environments that `uneven._Plan` hands its cut steps and reads its outputs from).
+    A call keeps, per distinct trace, its values as whole-mesh arrays from piece to piece.
+    Where every trace gives a value of one type, the traces share one program output for it
+    (a *merged* slot): a collective's operands, sharded over the replicas as the collective
+    program takes them, and the step's even outputs, as the step returns them. A collective's
+    results then enter the next piece as they are, for every trace. Only what a ``merge_call``
+    reads and ragged outputs are taken apart per replica (into ``envs``, the replicas' own
+    environments that `uneven._Plan` hands its other cut steps and reads ragged outputs from).
 
     Per-device lists follow ``local``: this process's replicas (all of them on one process;
     across workers, each process runs every program on its own devices).
@@ -58,9 +66,13 @@ class MeshPieces:
       programs: the strategy's `replica_mesh.ReplicaMesh`.
       replica_programs: per replica, its `uneven._TraceProgram`.
       local: the replicas whose devices this process holds, in order.
+      collective_cuts: the cuts whose step is a collective (`uneven._CollectiveStep`: its
+        ``on_stacked`` takes and gives arrays stacked over the replicas).
+      output_specs: per output of the step, how it leaves when every trace gives one type:
+        ``P(axis)`` stacked over the replicas, ``P()`` replicated, None taken apart.
     """
 
-    def __init__(self, programs, replica_programs, local):
+    def __init__(self, programs, replica_programs, local, collective_cuts, output_specs):
         self._sharding = programs.replicated_sharding
         self._local = local
         self._devices = [tuple(programs.mesh.devices.flat)[r] for r in local]
@@ -69,8 +81,14 @@ class MeshPieces:
         self._distinct = list({id(p): p for p in replica_programs}.values())
         self._own = {id(p): [j for j, q in enumerate(self._owner) if q is p]
                      for p in self._distinct}
-        self._runs = [_switched(programs.mesh, [p.segments[k] for p in self._distinct])
-                      for k in range(len(self._distinct[0].segments))]
+        self._pieces, self.shared_cuts = [], set()
+        for k in range(len(self._distinct[0].segments)):
+            piece = _Piece(programs.mesh, programs.axis_name, k, self._distinct,
+                           self.shared_cuts, collective_cuts, output_specs)
+            self._pieces.append(piece)
+            if piece.shares_cut:
+                self.shared_cuts.add(k)
+        self.merged_outputs = self._pieces[-1].merged_outputs
         self._ids = self._assemble([jax.device_put(np.int32(r), d)
                                     for r, d in zip(local, self._devices)])
         self._branch = self._assemble([  # Per device: which trace its replica has.
@@ -81,7 +99,24 @@ class MeshPieces:
                                  for kind, v in p.trace.sources] for d in self._devices]
                         for p in self._distinct}
 
-    def start(self, per_arg, replicated):
+    def __call__(self, per_arg, replicated, envs, steps, cut_eqns):
+        """Runs the step: its pieces here, its cuts by ``steps`` (``cut_eqns(k)``: the replicas'
+        equations of cut ``k``). Returns the merged outputs' arrays by output index."""
+        values, shared = self._start(per_arg, replicated), {}
+        for k, piece in enumerate(self._pieces):
+            self._run(piece, envs, values, shared)
+            if k == len(steps):
+                break
+            if k in self.shared_cuts:
+                operands = [shared.pop(("in", k, i)) for i in range(piece.operand_count)]
+                shared.update((("cut", k, i), result)
+                              for i, result in enumerate(steps[k].on_stacked(operands)))
+            else:
+                steps[k](envs, cut_eqns(k), k)
+                self._after_cut(k, envs, values)
+        return {j: shared[("out", j)] for j in self.merged_outputs}
+
+    def _start(self, per_arg, replicated):
         """Per distinct trace, the inputs of its first piece: ``replicated[i]`` (a replicated
         array, or None) as it is, else from ``per_arg[i]`` (one value per device) on its own
         replicas and stand-ins elsewhere (both in ``local``'s order)."""
@@ -98,27 +133,26 @@ class MeshPieces:
             values[id(p)] = held
         return values
 
-    def run(self, k, envs, values):
-        """Piece ``k`` of every trace on every device: its values stay whole-mesh arrays in
-        ``values``, what cut ``k`` and the outputs read goes to the replicas' ``envs``."""
-        outputs = iter(self._runs[k](self._branch, self._ids, *[
-            values[id(p)][key] for p in self._distinct for key in p.segments[k].inputs]))
-        waited = []
-        for p in self._distinct:
-            held = values[id(p)]
-            for key, output in zip(p.segments[k].outputs, outputs):
-                if key[0] in ("in", "out"):  # Read per replica (a cut's operand, an output).
-                    shards = {s.device: s.data for s in output.addressable_shards}
-                    for d in self._own[id(p)]:
-                        envs[self._local[d]][key] = shards[self._devices[d]]
-                else:
-                    held[key] = output
-                if self._guard.enabled:
-                    waited.append(output)
-        if waited:  # As every piece before a collective on CPU (`uneven`).
-            jax.block_until_ready(waited)
+    def _run(self, piece, envs, values, shared):
+        """``piece`` of every trace on every device: merged outputs go to ``shared``, what a
+        ``merge_call`` or a ragged output reads to the replicas' ``envs``, the rest stays in
+        each trace's ``values``."""
+        outputs = piece.run(self._branch, self._ids, *[
+            shared[name] if owner is None else values[owner][name]
+            for owner, name in piece.in_names])
+        for (owner, key), output in zip(piece.out_names, outputs):
+            if owner is None:
+                shared[key] = output
+            elif key[0] in ("in", "out"):
+                shards = {s.device: s.data for s in output.addressable_shards}
+                for d in self._own[owner]:
+                    envs[self._local[d]][key] = shards[self._devices[d]]
+            else:
+                values[owner][key] = output
+        if self._guard.enabled:  # As every piece before a collective on CPU (`uneven`).
+            jax.block_until_ready(outputs)
 
-    def after_cut(self, k, envs, values):
+    def _after_cut(self, k, envs, values):
         """Cut ``k``'s results (in ``envs``) as each trace's whole-mesh arrays: on the other
         devices, the device's own result where its shape is the trace's, zeros elsewhere."""
         own = [_cut_outvars(q, k) for q in self._owner]  # Per local device, its trace's.
@@ -159,29 +193,101 @@ def _cut_outvars(program, k):
     return program.trace.jaxpr.eqns[program.trace.cuts[k]].outvars
 
 
-def _switched(mesh, segments):
-    """One program over every device of ``mesh`` for one piece of every trace: each device
-    runs the piece of its replica's trace (``lax.switch`` on the trace's index) on its own
-    buffers, and gives zeros for the other traces' outputs."""
-    sizes = [len(s.inputs) for s in segments]
-    replica_id = jax.ShapeDtypeStruct((), np.int32)
-    out_avals = [jax.eval_shape(
-        lambda rid, *values, body=s.body: tuple(body(rid, *values)), replica_id, *[
-            jax.ShapeDtypeStruct(held_shape(v.aval, form), v.aval.dtype) for v, form in s.inputs])
-        for s in segments]
+class _Piece:
+    """Piece ``k`` of every trace as one program over ``mesh``: each device runs the piece of
+    its replica's trace (``lax.switch`` on the trace's index) on its own buffers.
 
+    Its inputs (``in_names``) are ``(None, ("cut", c, i))``, result ``i`` of a shared cut
+    ``c`` (stacked over the replicas, read by every trace), or ``(id(trace), key)``, a trace's
+    own whole-mesh value. Its outputs (``out_names``) are ``(None, key)``, one merged slot
+    that every trace fills (a collective's operand, an even output of the step), or
+    ``(id(trace), key)``, a trace's own: zeros on the devices of other traces.
+    ``shares_cut``: whether the collective after it takes its operands from merged slots,
+    stacked (every operand has one type in every trace), and gives every trace its results.
+    """
+
+    def __init__(self, mesh, axis, k, traces, shared_cuts, collective_cuts, output_specs):
+        segments = [p.segments[k] for p in traces]
+        names = [[_input_name(p, key, shared_cuts) for key in s.inputs]
+                 for p, s in zip(traces, segments)]
+        self.in_names = list(dict.fromkeys(name for group in names for name in group))
+        position = {name: i for i, name in enumerate(self.in_names)}
+        groups = [[position[name] for name in group] for group in names]
+        held = [_held(traces, name) for name in self.in_names]
+        replica_id = jax.ShapeDtypeStruct((), np.int32)
+        types = [dict(zip(s.outputs, jax.eval_shape(
+            lambda rid, *x, body=s.body: tuple(body(rid, *x)), replica_id,
+            *[held[i] for i in g]))) for s, g in zip(segments, groups)]
+        self.operand_count = sum(1 for key in segments[0].outputs if key[0] == "in")
+        specs = {("out", j): spec for j, spec in enumerate(output_specs) if spec is not None}
+        if k in collective_cuts:
+            specs.update((("in", k, i), P(axis)) for i in range(self.operand_count))
+        merged = {key: spec for key, spec in specs.items() if key in types[0] and all(
+            (t[key].shape, t[key].dtype) == (types[0][key].shape, types[0][key].dtype)
+            for t in types)}  # One shape and dtype in every trace.
+        # A collective takes its operands all stacked, or all from the replicas one by one.
+        self.shares_cut = k in collective_cuts and all(
+            ("in", k, i) in merged for i in range(self.operand_count))
+        if not self.shares_cut:
+            merged = {key: spec for key, spec in merged.items() if key[0] != "in"}
+        self.merged_outputs = [key[1] for key in merged if key[0] == "out"]
+        self.out_names = [(None, key) for key in merged] + [
+            (id(p), key) for p, s in zip(traces, segments) for key in s.outputs
+            if key not in merged]
+        slot = {name: i for i, name in enumerate(self.out_names)}
+        targets = [[slot[(None, key) if key in merged else (id(p), key)] for key in s.outputs]
+                   for p, s in zip(traces, segments)]
+        # A merged slot is typed strongly, as an output assembled from the replicas' is.
+        out_types = [jax.ShapeDtypeStruct(types[0][key].shape, types[0][key].dtype)
+                     for key in merged] + [
+            t[key] for t, s in zip(types, segments) for key in s.outputs if key not in merged]
+        in_specs = [P() if owner is not None else P(axis) for owner, _ in self.in_names]
+        out_specs = [merged[key] if owner is None else P() for owner, key in self.out_names]
+        self.run = _switched(mesh, [s.body for s in segments], groups, targets, out_types,
+                             in_specs, out_specs)
+
+
+def _switched(mesh, bodies, groups, targets, out_types, in_specs, out_specs):
+    """The program of a `_Piece`: on each device, ``bodies[j]`` of its replica's trace ``j``
+    on inputs ``groups[j]`` (positions among the program's), its outputs into the slots
+    ``targets[j]``; zeros of ``out_types`` in every slot that trace does not fill. A value
+    typed weakly fills a strongly typed slot as a strongly typed one (the traces' types are
+    those of their jaxprs, a device's value may be weak where its trace's variable is not)."""
     def branch(j):
-        def run(replica_id, groups):
-            return tuple(x for t, avals in enumerate(out_avals) for x in (
-                segments[j].body(replica_id, *groups[j]) if t == j else map(_zeros, avals)))
+        def run(replica_id, flat):
+            results = list(map(_zeros, out_types))
+            for t, x in zip(targets[j], bodies[j](replica_id, *[flat[i] for i in groups[j]])):
+                results[t] = x if out_types[t].weak_type else lax.convert_element_type(
+                    x, out_types[t].dtype)
+            return tuple(results)
         return run
 
     def local(index, replica_id, *flat):
-        bounds = np.cumsum([0] + sizes)
-        groups = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        return lax.switch(index, [branch(j) for j in range(len(segments))], replica_id, groups)
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-    return jax.jit(mapped)
+        return lax.switch(index, [branch(j) for j in range(len(bodies))], replica_id, flat)
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), *in_specs),
+                                 out_specs=tuple(out_specs), check_vma=False))
+
+
+def _held(traces, name):
+    """The type of a `_Piece` input, as each device holds it."""
+    owner, key = name
+    if owner is None:  # A shared cut's result: every trace's variable has its type.
+        _, c, i = key
+        var, form = _cut_outvars(traces[0], c)[i], BLOCK
+    else:
+        var, form = key
+    return jax.ShapeDtypeStruct(held_shape(var.aval, form), var.aval.dtype)
+
+
+def _input_name(program, key, shared_cuts):
+    """A piece's input name for ``key`` of ``program``'s trace (see `_Piece`)."""
+    var, form = key
+    trace = program.trace
+    for c in shared_cuts:
+        outvars = trace.jaxpr.eqns[trace.cuts[c]].outvars
+        if form == BLOCK and var in outvars:
+            return None, ("cut", c, outvars.index(var))
+    return id(program), key
 
 
 def _zeros(aval):
