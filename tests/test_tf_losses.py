@@ -95,6 +95,16 @@ def outcomes(strategy, step, values):
     return tuple(None if o is None else local_results(strategy, o) for o in out)
 
 
+def grad_tolerance(dtype):
+    """How far the all-reduced gradient may be from TF's, relatively. A low-precision loss's
+    backward pass rounds in its dtype, and TF's rounding there depends on the processor: on a
+    Xeon with AVX512-FP16 TF's float16 gradients were 0.3-0.5 float16 epsilons from jdist's,
+    on an AMD EPYC they were equal bit for bit (the losses are equal on both)."""
+    if not jnp.issubdtype(dtype, jnp.floating) or np.dtype(dtype) == np.float32:
+        return 1e-6  # Integer losses have no gradient here; an error is compared as one.
+    return float(jnp.finfo(dtype).eps)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_losses_are_tfs(seed):
     n, losses, weights, global_batch_size = random_case(seed)
@@ -108,5 +118,5 @@ def test_random_losses_are_tfs(seed):
                                 values))
     (loss, grad), (tf_loss, tf_grad) = results
     assert_matches(loss, tf_loss)
-    if tf_grad is not None:
-        assert_matches(grad, tf_grad, rtol=1e-6)  # Terms loss / divisor, summed in any order.
+    if tf_grad is not None:  # Terms loss / divisor, summed in any order.
+        assert_matches(grad, tf_grad, rtol=grad_tolerance(losses[0].dtype))
