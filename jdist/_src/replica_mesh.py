@@ -282,9 +282,11 @@ def array_devices(x) -> Optional[Tuple[jax.Device, ...]]:
 def of_array(array, n: int) -> ReplicaMesh:
     """The mesh of the ``n`` devices ``array`` spans; the first ``n`` local devices' for a host
     value (or one on other devices)."""
-    key = (array.sharding, n) if array_devices(array) is not None else None
-    if key in _by_sharding:
-        return _by_sharding[key]
+    concrete = isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer)
+    key = (array.sharding, n) if concrete else None
+    known = _by_sharding.get(key)  # Looked up before the devices: this runs per value.
+    if known is not None:
+        return known
     devices = array_devices(array)
     if devices is None or len(devices) != n:
         if n > len(jax.local_devices()):
