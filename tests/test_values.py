@@ -488,7 +488,22 @@ INT64_SUMS = {
     "reduce of a host array along an axis": lambda s, v: s.reduce("sum", v, axis=0),
     "all_reduce of a host array": lambda s, v: s.experimental_local_results(s.run(
         lambda: jdist.get_replica_context().all_reduce("sum", v)))[0],
+    "reduce of a numpy dataset's batch (a block's)": lambda s, v: s.reduce("sum", first_batch(
+        s, s.experimental_make_numpy_dataset(rows_of(s, v, 2)).batch(s.num_replicas_in_sync)),
+        axis=0),
+    "reduce of a batch from a list": lambda s, v: s.reduce(
+        "sum", first_batch(s, [rows_of(s, v, 1)]), axis=0),
 }
+
+
+def rows_of(s, v, batches):
+    """``batches`` global batches of one row ``v`` per replica."""
+    return np.tile(v[None], (batches * s.num_replicas_in_sync, 1))
+
+
+def first_batch(s, dataset):
+    """The first element of ``dataset`` distributed by ``s``."""
+    return next(iter(s.experimental_distribute_dataset(dataset)))
 
 
 @pytest.mark.parametrize("entry", sorted(INT64_SUMS))

@@ -29,6 +29,7 @@ import jax
 from jax import lax
 import numpy as np
 
+from jdist._src.host_values import int64_magnitudes
 from jdist._src.values import PerReplica
 
 BLOCK_BYTES = 4 << 20  # A block holds at most this many bytes of batches...
@@ -92,10 +93,11 @@ class BlockedPerReplica(PerReplica):
     __slots__ = ("_block", "_position", "_taken")
 
     @classmethod
-    def _at(cls, block, position):
+    def _at(cls, block, position, int64_magnitude=0):
         self = object.__new__(cls)
         self._block, self._position, self._taken = block, position, None
         self._lengths = self._view_valid_rows = self._components = None
+        self._int64_magnitude = int64_magnitude  # As `PerReplica` records it.
         return self
 
     @property
@@ -161,17 +163,19 @@ class BlockFeed:
         """`Elements` of ``number`` full batches, read one after another in ``nest``'s arrays,
         placed as one block (padded to the block's size: positions nobody reads)."""
         leaves, tree = jax.tree_util.tree_flatten(nest)
-        blocks = []
+        blocks, magnitudes = [], []
         for leaf in leaves:
             batches = leaf.reshape((number,) + self._split + leaf.shape[1:])
             block = _aligned_empty((self._split[0], self.size) + batches.shape[2:], leaf.dtype)
             np.copyto(block[:, :number], np.swapaxes(batches, 0, 1))
             block[:, number:] = 0  # The data's last block: positions nobody reads.
             blocks.append(block)
+            # TF sums int64 batches in int64: a reduce checks what JAX's int32 holds.
+            magnitudes.append(int64_magnitudes(batches, number))
         blocks = jax.device_put(blocks, self._sharding)
-        return Elements(jax.tree_util.tree_unflatten(
-            tree, [BlockedPerReplica._at(b, self._positions[i]) for b in blocks])
-            for i in range(number))
+        return Elements(jax.tree_util.tree_unflatten(tree, [
+            BlockedPerReplica._at(b, self._positions[i], 0 if m is None else int(m[i]))
+            for b, m in zip(blocks, magnitudes)]) for i in range(number))
 
 
 @functools.lru_cache(maxsize=8)

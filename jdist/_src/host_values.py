@@ -130,9 +130,25 @@ def int64_magnitude(values) -> int:
     """
     total = 0
     for v in values:
-        if _held_narrower(v) is not None and v.dtype.kind in "iu":
-            total += int(np.abs(v.astype(np.int64)).sum(dtype=np.int64))
+        magnitudes = int64_magnitudes(v, 1)
+        if magnitudes is not None:
+            total += int(magnitudes[0])
     return total
+
+
+def int64_magnitudes(value, count: int):
+    """`int64_magnitude` of each of the ``count`` parts of ``value`` along its first axis (the
+    batches of a dataset block), or None where JAX holds ``value``'s numbers as they are.
+
+    Example:
+      >>> int64_magnitudes(np.array([[1, -2], [3, 4]]), 2).tolist()
+      [3, 7]
+      >>> int64_magnitudes(np.ones((2, 2), np.int32), 2) is None
+      True
+    """
+    if _held_narrower(value) is None or value.dtype.kind not in "iu":
+        return None
+    return np.abs(value.astype(np.int64)).reshape(count, -1).sum(axis=1, dtype=np.int64)
 
 
 def python_numbers_as_tf(value) -> np.ndarray:

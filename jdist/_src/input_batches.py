@@ -37,6 +37,7 @@ from jdist._src.values import DistributedValues
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
 from jdist._src.values import pad_components
+from jdist._src.values import record_int64_magnitude
 
 
 def _is_tf_dataset(obj):
@@ -313,9 +314,13 @@ class Placer:
             arrays = jax.device_put(arrays, self._targets[kinds.pop()])
         elif self.fetch:
             arrays = jax.device_put(arrays, [self._targets[kind] for _, _, kind in leaves])
-        return [PerReplica._from_stacked(a, lengths) if kind == STACKED
-                else PerReplica._from_components(a) if kind == RAGGED else a
-                for a, (_, lengths, kind) in zip(arrays, leaves)]
+        values = [PerReplica._from_stacked(a, lengths) if kind == STACKED
+                  else PerReplica._from_components(a) if kind == RAGGED else a
+                  for a, (_, lengths, kind) in zip(arrays, leaves)]
+        for value, (host, _, kind) in zip(values, leaves):  # TF sums int64 batches in int64.
+            if kind != WHOLE:
+                record_int64_magnitude(value, host if kind == RAGGED else [host])
+        return values
 
 
 class GlobalBatchSplitter:
