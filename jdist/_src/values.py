@@ -526,8 +526,8 @@ def record_int64_magnitude(value, components) -> None:
 def int64_sum_magnitude(value, copies: int = 1) -> int:
     """The magnitude of the int64 host numbers a SUM of ``value`` adds: a `PerReplica`'s
     recorded one, a host array's ``copies`` times (one per replica holding it), else 0."""
-    if isinstance(value, PerReplica):  # A view made without `_init` may have none.
-        return getattr(value, "_int64_magnitude", 0)
+    if isinstance(value, PerReplica):  # Every maker sets it: `_init`, dataset blocks' `_at`.
+        return value._int64_magnitude
     return int64_magnitude([value]) * copies
 
 
