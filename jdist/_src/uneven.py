@@ -303,18 +303,16 @@ class _Plan:
     def __call__(self, dynamic):
         replicated = [None if i in self.ragged_args or i in self.stacked_args
                       else _replicated(x, self.programs) for i, x in enumerate(dynamic)]
-        per_arg = [_per_device(x, i in self.ragged_args, replicated[i], self.programs,
-                               self.local) for i, x in enumerate(dynamic)]
-        envs = {}  # Per local replica: its values, by environment key.
-        for j, r in enumerate(self.local):
-            program = self.replica_programs[r]
-            envs[r] = {key: per_arg[src[1]][j] if src[0] == "arg" else const
-                       for key, src, const in zip(program.input_keys, program.trace.sources,
-                                                  self.replica_consts[r])}
-        if self.mesh_pieces is not None:
-            merged = self.mesh_pieces(per_arg, replicated, envs, self.steps, self._cut_eqns)
+        mesh = self.mesh_pieces
+        # Whole-mesh pieces take a replicated argument as it is, not one copy per device.
+        per_arg = [None if mesh is not None and replicated[i] is not None else _per_device(
+            x, i in self.ragged_args, replicated[i], self.programs, self.local)
+            for i, x in enumerate(dynamic)]
+        if mesh is not None:
+            envs = {r: {} for r in self.local}  # What merge_calls and ragged outputs read.
+            merged = mesh(per_arg, replicated, envs, self.steps, self._cut_eqns)
         else:
-            merged = {}
+            envs, merged = self._replica_envs(per_arg), {}
             for k in range(len(self.steps) + 1):
                 self._run_per_device(k, envs)
                 if k < len(self.steps):
@@ -327,6 +325,16 @@ class _Plan:
         arrays = iter(outputs)
         return jax.tree_util.tree_unflatten(self.out_tree, [
             next(arrays) if s is uneven_trace.OUTPUT else s for s in self.out_statics])
+
+    def _replica_envs(self, per_arg):
+        """Per local replica: the inputs of its trace's first piece, by environment key."""
+        envs = {}
+        for j, r in enumerate(self.local):
+            program = self.replica_programs[r]
+            envs[r] = {key: per_arg[src[1]][j] if src[0] == "arg" else const
+                       for key, src, const in zip(program.input_keys, program.trace.sources,
+                                                  self.replica_consts[r])}
+        return envs
 
     def _run_per_device(self, k, envs):
         """Piece ``k`` of each replica's trace, on its device (compiled once per device)."""
