@@ -9,17 +9,16 @@ on simulated CPU devices:
   decoding) feeds ``experimental_distribute_dataset``; its background thread splits and
   transfers while the step runs. Target >= 0.8 (the slower of loading and step, not their sum).
 * ``numpy dataset / on-device``: ``experimental_make_numpy_dataset(...).batch(...)`` with default
-  options (a prefetch thread, as for every source; full batches placed in blocks of up to 64)
-  feeds a dispatch-bound step for epochs of 256 batches, against the same batches placed on
-  the devices beforehand, one array per leaf; also shown: the same fed inline (buffer size 0),
-  and the hand-written loop (one ``jax.device_put`` per batch).
-  Target >= 0.95: feeding costs the step nothing. For reference, the same on 60-batch epochs
-  (one block: the thread has nothing to overlap, and the epoch's start, the first block placed
-  before the first step, weighs four times as much) and the start's cost in ms.
+  options (full batches placed in blocks of up to 64, by the loop's own thread) feeds a
+  dispatch-bound step for epochs of 256 batches, against the same batches placed on the
+  devices beforehand, one array per leaf; also shown: the dataset's elements made beforehand
+  (what the step's ``(block, position)`` arguments cost alone), and the hand-written loop
+  (one ``jax.device_put`` per batch). Target >= 0.95: feeding costs the step nothing. For
+  reference, the same on 60-batch epochs (one block, placed before the first step: the
+  epoch's start weighs four times as much) and the start's cost in ms.
 * ``dataset alone / one device_put``: the per-batch cost of iterating the distributed dataset
-  fed inline (global batch 1024, 8 replicas) against one ``jax.device_put`` of the same global
-  batch with the replica sharding (what a hand-written loop does). Target <= 1.5. Also shown:
-  the same through the default prefetch thread with no step to overlap (the hand-off).
+  (global batch 1024, 8 replicas) against one ``jax.device_put`` of the same global batch with
+  the replica sharding (what a hand-written loop does). Target <= 1.5.
 * ``1 replica: dataset batch / placed batch``: ``run`` on a batch from the dataset against one
   placed by hand on the strategy's device (a dataset batch must not be placed again per step).
   Target <= 1.05.
@@ -45,7 +44,7 @@ SMALL_LAYERS = (64, 32, 10)  # The dispatch-bound step.
 GLOBAL_BATCH = 256
 STEPS = 60  # Batches per loop.
 ROUNDS = 7
-EPOCH_BATCHES = 256  # The numpy dataset's epoch: several blocks, so the thread overlaps steps.
+EPOCH_BATCHES = 256  # The numpy dataset's epoch: several blocks, as in training.
 NUMPY_ROUNDS = 15  # Its loops take about 0.5 s each.
 REFERENCE_ROUNDS = 7
 SHORT_EPOCH_ROUNDS = 41  # 60-batch loops: 7 rounds read 0.89 and 0.94 in two runs.
@@ -132,8 +131,8 @@ def bench_slow_loader(strategy):
 
 def numpy_dataset_loops(strategy, data, params, with_references):
     """The loops of `bench_numpy_dataset` over ``data``'s batches: on the devices beforehand,
-    from the numpy dataset with default options and (``with_references``) fed inline and by
-    one ``jax.device_put`` per batch, as a hand-written JAX loop feeds them."""
+    from the numpy dataset with default options and (``with_references``) its elements made
+    beforehand and one ``jax.device_put`` per batch, as a hand-written JAX loop feeds them."""
     dataset = strategy.experimental_make_numpy_dataset(data).batch(GLOBAL_BATCH)
     steps = len(data["y"]) // GLOBAL_BATCH
     sharding = jax.sharding.NamedSharding(strategy.extended.mesh, jax.sharding.PartitionSpec(
@@ -149,9 +148,8 @@ def numpy_dataset_loops(strategy, data, params, with_references):
              "dataset": lambda: timed_loop(
                  strategy, params, strategy.experimental_distribute_dataset(dataset))}
     if with_references:
-        inline = jdist.InputOptions(experimental_per_replica_buffer_size=0)  # No thread.
-        loops["inline"] = lambda: timed_loop(
-            strategy, params, strategy.experimental_distribute_dataset(dataset, inline))
+        premade = list(strategy.experimental_distribute_dataset(dataset))
+        loops["premade"] = lambda: timed_loop(strategy, params, premade)
         loops["device_put"] = lambda: timed_loop(strategy, params,
                                                  (batch(i) for i in range(steps)))
     return loops
@@ -165,22 +163,23 @@ def bench_numpy_dataset(strategy):
     # The target's pair alone: after the references' loops (hundreds of buffers placed and
     # freed), the next loop ran 3-5% slower here, whichever it was.
     pair = interleaved({k: loops[k] for k in ("on_device", "dataset")}, NUMPY_ROUNDS)
-    refs = interleaved({k: loops[k] for k in ("on_device", "inline", "device_put")},
+    refs = interleaved({k: loops[k] for k in ("on_device", "premade", "device_put")},
                        REFERENCE_ROUNDS)
     ratio = common.paired_ratio(pair, "on_device", "dataset")
     us = {k: f"{statistics.median(v) * 1e6:.0f}" for k, v in {**refs, **pair}.items()}
     report(f"numpy dataset / on-device steps/s (dispatch-bound step, {EPOCH_BATCHES}-batch "
            "epochs)", ratio, ">= 0.95", ratio >= 0.95,
            f"{REPLICAS} replicas, us per step: on device {us['on_device']}, dataset "
-           f"{us['dataset']}; fed inline {common.paired_ratio(refs, 'on_device', 'inline'):.2f} "
-           f"({us['inline']} us), hand-written device_put "
+           f"{us['dataset']}; its elements made beforehand "
+           f"{common.paired_ratio(refs, 'on_device', 'premade'):.2f} ({us['premade']} us), "
+           f"hand-written device_put "
            f"{common.paired_ratio(refs, 'on_device', 'device_put'):.2f} ({us['device_put']} us)")
     bench_short_epochs(strategy, params)
 
 
 def bench_short_epochs(strategy, params):
-    """The numpy dataset on 60-batch epochs (reference): its first block is placed before the
-    first step, with nothing to overlap, and the thread starts and stops once per epoch."""
+    """The numpy dataset on 60-batch epochs (reference): one block, placed before the first
+    step, so the epoch's start weighs four times as much as on 256-batch epochs."""
     loops = numpy_dataset_loops(strategy, make_data(STEPS, GLOBAL_BATCH, SMALL_LAYERS[0]),
                                 params, with_references=False)
     times = interleaved(loops, SHORT_EPOCH_ROUNDS)
@@ -188,8 +187,8 @@ def bench_short_epochs(strategy, params):
     start_ms = (statistics.median(times["dataset"])
                 - statistics.median(times["on_device"])) * STEPS * 1e3
     common.record("input", f"the same, {STEPS}-batch epochs (reference)", ratio, "x",
-                  detail=f"an epoch's start (first block placed, thread started and joined) "
-                  f"costs about {start_ms:.1f} ms over on-device batches")
+                  detail=f"an epoch's start (its block read, copied and placed) costs about "
+                  f"{start_ms:.1f} ms over on-device batches")
     print(f"input: the same on {STEPS}-batch epochs = {ratio:.2f} (reference): an epoch's "
           f"start costs about {start_ms:.1f} ms")
 
@@ -199,11 +198,10 @@ def bench_dataset_alone(strategy, global_batch=1024):
     dataset = strategy.experimental_make_numpy_dataset(data).batch(global_batch)
     sharding = jax.sharding.NamedSharding(strategy.extended.mesh, jax.sharding.PartitionSpec(
         strategy.extended.replica_axis))
-    inline = jdist.InputOptions(experimental_per_replica_buffer_size=0)
 
-    def dataset_loop(options=None):
+    def dataset_loop():
         start = time.perf_counter()
-        for element in strategy.experimental_distribute_dataset(dataset, options):
+        for element in strategy.experimental_distribute_dataset(dataset):
             last = element
         jax.block_until_ready(jax.tree_util.tree_leaves(last))
         return (time.perf_counter() - start) / STEPS
@@ -216,19 +214,14 @@ def bench_dataset_alone(strategy, global_batch=1024):
                                    for k, v in data.items()}, sharding)
         jax.block_until_ready(last)
         return (time.perf_counter() - start) / STEPS
-    loops = {"inline": lambda: dataset_loop(inline), "thread": dataset_loop,
-             "device_put": device_put_loop}
+    loops = {"dataset": dataset_loop, "device_put": device_put_loop}
     interleaved(loops, 1)
     times = interleaved(loops)
-    ratio = common.paired_ratio(times, "inline", "device_put")
+    ratio = common.paired_ratio(times, "dataset", "device_put")
     us = {k: f"{statistics.median(v) * 1e6:.0f}" for k, v in times.items()}
-    # The machinery's own cost is the inline figure; with the default thread and no step to
-    # overlap, the consumer also waits on the hand-off (shown, not a target).
-    report("distributed dataset alone, fed inline / one device_put, per batch", ratio,
-           "<= 1.5", ratio <= 1.5, f"global batch {global_batch}, {REPLICAS} replicas: "
-           f"{us['inline']} us vs {us['device_put']} us; through the default prefetch thread "
-           f"with no step running {us['thread']} us "
-           f"({common.paired_ratio(times, 'thread', 'device_put'):.2f}x)")
+    report("distributed dataset alone / one device_put, per batch", ratio, "<= 1.5",
+           ratio <= 1.5, f"global batch {global_batch}, {REPLICAS} replicas: "
+           f"{us['dataset']} us vs {us['device_put']} us")
 
 
 def bench_one_replica():

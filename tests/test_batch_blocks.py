@@ -5,6 +5,7 @@ values per replica, the same results from `run`, one compile per loop.
 """
 
 import copy
+import gc
 import pickle
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 
 import jdist
 from jdist._src import batch_blocks
+from jdist._src import prefetch
 from jdist.testing import count_compiles, mirrored
 
 BLOCKED_REPLICAS = (2, 3, 4, 8)
@@ -62,17 +64,45 @@ def test_each_element_holds_tf_split_of_its_batch(n, rows, batch, buffer):
 
 @pytest.mark.parametrize("n", [2, 8])
 @pytest.mark.parametrize("buffer", [0, 1])
-def test_blocks_in_huge_pages_hold_tf_split_of_each_batch(n, buffer):
-    # Batches of 1 MiB make blocks of 3 MiB, placed in huge pages (`batch_blocks.HUGE_PAGE`).
+def test_large_blocks_hold_tf_split_of_each_batch(n, buffer):
+    # Batches of 1 MiB make blocks of 3 batches (`batch_blocks.BLOCK_BYTES`).
     s, d, batch = mirrored(n), data(80, features=16384), 16
     got = elements(s, s.experimental_make_numpy_dataset(d).batch(batch),
                    experimental_per_replica_buffer_size=buffer)
     assert batch_blocks.in_block(got[0]["x"])
-    assert got[0]["x"]._block.nbytes >= batch_blocks.HUGE_PAGE
+    assert got[0]["x"]._block.shape[1] == 3
     for element, host in zip(got, batches(d, batch), strict=True):
         for key in host:
             for value, chunk in zip(element[key].values, tf_split(host[key], n)):
                 np.testing.assert_array_equal(np.asarray(value), chunk)
+
+
+def test_host_memory_is_reused_only_once_nothing_holds_it():
+    pool = batch_blocks._HostBuffers(keep_bytes=1024)
+    first = pool.empty((4, 8), np.float32)
+    held = jax.device_put(first, jax.devices()[0])  # Its device buffer may alias the memory.
+    address = first.ctypes.data
+    del first
+    second = pool.empty((4, 8), np.float32)
+    assert second.ctypes.data != address  # JAX's buffer still holds it.
+    del held
+    gc.collect()  # JAX lets go of host arrays lazily.
+    assert pool.empty((4, 8), np.float32).ctypes.data == address
+    assert pool.empty((2, 8), np.float32).ctypes.data % batch_blocks.ALIGNMENT == 0
+    assert pool.empty((300,), np.float32).nbytes == 1200  # Past the pool's bytes: forgotten.
+    assert len(pool._buffers) < 4
+
+
+@pytest.mark.parametrize("n", (2, 8))
+def test_epochs_that_drop_their_elements_read_tf_split_of_each_batch(n):
+    # Each block's host memory serves a later block once its elements are gone.
+    s, d, batch = mirrored(n), data(40 * 8), 8
+    dist = s.experimental_distribute_dataset(
+        s.experimental_make_numpy_dataset(d).shuffle(320, seed=3).batch(batch))
+    for _ in range(3):
+        got = [np.asarray(s.gather(e["x"], 0)) for e in dist]
+        assert batch_blocks.block_size(batch * 3 * 4) > 1
+        np.testing.assert_array_equal(np.sort(np.concatenate(got), axis=0), d["x"])
 
 
 @pytest.mark.parametrize("n", BLOCKED_REPLICAS)
@@ -200,6 +230,19 @@ def test_blocks_only_where_they_serve(options):
     assert not batch_blocks.in_block(elements(one, dataset)[0]["x"])
 
 
+@pytest.mark.parametrize("buffer", [1, 4])
+def test_blocks_are_placed_by_the_loop_and_other_sources_by_a_thread(buffer):
+    # In-memory blocks have no loading to hide; a thread's work would slow the step.
+    s, options = mirrored(4), jdist.InputOptions(experimental_per_replica_buffer_size=buffer)
+    blocked = s.experimental_make_numpy_dataset(data(64)).batch(8)
+    it = iter(s.experimental_distribute_dataset(blocked, options))
+    assert batch_blocks.in_block(next(it)["x"]) and not prefetch.live_threads()
+    listed = iter(s.experimental_distribute_dataset(batches(data(64), 8), options))
+    assert not batch_blocks.in_block(next(listed)["x"]) and len(prefetch.live_threads()) == 1
+    listed.close()
+    assert not prefetch.live_threads()
+
+
 @pytest.mark.parametrize("n", (2, 8))
 def test_run_reads_blocked_batches_inside_its_program(n):
     # The point of blocks: a loop's steps take no row out of a block on the host.
@@ -228,12 +271,13 @@ def test_numpy_blocks_are_the_elements_in_order(pipeline, count):
     dataset = pipeline(jdist.NumpyDataset({"a": np.arange(30), "b": np.arange(60).reshape(30, 2)}))
     want = list(dataset)
     got = []
-    for number, nest in dataset.blocks(count):
+    for number, rows in dataset.blocks(count):
         if number is None:
-            assert len(nest["a"]) != dataset.batch_rows or nest["a"].ndim > 1
-            got.append(nest)
+            assert len(rows["a"]) != dataset.batch_rows or rows["a"].ndim > 1
+            got.append(rows)
             continue
         assert 1 <= number <= count
+        nest = {k: v[rows] for k, v in dataset.arrays.items()}
         got.extend({k: v.reshape((number, -1) + v.shape[1:])[i] for k, v in nest.items()}
                    for i in range(number))
     assert len(got) == len(want)

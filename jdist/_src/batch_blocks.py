@@ -16,13 +16,15 @@ unflattens to the row the position selects, so the step receives the same values
 inside the compiled step where the index is free.
 
 Blocks are used where a dataset's data is already in memory and its full batches share one shape
-(a batched `NumpyDataset`), so waiting for ``K`` batches costs no loading latency.
+(a batched `NumpyDataset`), so waiting for ``K`` batches costs no loading latency. The loop's own
+thread places each block when its first batch is asked for: a prefetch thread's work would only
+compete with a dispatch-bound step for the GIL and the cores (``docs/design.md``).
 """
 
 import contextlib
 import functools
 import math
-import mmap
+import sys
 import threading
 
 import jax
@@ -35,7 +37,6 @@ from jdist._src.values import PerReplica
 BLOCK_BYTES = 4 << 20  # A block holds at most this many bytes of batches...
 MAX_BATCHES = 64  # ...and at most this many batches.
 ALIGNMENT = 64  # Bytes: what XLA's CPU buffers need to alias host memory.
-HUGE_PAGE = 2 << 20  # Bytes: blocks this large are placed in huge pages.
 
 
 class _Reading(threading.local):
@@ -140,42 +141,68 @@ class BlockFeed:
       mesh: the strategy's mesh; ``axis``: its replica axis.
       full_rows: the leading size of a full global batch (a multiple of the replica count).
       size: how many batches a block holds (at least 2).
+      guard: the `dispatch.DispatchGuard` of the mesh's devices.
     """
 
-    def __init__(self, mesh, axis, full_rows, size):
+    def __init__(self, mesh, axis, full_rows, size, guard):
+        self._guard = guard
         spec = jax.sharding.PartitionSpec
         self._sharding = jax.sharding.NamedSharding(mesh, spec(axis))
         self._split = (mesh.devices.size, full_rows // mesh.devices.size)
         self.size = size
         self._positions = _positions(mesh, size)
 
-    def __call__(self, blocks, split):
-        """Yields the elements of ``blocks`` (`NumpyDataset.blocks`' pairs) in order: `Elements`
-        of a block of full batches, or one element made by ``split`` (a batch that is not full);
-        closes ``blocks`` at the end."""
+    def __call__(self, arrays, blocks, split):
+        """Yields the elements of ``blocks`` (`NumpyDataset.blocks`' pairs, over the rows of
+        ``arrays``) in order: `Elements` of a block of full batches, or one element made by
+        ``split`` (a batch that is not full); closes ``blocks`` at the end.
+
+        Each block is read and placed when its first element is asked for, once the guarded
+        program in flight has finished (`DispatchGuard.wait`, on CPU only): the copy then has
+        the cores to itself, where beside a running step it took two to three times as long,
+        and the next step waited for it all the same."""
+        leaves, tree = jax.tree_util.tree_flatten(arrays)
         try:
-            for number, nest in blocks:
-                yield split(nest) if number is None else self._place(number, nest)
+            while True:
+                self._guard.wait()
+                item = next(blocks, None)
+                if item is None:
+                    return
+                number, rows = item
+                yield split(rows) if number is None else self._place(leaves, tree, number, rows)
         finally:
             blocks.close()
 
-    def _place(self, number, nest):
-        """`Elements` of ``number`` full batches, read one after another in ``nest``'s arrays,
+    def _place(self, leaves, tree, number, rows):
+        """`Elements` of ``number`` full batches, the ``rows`` of ``leaves`` one after another,
         placed as one block (padded to the block's size: positions nobody reads)."""
-        leaves, tree = jax.tree_util.tree_flatten(nest)
         blocks, magnitudes = [], []
         for leaf in leaves:
-            batches = leaf.reshape((number,) + self._split + leaf.shape[1:])
-            block = _aligned_empty((self._split[0], self.size) + batches.shape[2:], leaf.dtype)
-            np.copyto(block[:, :number], np.swapaxes(batches, 0, 1))
+            block = _host_buffers.empty(
+                (self._split[0], self.size, self._split[1]) + leaf.shape[1:], leaf.dtype)
+            batches = block[:, :number]
+            _read_rows(leaf, rows, batches)
             block[:, number:] = 0  # The data's last block: positions nobody reads.
             blocks.append(block)
             # TF sums int64 batches in int64: a reduce checks what JAX's int32 holds.
-            magnitudes.append(int64_magnitudes(batches, number))
+            magnitudes.append(int64_magnitudes(np.swapaxes(batches, 0, 1), number))
         blocks = jax.device_put(blocks, self._sharding)
         return Elements(jax.tree_util.tree_unflatten(tree, [
             BlockedPerReplica._at(b, self._positions[i], 0 if m is None else int(m[i]))
             for b, m in zip(blocks, magnitudes)]) for i in range(number))
+
+
+def _read_rows(leaf, rows, out):
+    """Copies ``leaf[rows]`` into ``out`` (``(replicas, batches, rows per replica, ...)``), each
+    batch's rows split over the replicas in order, in one pass: a shuffled block is gathered
+    straight into its layout (0.5 ms for 4 MiB here, where a gather then a copy took 1.4)."""
+    replicas, number, per_replica = out.shape[:3]
+    if isinstance(rows, slice):
+        batches = leaf[rows].reshape((number, replicas, per_replica) + leaf.shape[1:])
+        np.copyto(out, np.swapaxes(batches, 0, 1))
+    else:  # The dataset's own row indices, in range: "wrap" only spares numpy a buffer.
+        order = rows.reshape(number, replicas, per_replica).transpose(1, 0, 2)
+        np.take(leaf, order, axis=0, out=out, mode="wrap")
 
 
 @functools.lru_cache(maxsize=8)
@@ -187,40 +214,47 @@ def _positions(mesh, size):
     return jax.device_put([np.int32(i) for i in range(size)], replicated)
 
 
-def _aligned_empty(shape, dtype):
-    """An uninitialised host array at an address ``ALIGNMENT`` divides: JAX's CPU client then
-    uses its memory as the device buffers (no copy), where an unaligned one is copied again.
+class _HostBuffers:
+    """Aligned host memory for blocks, reused once JAX has let go of it.
 
-    A large one is fresh anonymous memory advised to use huge pages (`_huge_page_empty`)."""
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        return _huge_page_empty(nbytes).view(dtype).reshape(shape)
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
-def _huge_page_empty(nbytes):
-    """``nbytes`` of new private memory starting on a huge page, advised ``MADV_HUGEPAGE``.
-
-    A block is allocated on the prefetch thread and freed on the consumer's, so the allocator
-    hands the thread pages it has returned to the system: each 4 MiB block then took 400-1000
-    page faults, 4-6 ms on this machine's 2 cores (an epoch's first block waits on them). As
-    two huge pages the same memory faults twice (0.4 ms). The mapping is unmapped when the
-    array, and JAX's buffer aliasing it, are gone; where huge pages are off it is plain memory.
+    JAX's CPU client keeps a reference to the host arrays whose memory a block's device buffers
+    alias (its GPU client, until the transfer is done), so a buffer whose only reference left
+    is this pool's is free. Reusing it spares what fresh memory costs a block: 4 MiB of page
+    faults and kernel zeroing, which made its copy take 0.9 ms in a training loop here where
+    a copy into warm memory takes 0.45. (JAX drops its references lazily, at its next call or
+    garbage collection.) The pool keeps its newest buffers, ``keep_bytes`` at most.
     """
-    pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # Whole huge pages: a partial one is small ones.
-    region = mmap.mmap(-1, pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = np.frombuffer(region, np.uint8)
-    start = -raw.ctypes.data % HUGE_PAGE
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE, start, pages)
-    except OSError:  # A kernel without transparent huge pages: small pages, as np.empty.
-        pass
-    return raw[start:start + nbytes]
+
+    def __init__(self, keep_bytes):
+        self._buffers, self._keep_bytes, self._lock = [], keep_bytes, threading.Lock()
+
+    def empty(self, shape, dtype):
+        """An uninitialised array at an address ``ALIGNMENT`` divides: JAX's CPU client then
+        uses its memory as the device buffers (no copy), where an unaligned one is copied."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        raw = self._free(nbytes + ALIGNMENT)
+        start = -raw.ctypes.data % ALIGNMENT
+        return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+    def _free(self, size):
+        with self._lock:
+            for i in range(len(self._buffers)):
+                # References: the pool's list and the call's argument, nobody else's.
+                if self._buffers[i].nbytes == size and sys.getrefcount(self._buffers[i]) == 2:
+                    return self._buffers[i]
+            raw = np.empty(size, np.uint8)
+            self._buffers.append(raw)
+            while sum(b.nbytes for b in self._buffers) > self._keep_bytes:
+                del self._buffers[0]  # Left to its users, if any.
+            return raw
+
+
+# A dataset's last block may still be in use while its next is read, placed and consumed.
+_host_buffers = _HostBuffers(keep_bytes=3 * (BLOCK_BYTES + MAX_BATCHES * ALIGNMENT))
 
 
 class Elements(tuple):
-    """Consecutive elements handed to the consumer at once: a prefetch thread's hand-off (the
-    two threads waking each other, about 45 us on 2 cores) is then paid once per block."""
+    """A block's elements, made at once while the cores are free and handed over together: the
+    iterator returns the later ones itself, so the step's path between two launches stays a
+    few Python operations (made one by one beside the running steps, they cost 5x as much)."""

@@ -15,7 +15,10 @@ masks the padding itself with ``get_replica_context().row_mask()`` (see ``docs/d
 
 Batches are prepared (split, padded, transferred) on a background thread ahead of the step
 (`jdist._src.prefetch`); ``InputOptions.experimental_per_replica_buffer_size`` bounds how many
-wait ready (0 prepares each batch when asked, without a thread).
+wait ready (0 prepares each batch when asked, without a thread). A numpy dataset's full batches
+come in blocks placed up to 64 batches ahead (`jdist._src.batch_blocks`), prepared by the loop's
+own thread: its data is in memory, so there is no loading to hide, and a thread's work competes
+with a dispatch-bound step for the GIL and the cores (``docs/design.md``, "Batch blocks").
 """
 
 import collections
@@ -35,6 +38,7 @@ from jdist._src.input_options import InputContext
 from jdist._src.input_options import InputOptions
 from jdist._src.input_options import InputReplicationMode
 from jdist._src import prefetch
+from jdist._src import replica_mesh
 from jdist._src.numpy_dataset import INFINITE
 from jdist._src.numpy_dataset import NumpyDataset
 from jdist._src.numpy_dataset import UNKNOWN
@@ -112,11 +116,16 @@ class _GlobalPlan:
         # Only ever with several workers, where no process holds whole batches: no blocks.
         self.blocks = _block_feed(strategy, source, self.placer)
 
+    @property
+    def in_blocks(self):
+        """Whether full batches come in blocks placed ahead of their steps (`batch_blocks`)."""
+        return self.blocks is not None
+
     def open(self):
         splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows, self.order)
         if self.blocks is not None:
-            blocks = self.source.open_blocks(self.blocks.size)
-            return self.blocks(blocks, splitter), _unchanged, None
+            arrays, blocks = self.source.open_blocks(self.blocks.size)
+            return self.blocks(arrays, blocks, splitter), _unchanged, None
         return self.source.open(), splitter, None
 
     def spec(self):
@@ -145,6 +154,7 @@ class _DealtPlan:
         # TF ends statically shaped data at the last whole round of replicas (`makes_a_step`).
         declared = {s.fixed_shapes() for s in sources}
         self.fixed_shapes = declared.pop() if len(declared) == 1 else None
+        self.in_blocks = False  # Per-replica batches: one placement each.
 
     def open(self):
         """``(source, transform, finish)``: ``finish`` (or None) runs on the consumer's thread."""
@@ -337,7 +347,8 @@ class DistributedIterator:
     ``next(it)`` raises ``StopIteration`` at the end; `get_next` raises `OutOfRangeError`;
     `get_next_as_optional` returns an empty `Optional` from then on. A background thread
     (``jdist-prefetch-*``) prepares elements ahead; it stops when the data ends, on `close`,
-    and when the iterator is garbage collected (e.g. after ``break``).
+    and when the iterator is garbage collected (e.g. after ``break``). A numpy dataset's blocks
+    of full batches are placed by ``next`` itself, up to 64 batches ahead of their steps.
     """
 
     def __init__(self, dataset):
@@ -346,14 +357,14 @@ class DistributedIterator:
         self._feed = None
         self._step = None  # A multi-worker PER_WORKER dataset's consumer-side step.
         self._finalizer = None
-        self._ready = collections.deque()  # Elements handed over with an earlier one.
+        self._ready = collections.deque()  # A block's elements, handed over with its first.
         self._no_optional = None  # Worked out at the first get_next_as_optional.
         self._start()
 
     def _start(self):
         source, transform, self._step = self._dataset._plan.open()
         size = self._dataset._options.experimental_per_replica_buffer_size
-        if size == 0:
+        if size == 0 or self._dataset._plan.in_blocks:  # Blocks: the loop places them.
             feed = _SyncFeed(source, transform, _close_source)
         else:
             feed = prefetch.Prefetcher(source, transform, size, on_close=_close_source)
@@ -378,7 +389,7 @@ class DistributedIterator:
                 "fetches a new one per call). Take the batches outside and pass them in: "
                 "train(w, next(iterator)), or train(w, [next(iterator) for _ in range(k)]) "
                 "for k steps per call.")
-        if self._ready:  # A block's later elements, handed over with its first.
+        if self._ready:  # A block's later elements: the step's path, kept short.
             return self._ready.popleft()
         if self._finished:
             raise StopIteration
@@ -557,7 +568,8 @@ def _block_feed(strategy, source, placer):
     if size < 2:
         return None
     extended = strategy.extended
-    return batch_blocks.BlockFeed(extended.mesh, extended.replica_axis, rows, size)
+    return batch_blocks.BlockFeed(extended.mesh, extended.replica_axis, rows, size,
+                                  replica_mesh.guard_for(extended.mesh.devices.flat))
 
 
 def _unchanged(element):

@@ -104,8 +104,10 @@ class Source:
         return _host_batches(iter(self._obj), ())
 
     def open_blocks(self, count):
-        """A batched `NumpyDataset`'s `NumpyDataset.blocks`."""
-        return self._checked_numpy().blocks(count)
+        """A batched `NumpyDataset`'s ``(arrays, blocks)``: `NumpyDataset.arrays` and
+        `NumpyDataset.blocks`, the rows of ``arrays`` each block reads."""
+        dataset = self._checked_numpy()
+        return dataset.arrays, dataset.blocks(count)
 
     def _checked_numpy(self):
         """The `NumpyDataset`, its arrays' dtypes and numbers checked once per pass (its batches

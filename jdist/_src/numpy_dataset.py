@@ -92,7 +92,7 @@ class NumpyDataset:
         return self._then(_Shard(num_shards, int(index)))
 
     def prefetch(self, buffer_size=None):
-        """The same elements: distributed datasets already prefetch on a thread. (Kept in the
+        """The same elements: distributed datasets already feed ahead of the step. (Kept in the
         pipeline: as in tf.data, a prefetch between ``shuffle`` and ``repeat`` changes which
         shuffle orders the epochs get, `_Repeat`.)"""
         return self._then(_Prefetch(buffer_size))
@@ -101,36 +101,42 @@ class NumpyDataset:
         for item in self._indices()():
             yield self._read(_rows(item))
 
+    @property
+    def arrays(self):
+        """The nest of arrays whose rows the dataset reads (shared, not copied: never write)."""
+        return self._data
+
     def blocks(self, count):
-        """The elements in order, consecutive full ones read together (for `batch_blocks`).
+        """The elements in order, consecutive full ones as one index (for `batch_blocks`).
 
         Args:
           count: the most full elements one block holds.
 
         Yields:
-          ``(number, nest)``: ``number`` full elements one after another along the first axis
-          (read with one index per array: a view when their rows are consecutive), or
-          ``(None, element)`` for an element that is not a full batch of rows.
+          ``(number, rows)``: ``number`` full elements, the rows of `arrays` they read one
+          after another (a slice when they are consecutive, else a 1-D index array: the
+          caller reads them once, where it needs them), or ``(None, element)`` for an element
+          that is not a full batch of rows, read.
 
         Example:
           >>> import numpy as np
-          >>> [(k, b.tolist()) for k, b in NumpyDataset(np.arange(5)).batch(2).blocks(4)]
-          [(2, [0, 1, 2, 3]), (None, [4])]
+          >>> list(NumpyDataset(np.arange(5)).batch(2).blocks(4))
+          [(2, slice(0, 4, None)), (None, array([4]))]
         """
         rows, group = self.batch_rows, []
         for item in self._indices()():
             if _is_rows(item) and _length(item) == rows:
                 group.append(item)
                 if len(group) == count:
-                    yield count, self._read(_joined(group))
+                    yield count, _joined(group)
                     group = []
                 continue
             if group:
-                yield len(group), self._read(_joined(group))
+                yield len(group), _joined(group)
                 group = []
             yield None, self._read(_rows(item))
         if group:
-            yield len(group), self._read(_joined(group))
+            yield len(group), _joined(group)
 
     def _read(self, index):
         return jax.tree_util.tree_map(lambda a: _read_only(a[index]), self._data)
