@@ -141,6 +141,8 @@ class _GlobalPlan:
 class _DealtPlan:
     """Elements from per-replica batches (``distribute_datasets_from_function``)."""
 
+    in_blocks = False  # Per-replica batches: one placement each.
+
     def __init__(self, strategy, sources, per_replica, counted=None):
         self.extended = strategy.extended
         self.sources = sources
@@ -154,7 +156,6 @@ class _DealtPlan:
         # TF ends statically shaped data at the last whole round of replicas (`makes_a_step`).
         declared = {s.fixed_shapes() for s in sources}
         self.fixed_shapes = declared.pop() if len(declared) == 1 else None
-        self.in_blocks = False  # Per-replica batches: one placement each.
 
     def open(self):
         """``(source, transform, finish)``: ``finish`` (or None) runs on the consumer's thread."""
@@ -569,7 +570,7 @@ def _block_feed(strategy, source, placer):
         return None
     extended = strategy.extended
     return batch_blocks.BlockFeed(extended.mesh, extended.replica_axis, rows, size,
-                                  replica_mesh.guard_for(extended.mesh.devices.flat))
+                                  replica_mesh.guard_for(tuple(extended.mesh.devices.flat)))
 
 
 def _unchanged(element):
