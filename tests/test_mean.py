@@ -250,15 +250,26 @@ def test_along_rows_each_replica_sums_its_rows_first(n, entry):
 def test_a_power_of_two_count_multiplies_by_its_reciprocal_bit_for_bit(data, count, dtype):
     """A count that is a power of two becomes a multiplication XLA fuses into its users (a
     lax.pmean's form); the quotient is still the division's, bits included: NumPy's for normal
-    numbers, and XLA's own division's for all (XLA on CPUs flushes subnormals, as TF does)."""
+    numbers, and XLA's own division's for all others but one kind. Where the float32 the
+    division computes in holds a subnormal (bfloat16's and float32's own subnormals, and their
+    quotients), XLA on CPUs flushes it to zero as TF does, or not, by the flags of the thread
+    that runs the program (one run here gave XLA's division 0x0080 for bfloat16 0x00FF / 2,
+    where TF gives 0): there the mean is a zero or NumPy's exact quotient."""
     dtype, uint = jnp.dtype(dtype), f"uint{8 * jnp.dtype(dtype).itemsize}"
     bits = data.draw(st.lists(st.integers(0, 2**(8 * dtype.itemsize) - 1), min_size=1,
                               max_size=16))
     totals = np.array(bits, uint).view(dtype)
     got = np.asarray(jax.jit(lambda t: collectives.finish(MEAN, t, count))(totals))
     divided = jax.jit(lambda t: t / jax.lax.optimization_barrier(jnp.full(t.shape, count, dtype)))
-    np.testing.assert_array_equal(got.view(uint), np.asarray(divided(totals)).view(uint))
     with np.errstate(invalid="ignore", over="ignore"):  # NaN and infinite bit patterns.
-        want = (totals.astype(np.float32) / np.float32(count)).astype(dtype)
+        quotient = totals.astype(np.float32) / np.float32(count)
+        want = quotient.astype(dtype)
+    tiny = np.finfo(np.float32).tiny
+    by_thread = (np.abs(totals.astype(np.float32)) < tiny) | (np.abs(quotient) < tiny)
+    by_thread &= totals.astype(np.float32) != 0
+    np.testing.assert_array_equal(got.view(uint)[~by_thread],
+                                  np.asarray(divided(totals)).view(uint)[~by_thread])
+    flushed = got[by_thread].astype(np.float32) == 0
+    assert np.all(flushed | (got.view(uint)[by_thread] == want.view(uint)[by_thread]))
     normal = np.abs(want.astype(np.float32)) >= float(jnp.finfo(dtype).tiny)
     np.testing.assert_array_equal(got.view(uint)[normal], want.view(uint)[normal])
