@@ -161,11 +161,13 @@ def gather_along(how, strategy, value, axis, get_replica_context):
 
 @pytest.mark.parametrize("ops", [None, "ReductionToOneDevice"])
 @pytest.mark.parametrize("axis", [-1, -2, 1])
-@pytest.mark.parametrize("dtype", ["float32", "int32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "int32", "float16", "int64"])
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_gather_along_a_negative_axis(n, dtype, axis, ops):
     # TF's default ops on several devices gather all but int32 values with CollectiveAllReduce,
-    # which raises on a negative axis; ReductionToOneDevice concatenates along it.
+    # which raises on a negative axis; ReductionToOneDevice concatenates along it. int64 host
+    # numbers are TF's int64 though JAX without x64 holds them as int32 (their recorded
+    # magnitude says so); inside a step that is not known, so all_gather is left out for them.
     strategy, tf_strategy = both(n)
     if ops is not None:
         strategy, tf_strategy = both_reducing_to_one_device(n)
@@ -174,12 +176,13 @@ def test_gather_along_a_negative_axis(n, dtype, axis, ops):
         lambda ctx: rows[ctx.replica_id_in_sync_group])
     tf_value = tf_strategy.experimental_distribute_values_from_function(
         lambda ctx: tf.constant(rows[ctx.replica_id_in_sync_group]))
-    for how in ["gather", "all_gather"]:
+    for how in ["gather"] if dtype == "int64" else ["gather", "all_gather"]:
         assert_matches(
             outcome(strategy, lambda: gather_along(how, strategy, value, axis,
                                                    jdist.get_replica_context)),
             outcome(tf_strategy, lambda: gather_along(how, tf_strategy, tf_value, axis,
-                                                      tf.distribute.get_replica_context)))
+                                                      tf.distribute.get_replica_context)),
+            known_dtypes(dtype))
 
 
 @pytest.mark.xfail(strict=True, reason=INT64_IS_INT32)
