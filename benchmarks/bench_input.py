@@ -22,6 +22,9 @@ on simulated CPU devices:
 * ``1 replica: dataset batch / placed batch``: ``run`` on a batch from the dataset against one
   placed by hand on the strategy's device (a dataset batch must not be placed again per step).
   Target <= 1.05.
+* ``1 replica: numpy dataset / on-device`` (reference): the numpy dataset's plain one-replica
+  batches, cut out of placed blocks on the device, against the same batches placed beforehand;
+  also the hand-written loop (one ``jax.device_put`` per batch).
 
 A missed target prints MISSED; the exit status stays 0. Run with
 ``python benchmarks/bench_input.py`` (``make bench`` runs all).
@@ -243,12 +246,44 @@ def bench_one_replica():
            f"{statistics.median(times['placed']) * 1e6:.0f} us per step")
 
 
+def bench_one_replica_dataset():
+    """The numpy dataset on one replica (reference): full batches placed in blocks and cut out
+    on the device as plain arrays, against the same arrays placed beforehand, and the
+    hand-written loop's `device_put` per batch."""
+    strategy = jdist.MirroredStrategy(jax.devices()[:1])
+    params = strategy.run(lambda: common.init_mlp(jax.random.key(0), SMALL_LAYERS))
+    data = make_data(EPOCH_BATCHES, GLOBAL_BATCH, SMALL_LAYERS[0])
+    dataset = strategy.experimental_make_numpy_dataset(data).batch(GLOBAL_BATCH)
+    replicated = jax.sharding.NamedSharding(strategy.extended.mesh, jax.sharding.PartitionSpec())
+
+    def batch(i):
+        return jax.device_put({k: v[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
+                               for k, v in data.items()}, replicated)
+    on_device = [batch(i) for i in range(EPOCH_BATCHES)]
+    loops = {"on_device": lambda: timed_loop(strategy, params, on_device),
+             "dataset": lambda: timed_loop(strategy, params,
+                                           strategy.experimental_distribute_dataset(dataset)),
+             "device_put": lambda: timed_loop(strategy, params,
+                                              (batch(i) for i in range(EPOCH_BATCHES)))}
+    interleaved(loops, 1)
+    times = interleaved(loops, REFERENCE_ROUNDS)
+    ratio = common.paired_ratio(times, "on_device", "dataset")
+    us = {k: f"{statistics.median(v) * 1e6:.0f}" for k, v in times.items()}
+    detail = (f"us per step: on device {us['on_device']}, dataset {us['dataset']}, hand-written "
+              f"device_put {common.paired_ratio(times, 'on_device', 'device_put'):.2f} "
+              f"({us['device_put']} us)")
+    common.record("input", "1 replica: numpy dataset / on-device steps/s (reference)", ratio,
+                  "x", detail=detail)
+    print(f"input: 1 replica: numpy dataset / on-device = {ratio:.2f} (reference); {detail}")
+
+
 def main():
     strategy = jdist.MirroredStrategy(jax.devices()[:REPLICAS])
     bench_slow_loader(strategy)
     bench_numpy_dataset(strategy)
     bench_dataset_alone(strategy)
     bench_one_replica()
+    bench_one_replica_dataset()
 
 
 if __name__ == "__main__":

@@ -105,7 +105,56 @@ def test_shuffled_elements_hold_the_shuffled_batches(n):
                                       host["y"])
 
 
-@pytest.mark.parametrize("n", BLOCKED_REPLICAS)
+@pytest.mark.parametrize("rows,batch,features,size", [
+    (96, 24, 3, 64), (100, 24, 3, 64), (24 * 70, 24, 3, 64),  # Last blocks of 4, 4 and 6.
+    (80, 16, 16384, 3), (130, 10, 8192, 12)])  # Large batches: blocks of 3 and of 12.
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_one_replica_elements_are_its_batches_as_plain_arrays_where_run_takes_them(
+        rows, batch, features, size, shuffled):
+    # TF gives one replica plain tensors: cut from the block, placed replicated on the mesh.
+    s, d = mirrored(1), data(rows, features)
+    dataset = s.experimental_make_numpy_dataset(d)
+    if shuffled:
+        dataset = dataset.shuffle(rows, seed=5, reshuffle_each_iteration=False)
+    dataset = dataset.batch(batch)
+    want = list(dataset)
+    it = iter(s.experimental_distribute_dataset(dataset))
+    first = next(it)
+    assert len(it._ready) == min(size, rows // batch) - 1  # A block's elements, made at once.
+    replicated = jax.sharding.NamedSharding(s.extended.mesh, jax.sharding.PartitionSpec())
+    for element, host in zip([first, *it], want, strict=True):
+        for key in host:
+            assert isinstance(element[key], jax.Array) and element[key].sharding == replicated
+            np.testing.assert_array_equal(np.asarray(element[key]), host[key])
+
+
+@pytest.mark.parametrize("size,count", [(64, 8), (3, 3), (12, 6), (7, 7), (10, 5), (2, 2)])
+def test_one_replica_blocks_are_cut_in_launches_that_divide_them(size, count):
+    assert batch_blocks._cut_count(size) == count
+
+
+@pytest.mark.parametrize("n", (1, 4))
+def test_blocks_placed_by_a_prefetch_thread_as_on_accelerators_are_the_same(n, monkeypatch):
+    # Off CPU the host's cores are free: the prefetch thread places blocks ahead of the loop.
+    made = batch_blocks.BlockFeed.__init__
+
+    def accelerator_like(self, *args):
+        made(self, *args)
+        self.on_loop_thread = False
+    monkeypatch.setattr(batch_blocks.BlockFeed, "__init__", accelerator_like)
+    s, d = mirrored(n), data(41 * 4 * n + 3)
+    dataset = s.experimental_make_numpy_dataset(d).batch(4 * n)
+    it = iter(s.experimental_distribute_dataset(dataset))
+    first = next(it)
+    assert len(prefetch.live_threads()) == 1
+    for element, host in zip([first, *it], dataset, strict=True):
+        got = s.experimental_local_results(element["x"])
+        for value, chunk in zip(got, tf_split(host["x"], n), strict=True):
+            np.testing.assert_array_equal(np.asarray(value), chunk)
+    assert not prefetch.live_threads()
+
+
+@pytest.mark.parametrize("n", (1,) + BLOCKED_REPLICAS)
 def test_a_training_loop_on_blocks_computes_tf_numbers_and_compiles_once(n):
     # Three epochs with a partial last batch: one program for the full (blocked) batches,
     # the exact plan's fixed number for the partial one, nothing compiled after epoch 1.
@@ -124,9 +173,10 @@ def test_a_training_loop_on_blocks_computes_tf_numbers_and_compiles_once(n):
                         zip(tf_split(host["x"], n), tf_split(host["y"], n))]
                 w, local = s.run(step, args=(w, element))
                 w_ref = np.float32(w_ref + np.float32(np.sum(want)) * np.float32(1e-6))
-                np.testing.assert_allclose([np.asarray(v) for v in local.values], want,
+                np.testing.assert_allclose(
+                    [np.asarray(v) for v in s.experimental_local_results(local)], want, rtol=1e-6)
+                np.testing.assert_allclose(np.asarray(s.experimental_local_results(w)[0]), w_ref,
                                            rtol=1e-6)
-                np.testing.assert_allclose(np.asarray(w.values[0]), w_ref, rtol=1e-6)
             jax.block_until_ready(w)
         compiles.append(len(epoch))
     assert compiles[1:] == [0, 0]

@@ -15,10 +15,14 @@ while it calls its program (`reading`), the element flattens to ``(block, positi
 unflattens to the row the position selects, so the step receives the same values, indexed
 inside the compiled step where the index is free.
 
+On one replica TF's elements are plain tensors, so there a block's batches are plain arrays cut
+out of it on the device, `CUT` per launch: one transfer per block still replaces one per batch.
+
 Blocks are used where a dataset's data is already in memory and its full batches share one shape
-(a batched `NumpyDataset`), so waiting for ``K`` batches costs no loading latency. The loop's own
-thread places each block when its first batch is asked for: a prefetch thread's work would only
-compete with a dispatch-bound step for the GIL and the cores (``docs/design.md``).
+(a batched `NumpyDataset`), so waiting for ``K`` batches costs no loading latency. On CPU devices
+the loop's own thread places each block when its first batch is asked for: a prefetch thread's
+work would only compete with the devices for the host's cores (``docs/design.md``). On
+accelerators the prefetch thread places them ahead, beside the steps.
 """
 
 import contextlib
@@ -145,21 +149,29 @@ class BlockFeed:
 
     def __init__(self, mesh, axis, full_rows, size, guard):
         self._guard = guard
+        # Simulated CPU devices run on the host's cores: a thread's copy there stalls every
+        # device's collective (`docs/design.md`, "Who places a block"). An accelerator's host
+        # has them free, so a prefetch thread overlaps the copy and transfer with the steps.
+        self.on_loop_thread = mesh.devices.flat[0].platform == "cpu"
         spec = jax.sharding.PartitionSpec
         self._sharding = jax.sharding.NamedSharding(mesh, spec(axis))
         self._split = (mesh.devices.size, full_rows // mesh.devices.size)
         self.size = size
         self._positions = _positions(mesh, size)
+        self._cut, self._cut_count = None, _cut_count(size)
+        if mesh.devices.size == 1:  # Plain arrays, as TF gives one replica, cut from the block.
+            self._cut = _cutter(jax.sharding.NamedSharding(mesh, spec()), self._cut_count)
 
     def __call__(self, arrays, blocks, split):
         """Yields the elements of ``blocks`` (`NumpyDataset.blocks`' pairs, over the rows of
         ``arrays``) in order: `Elements` of a block of full batches, or one element made by
         ``split`` (a batch that is not full); closes ``blocks`` at the end.
 
-        Each block is read and placed when its first element is asked for, once the guarded
-        program in flight has finished (`DispatchGuard.wait`, on CPU only): the copy then has
-        the cores to itself, where beside a running step it took two to three times as long,
-        and the next step waited for it all the same."""
+        On CPU (`on_loop_thread`) each block is read and placed when its first element is asked
+        for, once the guarded program in flight has finished (`DispatchGuard.wait`): the copy
+        then has the cores to itself, where beside a running step it took two to three times
+        as long, and the next step waited for it all the same. Elsewhere the prefetch thread
+        runs this generator ahead of the loop (the wait is then a no-op)."""
         leaves, tree = jax.tree_util.tree_flatten(arrays)
         try:
             while True:
@@ -183,9 +195,14 @@ class BlockFeed:
             _read_rows(leaf, rows, batches)
             block[:, number:] = 0  # The data's last block: positions nobody reads.
             blocks.append(block)
-            # TF sums int64 batches in int64: a reduce checks what JAX's int32 holds.
-            magnitudes.append(int64_magnitudes(np.swapaxes(batches, 0, 1), number))
+            if self._cut is None:  # TF sums int64 batches in int64: a reduce checks what
+                # JAX's int32 holds (one replica's plain arrays record nothing, as placed ones).
+                magnitudes.append(int64_magnitudes(np.swapaxes(batches, 0, 1), number))
         blocks = jax.device_put(blocks, self._sharding)
+        if self._cut is not None:
+            batches = [batch for start in range(0, number, self._cut_count)
+                       for batch in self._cut(blocks, self._positions[start])]
+            return Elements(jax.tree_util.tree_unflatten(tree, b) for b in batches[:number])
         return Elements(jax.tree_util.tree_unflatten(tree, [
             BlockedPerReplica._at(b, self._positions[i], 0 if m is None else int(m[i]))
             for b, m in zip(blocks, magnitudes)]) for i in range(number))
@@ -202,6 +219,28 @@ def _read_rows(leaf, rows, out):
     else:  # The dataset's own row indices, in range: "wrap" only spares numpy a buffer.
         order = rows.reshape(number, replicas, per_replica).transpose(1, 0, 2)
         np.take(leaf, order, axis=0, out=out, mode="wrap")
+
+
+CUT = 8  # One replica: the batches one launch cuts out of a block (its compile grows with it).
+
+
+def _cut_count(size):
+    """How many batches each launch cuts out of a block of ``size``: the most, up to `CUT`,
+    that divide it, so no launch reads past the block."""
+    return max(c for c in range(1, min(CUT, size) + 1) if size % c == 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _cutter(replicated, count):
+    """The program that cuts ``count`` batches, from a position on, out of a one-replica block,
+    placed ``replicated`` (where `run` wants a one-replica argument). Measured on an H100 (one
+    replica, a dispatch-bound step): a transfer per batch ran at 0.28-0.37 of on-device speed,
+    blocks cut this way at 0.54-0.74. Eight per launch: all 64 at once compiled in 0.6-2.7 s
+    on CPU (2 to 40 leaves), eight in 0.13-0.5 s, and cost no more per block."""
+    def cut(blocks, start):
+        return [[lax.dynamic_index_in_dim(block[0], start + i, keepdims=False)
+                 for block in blocks] for i in range(count)]
+    return jax.jit(cut, out_shardings=replicated)
 
 
 @functools.lru_cache(maxsize=8)

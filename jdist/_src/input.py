@@ -16,9 +16,10 @@ masks the padding itself with ``get_replica_context().row_mask()`` (see ``docs/d
 Batches are prepared (split, padded, transferred) on a background thread ahead of the step
 (`jdist._src.prefetch`); ``InputOptions.experimental_per_replica_buffer_size`` bounds how many
 wait ready (0 prepares each batch when asked, without a thread). A numpy dataset's full batches
-come in blocks placed up to 64 batches ahead (`jdist._src.batch_blocks`), prepared by the loop's
-own thread: its data is in memory, so there is no loading to hide, and a thread's work competes
-with a dispatch-bound step for the GIL and the cores (``docs/design.md``, "Batch blocks").
+come in blocks placed up to 64 batches ahead (`jdist._src.batch_blocks`). On CPU devices the loop's
+own thread prepares them: the data is in memory, so there is no loading to hide, and a thread's
+work competes with the devices for the host's cores (``docs/design.md``, "Batch blocks"). On
+accelerators the prefetch thread does, overlapping the copy and transfer with the steps.
 """
 
 import collections
@@ -117,9 +118,10 @@ class _GlobalPlan:
         self.blocks = _block_feed(strategy, source, self.placer)
 
     @property
-    def in_blocks(self):
-        """Whether full batches come in blocks placed ahead of their steps (`batch_blocks`)."""
-        return self.blocks is not None
+    def on_loop_thread(self):
+        """Whether the loop's own thread places the data: blocks of full batches on CPU devices
+        (`batch_blocks.BlockFeed.on_loop_thread`)."""
+        return self.blocks is not None and self.blocks.on_loop_thread
 
     def open(self):
         splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows, self.order)
@@ -141,7 +143,7 @@ class _GlobalPlan:
 class _DealtPlan:
     """Elements from per-replica batches (``distribute_datasets_from_function``)."""
 
-    in_blocks = False  # Per-replica batches: one placement each.
+    on_loop_thread = False  # Per-replica batches: one placement each, by the prefetch thread.
 
     def __init__(self, strategy, sources, per_replica, counted=None):
         self.extended = strategy.extended
@@ -365,7 +367,7 @@ class DistributedIterator:
     def _start(self):
         source, transform, self._step = self._dataset._plan.open()
         size = self._dataset._options.experimental_per_replica_buffer_size
-        if size == 0 or self._dataset._plan.in_blocks:  # Blocks: the loop places them.
+        if size == 0 or self._dataset._plan.on_loop_thread:
             feed = _SyncFeed(source, transform, _close_source)
         else:
             feed = prefetch.Prefetcher(source, transform, size, on_close=_close_source)
@@ -557,10 +559,10 @@ def _placer(strategy, options):
 
 def _block_feed(strategy, source, placer):
     """A `batch_blocks.BlockFeed` where blocks serve: a batched `NumpyDataset` (in memory, one
-    shape for every full batch) placed whole on this process's devices, over several replicas,
-    with full batches that split evenly and small enough for two or more to a block; else None."""
+    shape for every full batch) placed whole on this process's devices, with full batches that
+    split evenly and small enough for two or more to a block; else None."""
     rows, n = source.static_rows(), placer.n
-    if (not isinstance(source.dataset, NumpyDataset) or rows is None or n < 2 or rows % n
+    if (not isinstance(source.dataset, NumpyDataset) or rows is None or rows % n
             or placer.plain or not placer.fetch or not placer.whole_batches_here):
         return None
     spec = jax.tree_util.tree_leaves(source.first())

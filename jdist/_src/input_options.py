@@ -84,10 +84,11 @@ class InputOptions:
       experimental_per_replica_buffer_size: how many prepared elements may wait ahead of the
         step (the bounded prefetch buffer; 0 prepares each element on request, no thread).
         The default is TF's, 1 (None means the same): a thread for every source, as TF
-        prefetches, except a numpy dataset whose full batches come in blocks of up to 64
-        (`batch_blocks`): each block is placed ahead of its batches' steps by the loop's own
-        thread, whatever the buffer size (its data is in memory: a thread would only compete
-        with the step for the GIL and the cores).
+        prefetches, except a numpy dataset on CPU devices, whose full batches come in blocks
+        of up to 64 (`batch_blocks`): each block is placed ahead of its batches' steps by the
+        loop's own thread, whatever the buffer size (its data is in memory, and a thread would
+        only compete with the devices for the host's cores). On accelerators the prefetch
+        thread places the blocks.
       pad_partial_batches: jdist's opt-in padded mode. False (default, TF's behaviour): a
         partial batch gives each replica its true rows, and ``strategy.run`` computes on them
         exactly (one more compiled step per distinct split). True: every replica's rows are
