@@ -97,15 +97,19 @@ def test_a_negative_axis_raises_where_tfs_collective_ops_gather(n, axis, dtype, 
         AXIS_GATHERS[how](s, v, axis)
 
 
+@pytest.mark.parametrize("numbers", ["counts", "zeros"])
 @pytest.mark.parametrize("source", ["values", "dataset batch"])
 @pytest.mark.parametrize("axis", [-1, -2])
 @pytest.mark.parametrize("n", [2, 3])
-def test_a_negative_axis_raises_on_int64_host_numbers_as_tf_keeps_them(n, axis, source):
+def test_a_negative_axis_raises_on_int64_host_numbers_as_tf_keeps_them(n, axis, source, numbers):
     # TF holds int64 as it is and gathers it with its collective ops, which raise on a negative
     # axis (measured: TF 2.21, "Requires start <= limit"); without x64 JAX holds the numbers as
-    # int32, which TF would concatenate. The recorded magnitude says where they came from.
+    # int32, which TF would concatenate. jdist records where they came from, whatever they are
+    # (a batch of labels that are all 0 raises as the others do).
     s = mirrored(n)
     comps = [np.arange(6, dtype=np.int64).reshape(2, 3) + 10 * i + 1 for i in range(n)]
+    if numbers == "zeros":
+        comps = [np.zeros_like(c) for c in comps]
     if source == "values":
         value = per_replica(s, comps)
     else:

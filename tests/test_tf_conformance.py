@@ -161,17 +161,20 @@ def gather_along(how, strategy, value, axis, get_replica_context):
 
 @pytest.mark.parametrize("ops", [None, "ReductionToOneDevice"])
 @pytest.mark.parametrize("axis", [-1, -2, 1])
-@pytest.mark.parametrize("dtype", ["float32", "int32", "float16", "int64"])
+@pytest.mark.parametrize("dtype", ["float32", "int32", "float16", "int64", "int64 zeros"])
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_gather_along_a_negative_axis(n, dtype, axis, ops):
     # TF's default ops on several devices gather all but int32 values with CollectiveAllReduce,
     # which raises on a negative axis; ReductionToOneDevice concatenates along it. int64 host
-    # numbers are TF's int64 though JAX without x64 holds them as int32 (their recorded
-    # magnitude says so); inside a step that is not known, so all_gather is left out for them.
+    # numbers are TF's int64 though JAX without x64 holds them as int32 (jdist records where
+    # they came from, all zeros too); inside a step that is not known, so all_gather is left
+    # out for them.
+    zeros, dtype = dtype.endswith("zeros"), dtype.split()[0]
     strategy, tf_strategy = both(n)
     if ops is not None:
         strategy, tf_strategy = both_reducing_to_one_device(n)
-    rows = [np.arange(6, dtype=dtype).reshape(2, 3) + 10 * i for i in range(n)]
+    rows = [np.arange(6, dtype=dtype).reshape(2, 3) * (1 - zeros) + 10 * i * (1 - zeros)
+            for i in range(n)]
     value = strategy.experimental_distribute_values_from_function(
         lambda ctx: rows[ctx.replica_id_in_sync_group])
     tf_value = tf_strategy.experimental_distribute_values_from_function(

@@ -97,7 +97,7 @@ class BlockedPerReplica(PerReplica):
     __slots__ = ("_block", "_position", "_taken")
 
     @classmethod
-    def _at(cls, block, position, int64_magnitude=0):
+    def _at(cls, block, position, int64_magnitude=None):
         self = object.__new__(cls)
         self._block, self._position, self._taken = block, position, None
         self._lengths = self._view_valid_rows = self._components = None
@@ -204,7 +204,7 @@ class BlockFeed:
                        for batch in self._cut(blocks, self._positions[start])]
             return Elements(jax.tree_util.tree_unflatten(tree, b) for b in batches[:number])
         return Elements(jax.tree_util.tree_unflatten(tree, [
-            BlockedPerReplica._at(b, self._positions[i], 0 if m is None else int(m[i]))
+            BlockedPerReplica._at(b, self._positions[i], None if m is None else int(m[i]))
             for b, m in zip(blocks, magnitudes)]) for i in range(number))
 
 

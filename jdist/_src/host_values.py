@@ -136,6 +136,16 @@ def int64_magnitude(values) -> int:
     return total
 
 
+def held_as_int32(value) -> bool:
+    """Whether ``value`` is an int64 (or uint64) host array that JAX holds as int32 (x64 off).
+
+    Example:
+      >>> held_as_int32(np.zeros(3, np.int64)), held_as_int32(np.zeros(3, np.int32))
+      (True, False)
+    """
+    return _held_narrower(value) is not None and value.dtype.kind in "iu"
+
+
 def int64_magnitudes(value, count: int):
     """`int64_magnitude` of each of the ``count`` parts of ``value`` along its first axis (the
     batches of a dataset block), or None where JAX holds ``value``'s numbers as they are.
@@ -146,7 +156,7 @@ def int64_magnitudes(value, count: int):
       >>> int64_magnitudes(np.ones((2, 2), np.int32), 2) is None
       True
     """
-    if _held_narrower(value) is None or value.dtype.kind not in "iu":
+    if not held_as_int32(value):
         return None
     return np.abs(value.astype(np.int64)).reshape(count, -1).sum(axis=1, dtype=np.int64)
 

@@ -36,7 +36,7 @@ from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
-from jdist._src.values import int64_sum_magnitude
+from jdist._src.values import holds_tf_int64
 from jdist._src.values import is_step_output
 from jdist._src.values import local_results
 from jdist._src.values import spans_workers
@@ -200,7 +200,7 @@ class StrategyExtended:
         fails on a negative axis; ``ReductionToOneDevice`` concatenates, which takes one. Which
         of the two gathers a value is the strategy's (`_by_collective_ops`), by the dtype TF
         holds it in: int64 for int64 host numbers that JAX without x64 holds as int32 (known
-        by their recorded magnitude, so not where every number is 0, nor inside a step).
+        where jdist made the value from them, `holds_tf_int64`; not inside a step).
 
         Args:
           value: what ``what`` gathers (a nest of arrays or `DistributedValues`).
@@ -218,7 +218,7 @@ class StrategyExtended:
             one = leaf.values[0] if is_distributed(leaf) else leaf  # One replica's value.
             if not hasattr(one, "dtype"):
                 continue
-            tf_dtype = np.dtype(np.int64) if int64_sum_magnitude(leaf) else np.dtype(one.dtype)
+            tf_dtype = np.dtype(np.int64) if holds_tf_int64(leaf) else np.dtype(one.dtype)
             if self._by_collective_ops(tf_dtype):
                 raise errors.InvalidArgumentError(
                     f"{what}(axis={axis}): TensorFlow gathers this value with its collective "

@@ -25,6 +25,7 @@ from jdist._src.host_values import check_arrays
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.host_values import dtype_kind
+from jdist._src.host_values import held_as_int32
 from jdist._src.host_values import int64_magnitude
 
 
@@ -94,7 +95,8 @@ class PerReplica(DistributedValues):
 
     # `_components`: the per-replica arrays of a ragged value (then `_stacked` is None).
     # `_view_valid_rows`: traced real-row counts of a merge_call view (see spmd.merge_call).
-    # `_int64_magnitude`: `host_values.int64_magnitude` of the host values it was made from.
+    # `_int64_magnitude`: `host_values.int64_magnitude` of the int64 host values it was made
+    # from (TF holds it as int64, though its numbers may all be 0), else None.
     __slots__ = ("_stacked", "_lengths", "_view_valid_rows", "_components", "_int64_magnitude")
 
     def __init__(self, values):
@@ -112,7 +114,7 @@ class PerReplica(DistributedValues):
         self._components = components
         self._lengths = None if lengths is None else tuple(int(n) for n in lengths)
         self._view_valid_rows = None
-        self._int64_magnitude = 0
+        self._int64_magnitude = None
 
     @classmethod
     def _from_stacked(cls, stacked, lengths=None):
@@ -518,17 +520,27 @@ def mirror_at(leaves, indices, num_replicas):
 def record_int64_magnitude(value, components) -> None:
     """Records on ``value``, a `PerReplica` made from the host values ``components``, the sum of
     the magnitudes of their int64 numbers (`host_values.int64_magnitude`), which TF sums in
-    int64 and JAX without x64 holds as int32 (`int64_sum_magnitude` reads it)."""
+    int64 and JAX without x64 holds as int32 (`int64_sum_magnitude` reads it), or None where
+    none of them is int64 (`holds_tf_int64` reads that)."""
     if isinstance(value, PerReplica):
-        value._int64_magnitude = int64_magnitude(components)
+        value._int64_magnitude = (int64_magnitude(components)
+                                  if any(map(held_as_int32, components)) else None)
 
 
 def int64_sum_magnitude(value, copies: int = 1) -> int:
     """The magnitude of the int64 host numbers a SUM of ``value`` adds: a `PerReplica`'s
     recorded one, a host array's ``copies`` times (one per replica holding it), else 0."""
     if isinstance(value, PerReplica):  # Every maker sets it: `_init`, dataset blocks' `_at`.
-        return value._int64_magnitude
+        return value._int64_magnitude or 0
     return int64_magnitude([value]) * copies
+
+
+def holds_tf_int64(value) -> bool:
+    """Whether TF holds ``value`` as int64 where JAX without x64 holds int32: a `PerReplica`
+    made from int64 host numbers (all zeros too), or such a host array."""
+    if isinstance(value, PerReplica):
+        return value._int64_magnitude is not None
+    return held_as_int32(value)
 
 
 def is_distributed(x):
