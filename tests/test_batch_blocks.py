@@ -152,6 +152,10 @@ def test_blocks_placed_by_a_prefetch_thread_as_on_accelerators_are_the_same(n, m
         for value, chunk in zip(got, tf_split(host["x"], n), strict=True):
             np.testing.assert_array_equal(np.asarray(value), chunk)
     assert not prefetch.live_threads()
+    it = iter(s.experimental_distribute_dataset(dataset))
+    next(it)  # Closed while the thread places the next block.
+    it.close()
+    assert not prefetch.live_threads()
 
 
 @pytest.mark.parametrize("n", (1,) + BLOCKED_REPLICAS)
