@@ -128,6 +128,26 @@ def test_one_replica_elements_are_its_batches_as_plain_arrays_where_run_takes_th
             np.testing.assert_array_equal(np.asarray(element[key]), host[key])
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("pipeline", [
+    lambda d: d.batch(4, drop_remainder=True), lambda d: d.batch(4).repeat(2),
+    lambda d: d.batch(4).take(5).repeat(2), lambda d: d.batch(4).skip(1).shard(2, 1),
+    lambda d: d.batch(2).batch(2),
+    lambda d: d.shuffle(30, seed=1).batch(4).repeat(2)], ids=[
+        "drop", "repeat", "take-repeat", "skip-shard", "nested", "reshuffled-epochs"])
+def test_distributed_pipelines_give_tf_split_of_each_batch(pipeline, n):
+    s, d = mirrored(n), data(30)
+    # Each dataset's first pass: a shuffle reshuffles for every new pass, as tf.data's does.
+    want = list(pipeline(s.experimental_make_numpy_dataset(d)))
+    got = elements(s, pipeline(s.experimental_make_numpy_dataset(d)))
+    assert len(got) == len(want)
+    for element, host in zip(got, want):
+        for key in host:
+            values = s.experimental_local_results(element[key])
+            for value, chunk in zip(values, tf_split(host[key], n), strict=True):
+                np.testing.assert_array_equal(np.asarray(value), chunk)
+
+
 @pytest.mark.parametrize("size,count", [(64, 8), (3, 3), (12, 6), (7, 7), (10, 5), (2, 2)])
 def test_one_replica_blocks_are_cut_in_launches_that_divide_them(size, count):
     assert batch_blocks._cut_count(size) == count
