@@ -220,6 +220,31 @@ def test_int64_beyond_int32_gives_tfs_numbers_or_an_error():
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.parametrize("form", ["sum", "as is", "count"])
+@pytest.mark.parametrize("scale", [1000, 2**30])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_in_step_sums_of_int64_numbers_give_tfs_numbers_or_an_error(n, scale, form):
+    # TF sums int64 in int64; JAX without x64 holds int32, whose sum could wrap. jdist gives
+    # TF's number, or raises X64RequiredError where TF's leaves int32's range.
+    strategy, tf_strategy = both(n)
+    rows = [np.array([scale, 3, scale - i, 7], np.int64) for i in range(n)]
+    jax_form = {"sum": jnp.sum, "as is": lambda y: y, "count": lambda y: jnp.sum(y == 3)}[form]
+    tf_form = {"sum": tf.reduce_sum, "as is": lambda y: y,
+               "count": lambda y: tf.reduce_sum(tf.cast(tf.equal(y, 3), tf.int32))}[form]
+
+    def summed(s, context, compute):
+        value = s.experimental_distribute_values_from_function(
+            lambda ctx: rows[ctx.replica_id_in_sync_group])
+        return s.run(lambda y: context().all_reduce("sum", compute(y)), args=(value,))
+    want = outcome(tf_strategy, lambda: summed(tf_strategy, tf.distribute.get_replica_context,
+                                               tf_form))
+    got = outcome(strategy, lambda: summed(strategy, jdist.get_replica_context, jax_form))
+    if isinstance(got, errors.X64RequiredError):
+        assert np.max(np.abs(np.asarray(want[0], np.int64))) >= 2**31, (got, want)
+        return
+    assert_matches(got, want, known_dtypes("int64"))
+
+
 # ---------------------------------------------------------------------------------------------
 # c. Inside strategy.run: the replica context's collectives.
 

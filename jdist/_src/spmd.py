@@ -29,6 +29,7 @@ from jdist._src import context
 from jdist._src import dispatch
 from jdist._src import errors
 from jdist._src import fn_cache
+from jdist._src import int64_sums
 from jdist._src import invariance
 from jdist._src import merge
 from jdist._src import run_arguments
@@ -76,6 +77,7 @@ class _Program:
     collected_args: tuple
     num_replicas: int
     token_index: Optional[int]  # The output the CPU guard waits on (the fast path's).
+    int64_sums: tuple = ()  # Bounds of its integer all-reduces of int64 numbers (`int64_sums`).
 
     def __post_init__(self):
         # How the outputs are wrapped, worked out once (`Mirrored` ones in `values.mirror_at`).
@@ -178,7 +180,7 @@ class ReplicatedRunner:
         (number, arrays), = outputs.items()
         program = cache.plans[number]
         leaves = (jax.tree_util.tree_flatten(call, is_leaf=is_distributed)[0]
-                  if program.passed_at else None)  # Read where an argument is returned.
+                  if program.passed_at or program.int64_sums else None)  # Read where needed.
         return self._wrap_outputs(program, arrays, None, leaves)
 
     def _launch_canonical(self, cache, call):
@@ -421,8 +423,9 @@ class ReplicatedRunner:
         # once), picked out after the call: returning it twice would cost a copy.
         sizes = [math.prod(shape) * (1 if s else n) for s, shape in zip(same, record["shapes"])]
         token = min(range(len(sizes)), key=sizes.__getitem__, default=None)
+        sums = int64_sums.program_bounds(traced.jaxpr.invars, eqn.invars, inner, kinds, n)
         return _Program(program, record["tree"], varying, inherits, record["statics"],
-                        tuple(plain), record["passed"], record["collected"], n, token)
+                        tuple(plain), record["passed"], record["collected"], n, token, sums)
 
     def trace(self, fn, in_tree, kinds, statics, abstract, has_lengths, padded, exact=None,
               staged=False):
@@ -527,7 +530,9 @@ class ReplicatedRunner:
                         for r in range(self._n)]
             plan = cache.programs[key] = uneven.plan(self, cache.fn, in_tree, kinds, statics,
                                                      dynamic, abstract)
-        return plan(dynamic)
+        outputs = plan(dynamic)  # Checked after its collectives, which every worker must run.
+        int64_sums.check(plan.int64_sums, leaves, self._n)
+        return outputs
 
     @staticmethod
     def _output_rows(traced, eqn, kinds, leaves, has_lengths):
@@ -546,6 +551,8 @@ class ReplicatedRunner:
     def _wrap_outputs(self, program, outputs, lengths, leaves):
         """The user's output nest from the program's flat outputs (`Mirrored`, `PerReplica` or
         plain arrays, Python objects); ``leaves``: the call's arguments (see `passed_at`)."""
+        if program.int64_sums:  # Before any output is seen: TF's int64 sum or an error.
+            int64_sums.check(program.int64_sums, leaves, self._n)
         wrapped, mirrored_at = list(outputs), program.mirrored_at
         if program.passed_at:  # A plain argument returned as it is is TF's one tensor.
             plain = {k for k, j in program.passed_at if not is_distributed(leaves[j])}

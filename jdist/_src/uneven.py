@@ -36,11 +36,13 @@ from jax.sharding import PartitionSpec as P
 
 from jdist._src import errors
 from jdist._src import host_values
+from jdist._src import int64_sums
 from jdist._src import invariance
 from jdist._src.run_arguments import ARRAY
 from jdist._src.run_arguments import PER_REPLICA
 from jdist._src.run_arguments import SCALARS
 from jdist._src.run_arguments import SHARED
+from jdist._src.run_arguments import STATIC
 from jdist._src import uneven_mesh
 from jdist._src.uneven_mesh import BLOCK
 from jdist._src.uneven_mesh import PLAIN
@@ -69,7 +71,19 @@ def plan(runner, fn, in_tree, kinds, statics, dynamic, abstract):
       A `_Plan`, called with the dynamic arguments of each later call of the same signature.
     """
     traces, merges = uneven_trace.trace_replicas(runner, fn, in_tree, kinds, statics, abstract)
-    return _Plan.build(runner.programs, traces, merges, dynamic, kinds)
+    built = _Plan.build(runner.programs, traces, merges, dynamic, kinds)
+    return dataclasses.replace(built, int64_sums=_int64_sums(traces, kinds))
+
+
+def _int64_sums(traces, kinds):
+    """`int64_sums.sum_bounds` of every distinct trace, keyed by the argument leaves."""
+    leaf_of = [i for i, kind in enumerate(kinds) if kind != STATIC]  # Per dynamic argument.
+    bounds = []
+    for t in {id(t): t for t in traces}.values():
+        args = {v: leaf_of[i] for v, (kind, i) in zip(t.jaxpr.invars, t.sources) if kind == "arg"}
+        inputs = int64_sums.argument_inputs(t.jaxpr.invars, args)
+        bounds += int64_sums.sum_bounds(t.jaxpr, inputs, len(traces))
+    return tuple(bounds)
 
 
 # ------------------------------------------------------------------------ pieces and steps
@@ -255,6 +269,7 @@ class _Plan:
     ragged_args: frozenset
     stacked_args: frozenset  # Even per-replica arguments: their stacked array, a block each.
     mesh_pieces: Any  # A `uneven_mesh.MeshPieces` where it serves; None: one device at a time.
+    int64_sums: tuple = ()  # Bounds of its integer all-reduces of int64 numbers (`int64_sums`).
 
     @classmethod
     def build(cls, programs, traces, merges, dynamic, kinds):

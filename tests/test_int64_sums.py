@@ -1,0 +1,124 @@
+"""In-step integer all-reduces of int64 host numbers (`jdist._src.int64_sums`).
+
+TF sums int64 numbers in int64; JAX without x64 holds them as int32. A step's SUM across replicas
+of integers computed from them is TF's number where the analysis bounds it under 2**31, and
+raises `X64RequiredError` at the call where it may wrap. Counts, indices and floats computed from
+them are never bounded by them and never raise.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdist
+from jdist import errors
+from jdist.testing import mirrored
+
+REPLICAS = (2, 3, 4, 8)
+
+
+def all_reduce(value):
+    return jdist.get_replica_context().all_reduce("sum", value)
+
+
+# Step bodies on a batch `y` of int64 labels, with the NumPy (int64) number TF computes.
+SUMS = {
+    "sum": (lambda y: all_reduce(jnp.sum(y)), lambda ys: sum(np.sum(y) for y in ys)),
+    "as is": (lambda y: all_reduce(y), lambda ys: sum(ys)),
+    "times 3": (lambda y: all_reduce(jnp.sum(y * 3)), lambda ys: 3 * sum(np.sum(y) for y in ys)),
+    "plus 1": (lambda y: all_reduce(jnp.sum(y + 1)), lambda ys: sum(np.sum(y + 1) for y in ys)),
+    "in a jitted helper": (lambda y: all_reduce(jax.jit(jnp.sum)(y)),
+                           lambda ys: sum(np.sum(y) for y in ys)),
+    "reversed slice": (lambda y: all_reduce(y[::-1][:2]), lambda ys: sum(y[::-1][:2] for y in ys)),
+    "float from a jitted helper": (
+        lambda y: jax.jit(lambda v: all_reduce(jnp.sum(v)).astype(jnp.float32))(y),
+        lambda ys: np.float32(sum(np.sum(y) for y in ys))),
+}
+
+
+def per_replica(n, value):
+    return jdist.PerReplica([np.full(4, value, np.int64) + i for i in range(n)])
+
+
+def run(s, body, value):
+    out = s.run(body, args=(value,))
+    return np.asarray(s.experimental_local_results(out)[0])
+
+
+@pytest.mark.parametrize("form", list(SUMS))
+@pytest.mark.parametrize("n", REPLICAS)
+def test_sums_that_fit_int32_give_tfs_numbers(n, form):
+    s, value = mirrored(n), per_replica(n, 1000)
+    body, want = SUMS[form]
+    np.testing.assert_array_equal(run(s, body, value), want([np.asarray(v) for v in value.values]))
+
+
+@pytest.mark.parametrize("form", list(SUMS))
+@pytest.mark.parametrize("n", REPLICAS)
+def test_sums_that_may_wrap_raise_at_the_call(n, form):
+    # Every form's bound reaches 2**31 here: 2**31 // n spread over each replica's 4 numbers.
+    s, value = mirrored(n), per_replica(n, 2**31 // n)
+    with pytest.raises(errors.X64RequiredError, match="int64.*jax_enable_x64"):
+        s.run(SUMS[form][0], args=(value,))
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+def test_the_check_reads_every_calls_numbers(n):
+    # One program: small labels give TF's number, large ones raise, small ones again compute.
+    s, body = mirrored(n), SUMS["sum"][0]
+    for value, raises in ((1000, False), (2**31 // n, True), (7, False)):
+        values = per_replica(n, value)
+        if raises:
+            with pytest.raises(errors.X64RequiredError):
+                s.run(body, args=(values,))
+        else:
+            assert run(s, body, values) == sum(np.sum(v) for v in values.values)
+
+
+@pytest.mark.parametrize("step,want", [
+    (lambda y: all_reduce(jnp.sum(y == 2**30)), lambda ys: sum(np.sum(y == 2**30) for y in ys)),
+    (lambda y: all_reduce(jnp.zeros(5, jnp.int32).at[y % 5].add(1)),
+     lambda ys: sum(np.bincount(y % 5, minlength=5) for y in ys)),
+    (lambda y: all_reduce(jnp.argmax(y)), lambda ys: sum(np.argmax(y) for y in ys)),
+    (lambda y: all_reduce(jnp.sum(y.astype(jnp.float32))),
+     lambda ys: sum(np.sum(y.astype(np.float32)) for y in ys)),
+], ids=["count", "confusion row", "argmax", "float"])
+@pytest.mark.parametrize("n", REPLICAS)
+def test_counts_indices_and_floats_from_large_int64_numbers_need_no_check(n, step, want):
+    s = mirrored(n)
+    value = jdist.PerReplica([np.array([2**30, 3, 2**30 - i, 7], np.int64) for i in range(n)])
+    np.testing.assert_allclose(run(s, step, value), want([np.asarray(v) for v in value.values]))
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+def test_int32_numbers_wrap_as_tfs_int32_sums_do(n):
+    s = mirrored(n)
+    value = jdist.PerReplica([np.full(2, 2**30, np.int32)] * n)
+    want = np.sum(np.full((n, 2), 2**30, np.int32), axis=0, dtype=np.int32)
+    np.testing.assert_array_equal(run(s, SUMS["as is"][0], value), want)
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+def test_a_product_of_int64_numbers_raises_unless_they_are_all_zero(n):
+    s, square = mirrored(n), lambda y: all_reduce(jnp.sum(y * y))
+    with pytest.raises(errors.X64RequiredError):
+        s.run(square, args=(per_replica(n, 1) ,))
+    zeros = jdist.PerReplica([np.zeros(4, np.int64)] * n)
+    assert run(s, square, zeros) == 0
+
+
+@pytest.mark.parametrize("source", ["host array", "dataset batch"])
+@pytest.mark.parametrize("n", (2, 4))
+def test_host_arrays_and_dataset_batches_are_checked_too(n, source):
+    s, body = mirrored(n), SUMS["sum"][0]
+    rows = np.full(4 * n + 1, 2**31 // (4 * n), np.int64)  # Full batches of 4n, then 1 row.
+    if source == "host array":
+        with pytest.raises(errors.X64RequiredError):  # A replicated array counts n times.
+            s.run(body, args=(rows[:4],))
+        return
+    dataset = s.experimental_make_numpy_dataset(rows).batch(4 * n)
+    full, partial = s.experimental_distribute_dataset(dataset)
+    with pytest.raises(errors.X64RequiredError):
+        s.run(body, args=(full,))
+    assert run(s, body, partial) == rows[-1]  # The exact partial step: one row, no wrap.
