@@ -122,3 +122,22 @@ def test_host_arrays_and_dataset_batches_are_checked_too(n, source):
     with pytest.raises(errors.X64RequiredError):
         s.run(body, args=(full,))
     assert run(s, body, partial) == rows[-1]  # The exact partial step: one row, no wrap.
+
+
+@pytest.mark.parametrize("n", (2, 4))
+def test_a_jdist_function_checks_its_runs_on_each_calls_numbers(n):
+    # TF's idiom: @tf.function def train_step(batch): strategy.run(step, (batch,)).
+    s, body = mirrored(n), SUMS["sum"][0]
+    train_step = jdist.function(lambda batch: s.run(body, args=(batch,)))
+    for value, raises in ((1000, False), (2**31 // n, True), (7, False)):
+        values = per_replica(n, value)
+        if raises:
+            with pytest.raises(errors.X64RequiredError, match="jdist.function"):
+                train_step(values)
+        else:
+            got = s.experimental_local_results(train_step(values))[0]
+            assert got == sum(np.sum(v) for v in values.values)
+    rows = np.full(8 * n, 2**31 // (4 * n), np.int64)
+    batch, = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(rows).batch(8 * n))
+    with pytest.raises(errors.X64RequiredError):  # A blocked dataset element.
+        train_step(batch)

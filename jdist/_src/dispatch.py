@@ -25,6 +25,7 @@ from jdist._src import batch_blocks
 from jdist._src import context
 from jdist._src import errors
 from jdist._src import host_values
+from jdist._src import int64_sums
 from jdist._src.run_arguments import SCALARS
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
@@ -257,12 +258,15 @@ def function(fun=None, **jit_kwargs):
         raise errors.UnsupportedValueError(
             f"jdist.function expects a function, got {type(fun).__name__}.")
 
+    sums = []  # What its run calls all-reduce of int64 numbers, per argument tree (`int64_sums`).
+
     @functools.wraps(fun)
     def traced(*args, **kwargs):
         if _holds_ragged_values((args, kwargs)):
             raise _RaggedArguments()  # Before ``fun`` is traced: `call` runs it as Python.
         batch_blocks.blocks_read()  # Arguments flattened: what ``fun`` captures reads plainly.
-        return _checked_outputs(fun(*args, **kwargs))
+        with int64_sums.function_trace((args, kwargs), sums):
+            return _checked_outputs(fun(*args, **kwargs))
     jitted = jax.jit(traced, **jit_kwargs)
     guard = guard_for(jax.default_backend(), jax.local_device_count())
     # Dataset elements held in blocks enter as (block, position), indexed inside the program;
@@ -276,7 +280,10 @@ def function(fun=None, **jit_kwargs):
                 host_values.check_host_leaves((args, kwargs))
                 if guard.inside_launch():  # Traced by a launch: part of that launch's program.
                     return jitted(*args, **kwargs)
-                return guard.dispatch(lambda: jitted(*args, **kwargs), spans_all_devices=False)
+                outputs = guard.dispatch(lambda: jitted(*args, **kwargs), spans_all_devices=False)
+                if sums:  # Found by this call's trace or an earlier one.
+                    int64_sums.check_function(sums, (args, kwargs))
+                return outputs
         except (_RaggedArguments, TypeError):
             # Values of different shapes per replica (a partial batch): no program has them,
             # so ``fun`` runs as Python for this call and each ``run`` in it computes them

@@ -17,7 +17,9 @@ with ``at[labels].add(1)`` or a float loss is not bounded by the labels and need
 reaches 2**31: there the int32 sum may differ from TF's.
 """
 
+import contextlib
 import math
+import threading
 from typing import Sequence
 
 import jax
@@ -28,7 +30,9 @@ from jdist._src import errors
 from jdist._src import invariance
 from jdist._src.host_values import WRAPS_AT
 from jdist._src.run_arguments import STATIC
+from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
+from jdist._src.values import is_distributed
 from jdist._src.values import holds_tf_int64
 from jdist._src.values import int64_sum_magnitude
 
@@ -88,10 +92,48 @@ def argument_inputs(operands: Sequence, keys: dict) -> list:
             else CLEAN for v in operands]
 
 
+class _FunctionTrace(threading.local):
+    """While a `dispatch.function` traces its function on this thread: its argument leaves'
+    arrays (by id, to their index) and where the bounds its ``run`` calls find go."""
+    inputs = None
+    found = None
+
+
+_function_trace = _FunctionTrace()
+
+
+@contextlib.contextmanager
+def function_trace(arguments, found: list):
+    """While inside, a traced ``run`` whose arguments are ``arguments``' leaves (a
+    `dispatch.function`'s, traced) adds its bounds, keyed by those leaves, to ``found`` as
+    ``(tree, bound, num_replicas)``: `check_function` checks them on each call."""
+    leaves, tree = jax.tree_util.tree_flatten(arguments, is_leaf=is_distributed)
+    saved = _function_trace.inputs, _function_trace.found
+    _function_trace.inputs = {id(_array(leaf)): i for i, leaf in enumerate(leaves)}
+    _function_trace.found = (tree, found)
+    try:
+        yield
+    finally:
+        _function_trace.inputs, _function_trace.found = saved
+
+
+def check_function(found: list, arguments) -> None:
+    """`check` of a `dispatch.function` call's ``arguments`` against the bounds its traces
+    found (`function_trace`)."""
+    leaves, tree = jax.tree_util.tree_flatten(arguments, is_leaf=is_distributed)
+    for traced_tree, bound, num_replicas in found:
+        if traced_tree == tree:
+            check((bound,), leaves, num_replicas, "a jdist.function's strategy.run")
+
+
 def check(bounds: tuple, leaves: list, num_replicas: int, what: str = "strategy.run") -> None:
     """Raises `X64RequiredError` where one of ``bounds`` (keys: indices into ``leaves``, the
     call's arguments flattened with distributed values as leaves) reaches 2**31 on this call
-    while an int64 host number contributes to it (a host array counts once per replica)."""
+    while an int64 host number contributes to it (a host array counts once per replica).
+    Traced arguments have no numbers: inside a `function_trace`, the bounds go to it."""
+    if _function_trace.inputs is not None and any(map(_traced, leaves)):
+        _hand_over(bounds, leaves, num_replicas)
+        return
     for bound in bounds:
         keys = [k for k in bound if isinstance(k, int) and holds_tf_int64(leaves[k])]
         if not keys:
@@ -106,6 +148,29 @@ def check(bounds: tuple, leaves: list, num_replicas: int, what: str = "strategy.
                 "int64, while JAX without x64 holds int32, whose sum would wrap. Enable x64 "
                 "(jax.config.update('jax_enable_x64', True)) before creating the arrays, or give "
                 "the step int32 host numbers if an int32 sum is what you want.")
+
+
+def _hand_over(bounds, leaves, num_replicas):
+    """``bounds`` on the traced function's own argument leaves; a leaf the function computed
+    (not one of its arguments) counts as one that nothing bounds (`OTHER`)."""
+    tree, found = _function_trace.found
+    for bound in bounds:
+        outer = {}
+        for key, coefficient in bound.items():
+            if isinstance(key, int):
+                key = _function_trace.inputs.get(id(_array(leaves[key])), OTHER)
+            outer[key] = math.inf if key == OTHER else outer.get(key, 0) + coefficient
+        found.append((tree, outer, num_replicas))
+
+
+def _traced(leaf):
+    return isinstance(_array(leaf), jax.core.Tracer)
+
+
+def _array(leaf):
+    if isinstance(leaf, PerReplica) and not leaf.ragged:
+        return leaf.stacked
+    return leaf.value if isinstance(leaf, Mirrored) else leaf
 
 
 def _part(bound, key, leaves, num_replicas):
