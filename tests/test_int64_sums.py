@@ -6,6 +6,8 @@ raises `X64RequiredError` at the call where it may wrap. Counts, indices and flo
 them are never bounded by them and never raise.
 """
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,3 +143,39 @@ def test_a_jdist_function_checks_its_runs_on_each_calls_numbers(n):
     batch, = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(rows).batch(8 * n))
     with pytest.raises(errors.X64RequiredError):  # A blocked dataset element.
         train_step(batch)
+
+
+# Integer operations a step applies to int64 labels, in JAX and in NumPy's int64 (TF's numbers).
+OPERATIONS = {
+    "sum": (lambda y: jnp.sum(y, keepdims=True), lambda y: np.sum(y, keepdims=True)),
+    "neg": (jnp.negative, np.negative), "abs": (jnp.abs, np.abs),
+    "plus 5": (lambda y: y + 5, lambda y: y + 5), "times 3": (lambda y: y * 3, lambda y: y * 3),
+    "reversed": (lambda y: y[::-1], lambda y: y[::-1]), "doubled": (lambda y: y + y,) * 2,
+    "relu": (lambda y: jnp.maximum(y, 0), lambda y: np.maximum(y, 0)),
+    "tiled": (lambda y: jnp.tile(y, 2), lambda y: np.tile(y, 2)),
+    "cumsum": (jnp.cumsum, np.cumsum), "square": (lambda y: y * y,) * 2,
+    "masked": (lambda y: jnp.where(y > 3, y, 0), lambda y: np.where(y > 3, y, 0)),
+    "floor div 3": (lambda y: y // 3, lambda y: y // 3),
+    "taken": (lambda y: y[jnp.array([0, 0, -1])], lambda y: y[np.array([0, 0, -1])]),
+}
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(n=st.sampled_from([2, 3, 4]),
+                  ops=st.lists(st.sampled_from(sorted(OPERATIONS)), min_size=1, max_size=4),
+                  scale=st.sampled_from([1, 1000, 2**20, 2**28, 2**30]), seed=st.integers(0, 99))
+def test_property_an_in_step_sum_is_tfs_int64_number_or_raises(n, ops, scale, seed):
+    # Soundness: whatever the operations, a sum that does not raise is NumPy's int64 number.
+    rows = [np.random.default_rng(seed + i).integers(-scale, scale, 4, dtype=np.int64)
+            for i in range(n)]
+
+    def compute(y, which):
+        for op in ops:
+            y = OPERATIONS[op][which](y)
+        return y
+    s = mirrored(n)
+    try:
+        got = run(s, lambda y: all_reduce(compute(y, 0)), jdist.PerReplica(rows))
+    except errors.X64RequiredError:
+        return
+    np.testing.assert_array_equal(got, sum(compute(r, 1) for r in rows))
