@@ -33,6 +33,10 @@ SUMS = {
     "in a jitted helper": (lambda y: all_reduce(jax.jit(jnp.sum)(y)),
                            lambda ys: sum(np.sum(y) for y in ys)),
     "reversed slice": (lambda y: all_reduce(y[::-1][:2]), lambda ys: sum(y[::-1][:2] for y in ys)),
+    "masked": (lambda y: all_reduce(jnp.sum(jnp.where(y > 1001, y, 0))),
+               lambda ys: sum(np.sum(np.where(y > 1001, y, 0)) for y in ys)),
+    "times a mask": (lambda y: all_reduce(jnp.sum(y * (y > 1001).astype(jnp.int32))),
+                     lambda ys: sum(np.sum(y * (y > 1001)) for y in ys)),
     "float from a jitted helper": (
         lambda y: jax.jit(lambda v: all_reduce(jnp.sum(v)).astype(jnp.float32))(y),
         lambda ys: np.float32(sum(np.sum(y) for y in ys))),

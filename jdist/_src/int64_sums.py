@@ -190,8 +190,10 @@ def _rule(found, n):
     def rule(eqn, ins):
         outs = eqn.outvars
         integers = any(_is_int(v.aval) for v in outs)
-        if not any(ins) or not (integers or _has_integer_sum_in(eqn)):  # A call may hold a
-            return [CLEAN] * len(outs)  # sum and return floats.
+        if not any(ins):  # Constants: bounded by themselves (a mask's zeros, a bool as 0/1).
+            return [_constant(eqn) if integers else CLEAN] * len(outs)
+        if not (integers or _has_integer_sum_in(eqn)):  # A call may hold a sum, return floats.
+            return [CLEAN] * len(outs)
         bounds = _bounds(eqn, ins, n, found)
         return [b if _is_int(v.aval) else CLEAN for b, v in zip(bounds, outs)]
     return rule
@@ -215,8 +217,11 @@ def _bounds(eqn, ins, n, found):
     if name == "mul":
         return [_product(eqn, values)]
     inner = invariance.call_body(eqn)
-    if inner is not None:
-        return list(invariance.propagate(inner, list(ins), _rule(found, n), CLEAN))
+    if inner is not None:  # Literal operands become its inputs: bounded by themselves.
+        ins = [{CONST: abs(float(np.max(np.abs(v.val)))) * _size(v)}
+               if isinstance(v, core.Literal) and _is_int(v.aval) else b
+               for v, b in zip(eqn.invars, ins)]
+        return list(invariance.propagate(inner, ins, _rule(found, n), CLEAN))
     if _has_integer_sum_in(eqn):
         found.append(_unbounded(ins))
     return [_unbounded(ins)] * len(outs)
@@ -255,13 +260,27 @@ def _values(eqn, ins):
     return out
 
 
+def _constant(eqn):
+    """The bound of an integer computed from no argument: a literal broadcast, a bool made
+    0 or 1 (`CONST`, the sum of their magnitudes); `CLEAN` (unknown) for others."""
+    name, size = eqn.primitive.name, _size(eqn.outvars[0])
+    operand = eqn.invars[0] if eqn.invars else None
+    if name == "broadcast_in_dim" and isinstance(operand, core.Literal):
+        return {CONST: abs(float(operand.val)) * size}
+    if name == "convert_element_type" and operand is not None and operand.aval.dtype == bool:
+        return {CONST: float(size)}
+    return CLEAN
+
+
 def _product(eqn, values):
-    """A product by a literal scalar scales the bound; any other product is unbounded."""
+    """A product of one bounded value by constants (a literal scalar, a `CONST` bound, which
+    bounds each of its numbers) scales its bound; any other product is unbounded."""
     literal = [isinstance(v, core.Literal) and np.ndim(v.val) == 0 for v in eqn.invars]
-    if sum(literal) == 1:
-        scalar = next(v.val for v, is_literal in zip(eqn.invars, literal) if is_literal)
-        other = next(b for b, is_literal in zip(values, literal) if not is_literal)
-        return _scale(other, abs(float(scalar)))
+    factors = [abs(float(v.val)) if is_literal else b.get(CONST) if set(b) == {CONST} else None
+               for v, b, is_literal in zip(eqn.invars, values, literal)]
+    unknown = [b for b, factor in zip(values, factors) if factor is None]
+    if len(unknown) == 1:
+        return _scale(unknown[0], math.prod(f for f in factors if f is not None))
     return _unbounded(values, known=True)
 
 
