@@ -183,3 +183,28 @@ def test_property_an_in_step_sum_is_tfs_int64_number_or_raises(n, ops, scale, se
     except errors.X64RequiredError:
         return
     np.testing.assert_array_equal(got, sum(compute(r, 1) for r in rows))
+
+
+@pytest.mark.parametrize("dtype,ops,raises", [
+    (np.int64, None, True), (np.int32, None, False),
+    (np.int64, jdist.ReductionToOneDevice, False)])  # It concatenates, as TF's does.
+@pytest.mark.parametrize("numbers", ["counts", "doubled", "zeros"])
+@pytest.mark.parametrize("n", (2, 3))
+def test_an_in_step_all_gather_along_a_negative_axis_raises_where_tf_gathers_int64(
+        n, numbers, dtype, ops, raises):
+    # TF gathers int64 with its collective ops, which raise on a negative axis ('Requires
+    # start <= limit'); int32 and an explicit ReductionToOneDevice concatenate.
+    s = jdist.MirroredStrategy(jax.local_devices()[:n], cross_device_ops=ops and ops())
+    rows = [np.arange(6, dtype=dtype).reshape(2, 3) * (numbers != "zeros") + i for i in range(n)]
+    factor = 2 if numbers == "doubled" else 1
+
+    def step(x, axis):
+        return jdist.get_replica_context().all_gather(x * factor, axis=axis)
+    value = jdist.PerReplica(rows)
+    want = np.concatenate([r * factor for r in rows], axis=1)
+    np.testing.assert_array_equal(run(s, lambda x: step(x, 1), value), want)
+    if raises:
+        with pytest.raises(errors.InvalidArgumentError, match="negative axis"):
+            s.run(lambda x: step(x, -1), args=(value,))
+    else:
+        np.testing.assert_array_equal(run(s, lambda x: step(x, -1), value), want)

@@ -167,8 +167,7 @@ def test_gather_along_a_negative_axis(n, dtype, axis, ops):
     # TF's default ops on several devices gather all but int32 values with CollectiveAllReduce,
     # which raises on a negative axis; ReductionToOneDevice concatenates along it. int64 host
     # numbers are TF's int64 though JAX without x64 holds them as int32 (jdist records where
-    # they came from, all zeros too); inside a step that is not known, so all_gather is left
-    # out for them.
+    # they came from, all zeros too, and follows them into the step: `int64_sums`).
     zeros, dtype = dtype.endswith("zeros"), dtype.split()[0]
     strategy, tf_strategy = both(n)
     if ops is not None:
@@ -179,7 +178,7 @@ def test_gather_along_a_negative_axis(n, dtype, axis, ops):
         lambda ctx: rows[ctx.replica_id_in_sync_group])
     tf_value = tf_strategy.experimental_distribute_values_from_function(
         lambda ctx: tf.constant(rows[ctx.replica_id_in_sync_group]))
-    for how in ["gather"] if dtype == "int64" else ["gather", "all_gather"]:
+    for how in ["gather", "all_gather"]:
         assert_matches(
             outcome(strategy, lambda: gather_along(how, strategy, value, axis,
                                                    jdist.get_replica_context)),

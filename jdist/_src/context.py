@@ -502,9 +502,11 @@ class ReplicaContext:
         packing.as_options(options)
         host_values.check_arrays(value, "all_gather")
         self._strategy.extended.check_gather(value, axis, "all_gather")
-        if self._binding is None or self.num_replicas_in_sync == 1:
-            return self._collectives.all_gather(value, axis)
-        return self._binding.each_own(value, lambda own: self._collectives.all_gather(own, axis))
+        with self._strategy.extended.negative_axis_scope(axis):
+            if self._binding is None or self.num_replicas_in_sync == 1:
+                return self._collectives.all_gather(value, axis)
+            return self._binding.each_own(value,
+                                          lambda own: self._collectives.all_gather(own, axis))
 
     def merge_call(self, merge_fn, args=(), kwargs=None):
         """Runs ``merge_fn(strategy, *args, **kwargs)`` once in the cross-replica context.

@@ -14,7 +14,9 @@ it. Indices carry no magnitude into a value (``gather``, ``scatter``, ``dynamic_
 predicate of ``select_n``), nor do bools and floats: an accuracy count, a confusion matrix made
 with ``at[labels].add(1)`` or a float loss is not bounded by the labels and needs no check.
 `check` evaluates the bounds on each call's arguments and raises `X64RequiredError` where one
-reaches 2**31: there the int32 sum may differ from TF's.
+reaches 2**31: there the int32 sum may differ from TF's. An in-step ``all_gather`` along a
+negative axis is marked (`NEGATIVE_AXIS_SCOPE`) where TF would gather int64 numbers with its
+collective ops, which raise on one; `check` raises where int64 arguments reach it.
 """
 
 import contextlib
@@ -37,6 +39,10 @@ from jdist._src.values import holds_tf_int64
 from jdist._src.values import int64_sum_magnitude
 
 CONST = "const"  # A bound's part that constants contribute (its magnitude is 1).
+NEGATIVE_AXIS = "negative axis"  # Marks an all_gather along a negative axis (not a sum).
+# The name scope of an in-step all_gather along a negative axis where TF would gather int64
+# numbers with its collective ops, which raise on one (`StrategyExtended.negative_axis_scope`).
+NEGATIVE_AXIS_SCOPE = "jdist_negative_axis_gather"
 OTHER = "other"  # A bound's part that nothing recorded bounds: infinite where it appears.
 CLEAN = {}  # Not computed from an integer argument (or not an integer).
 
@@ -138,6 +144,13 @@ def check(bounds: tuple, leaves: list, num_replicas: int, what: str = "strategy.
         keys = [k for k in bound if isinstance(k, int) and holds_tf_int64(leaves[k])]
         if not keys:
             continue  # No int64 argument reaches it: TF's int32 sum, which JAX's is.
+        if NEGATIVE_AXIS in bound:
+            raise errors.InvalidArgumentError(
+                f"{what}: the step all-gathers along a negative axis integers computed from "
+                f"int64 host numbers (the arguments' leaves {keys}). TensorFlow holds them as "
+                "int64 and gathers them with its collective ops (CollectiveAllReduce), which "
+                "raise on a negative axis ('Requires start <= limit'). Count the axis from the "
+                "front (axis=x.ndim - 1 for the last).")
         total = sum(_part(bound, key, leaves, num_replicas) for key in bound)
         if total >= WRAPS_AT:
             raise errors.X64RequiredError(
@@ -201,6 +214,8 @@ def _rule(found, n):
 
 def _bounds(eqn, ins, n, found):
     name, outs = eqn.primitive.name, eqn.outvars
+    if NEGATIVE_AXIS_SCOPE in str(eqn.source_info.name_stack):
+        found.append({**_unbounded(ins, known=True), NEGATIVE_AXIS: 1})
     if name in _ACROSS or name == GROUP:
         return _collectives(eqn, ins, n, found)
     values = _values(eqn, ins)
@@ -319,9 +334,12 @@ def _has_integer_sum(jaxpr):
 
 
 def _is_integer_sum(eqn):
+    """Whether ``eqn`` sums integers across replicas (or all-gathers them along a negative
+    axis, `NEGATIVE_AXIS_SCOPE`): what `sum_bounds` looks for."""
     names = ({member[0].name for member in eqn.params["members"]}
              if eqn.primitive.name == GROUP else {eqn.primitive.name})
-    return bool(names & _SUMS) and any(_is_int(v.aval) for v in eqn.invars)
+    marked = NEGATIVE_AXIS_SCOPE in str(eqn.source_info.name_stack)
+    return (bool(names & _SUMS) or marked) and any(_is_int(v.aval) for v in eqn.invars)
 
 
 def _has_integer_sum_in(eqn):

@@ -9,6 +9,8 @@ subclass (`jdist._src.mirrored`, `jdist._src.multi_worker`).
 
 from typing import Any, List, Optional, Sequence, Tuple
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ from jdist._src import cross_device_ops as cross_device_ops_lib
 from jdist._src import destinations as destinations_lib
 from jdist._src import devices as devices_lib
 from jdist._src import errors
+from jdist._src import int64_sums
 from jdist._src import uneven_multi_worker
 from jdist._src.base import Axis
 from jdist._src.base import Destinations
@@ -191,6 +194,16 @@ class StrategyExtended:
                 "values only and raise on others. Cast it first (x.astype(jnp.float32) or "
                 "jnp.int32); a MirroredStrategy given cross_device_ops=jdist.ReductionToOneDevice()"
                 " takes every dtype, as in TF.")
+
+    def negative_axis_scope(self, axis: int):
+        """A context around an in-step ``all_gather`` along ``axis``: where TF would gather
+        int64 numbers with its collective ops, which raise on a negative axis, it marks the
+        gather (`int64_sums.NEGATIVE_AXIS_SCOPE`), so ``run`` raises on each call whose int64
+        arguments reach it (a traced value's origin is known only then)."""
+        if (isinstance(axis, (int, np.integer)) and not isinstance(axis, bool) and axis < 0
+                and self._by_collective_ops(np.dtype(np.int64))):
+            return jax.named_scope(int64_sums.NEGATIVE_AXIS_SCOPE)
+        return contextlib.nullcontext()
 
     def check_gather(self, value: PyTree, axis: int, what: str) -> None:
         """Raises where TF's own gather of ``value`` fails: on a dtype its collective ops refuse
