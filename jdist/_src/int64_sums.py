@@ -86,9 +86,13 @@ def program_bounds(arguments: Sequence, operands: Sequence, body: core.Jaxpr,
     """`sum_bounds` of an even step's ``body``, keyed by argument leaf: ``arguments`` are the
     variables of the leaves that are not static (``kinds``), in order, and ``operands`` the
     body's inputs among them."""
-    leaves = [i for i, kind in enumerate(kinds) if kind != STATIC]
-    inputs = argument_inputs(operands, dict(zip(arguments, leaves)))
+    inputs = argument_inputs(operands, dict(zip(arguments, dynamic_leaves(kinds))))
     return sum_bounds(body, inputs, num_replicas)
+
+
+def dynamic_leaves(kinds: Sequence[str]) -> list:
+    """The leaf index of each dynamic (not static) argument, in order: the bounds' keys."""
+    return [i for i, kind in enumerate(kinds) if kind != STATIC]
 
 
 def argument_inputs(operands: Sequence, keys: dict) -> list:
@@ -98,14 +102,14 @@ def argument_inputs(operands: Sequence, keys: dict) -> list:
             else CLEAN for v in operands]
 
 
-class _FunctionTrace(threading.local):
+class _TracedArguments(threading.local):
     """While a `dispatch.function` traces its function on this thread: its argument leaves'
     arrays (by id, to their index) and where the bounds its ``run`` calls find go."""
     inputs = None
     found = None
 
 
-_function_trace = _FunctionTrace()
+_function_trace = _TracedArguments()
 
 
 @contextlib.contextmanager
@@ -173,7 +177,8 @@ def _hand_over(bounds, leaves, num_replicas):
             if isinstance(key, int):
                 key = _function_trace.inputs.get(id(_array(leaves[key])), OTHER)
             outer[key] = math.inf if key == OTHER else outer.get(key, 0) + coefficient
-        found.append((tree, outer, num_replicas))
+        if (tree, outer, num_replicas) not in found:  # A retrace finds it again.
+            found.append((tree, outer, num_replicas))
 
 
 def _traced(leaf):
@@ -233,8 +238,7 @@ def _bounds(eqn, ins, n, found):
         return [_product(eqn, values)]
     inner = invariance.call_body(eqn)
     if inner is not None:  # Literal operands become its inputs: bounded by themselves.
-        ins = [{CONST: abs(float(np.max(np.abs(v.val)))) * _size(v)}
-               if isinstance(v, core.Literal) and _is_int(v.aval) else b
+        ins = [_literal(v, _size(v)) if isinstance(v, core.Literal) and _is_int(v.aval) else b
                for v, b in zip(eqn.invars, ins)]
         return list(invariance.propagate(inner, ins, _rule(found, n), CLEAN))
     if _has_integer_sum_in(eqn):
@@ -268,8 +272,8 @@ def _values(eqn, ins):
         var, bound = eqn.invars[i], ins[i]
         if bound or not _is_int(var.aval):
             out.append(bound)
-        elif isinstance(var, core.Literal):
-            out.append({CONST: float(np.max(np.abs(var.val))) * _size(eqn.outvars[0])})
+        elif isinstance(var, core.Literal):  # Broadcast over the output.
+            out.append(_literal(var, _size(eqn.outvars[0])))
         else:
             out.append({OTHER: math.inf})
     return out
@@ -281,10 +285,15 @@ def _constant(eqn):
     name, size = eqn.primitive.name, _size(eqn.outvars[0])
     operand = eqn.invars[0] if eqn.invars else None
     if name == "broadcast_in_dim" and isinstance(operand, core.Literal):
-        return {CONST: abs(float(operand.val)) * size}
+        return _literal(operand, size)
     if name == "convert_element_type" and operand is not None and operand.aval.dtype == bool:
         return {CONST: float(size)}
     return CLEAN
+
+
+def _literal(var, count):
+    """The bound of ``count`` numbers each at most a literal's largest magnitude."""
+    return {CONST: float(np.max(np.abs(var.val))) * count}
 
 
 def _product(eqn, values):

@@ -7,9 +7,8 @@ values itself. How values move between devices is the concern of the concrete st
 subclass (`jdist._src.mirrored`, `jdist._src.multi_worker`).
 """
 
-from typing import Any, List, Optional, Sequence, Tuple
-
 import contextlib
+from typing import Any, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -200,8 +199,7 @@ class StrategyExtended:
         int64 numbers with its collective ops, which raise on a negative axis, it marks the
         gather (`int64_sums.NEGATIVE_AXIS_SCOPE`), so ``run`` raises on each call whose int64
         arguments reach it (a traced value's origin is known only then)."""
-        if (isinstance(axis, (int, np.integer)) and not isinstance(axis, bool) and axis < 0
-                and self._by_collective_ops(np.dtype(np.int64))):
+        if _negative(axis) and self._by_collective_ops(np.dtype(np.int64)):
             return jax.named_scope(int64_sums.NEGATIVE_AXIS_SCOPE)
         return contextlib.nullcontext()
 
@@ -225,7 +223,7 @@ class StrategyExtended:
             dtype is one they refuse or ``axis`` is negative.
         """
         self.check_collective_dtypes(value, what, gathers=True)
-        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or axis >= 0:
+        if not _negative(axis):
             return
         for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
             one = leaf.values[0] if is_distributed(leaf) else leaf  # One replica's value.
@@ -555,3 +553,7 @@ def _short(value):
     text = repr(value)
     return text if len(text) < 60 else text[:57] + "..."
 
+
+def _negative(axis) -> bool:
+    """Whether ``axis`` is a negative integer (which TF's collective gathers refuse)."""
+    return isinstance(axis, (int, np.integer)) and not isinstance(axis, bool) and axis < 0

@@ -42,7 +42,6 @@ from jdist._src.run_arguments import ARRAY
 from jdist._src.run_arguments import PER_REPLICA
 from jdist._src.run_arguments import SCALARS
 from jdist._src.run_arguments import SHARED
-from jdist._src.run_arguments import STATIC
 from jdist._src import uneven_mesh
 from jdist._src.uneven_mesh import BLOCK
 from jdist._src.uneven_mesh import PLAIN
@@ -77,7 +76,7 @@ def plan(runner, fn, in_tree, kinds, statics, dynamic, abstract):
 
 def _int64_sums(traces, kinds):
     """`int64_sums.sum_bounds` of every distinct trace, keyed by the argument leaves."""
-    leaf_of = [i for i, kind in enumerate(kinds) if kind != STATIC]  # Per dynamic argument.
+    leaf_of = int64_sums.dynamic_leaves(kinds)
     bounds = []
     for t in {id(t): t for t in traces}.values():
         args = {v: leaf_of[i] for v, (kind, i) in zip(t.jaxpr.invars, t.sources) if kind == "arg"}
