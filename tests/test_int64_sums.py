@@ -161,15 +161,19 @@ OPERATIONS = {
     "masked": (lambda y: jnp.where(y > 3, y, 0), lambda y: np.where(y > 3, y, 0)),
     "floor div 3": (lambda y: y // 3, lambda y: y // 3),
     "taken": (lambda y: y[jnp.array([0, 0, -1])], lambda y: y[np.array([0, 0, -1])]),
+    "tripled in a loop": (lambda y: jax.lax.fori_loop(0, 2, lambda i, c: c + y, y),
+                          lambda y: 3 * y),
 }
 
 
 @hypothesis.settings(max_examples=40, deadline=None)
 @hypothesis.given(n=st.sampled_from([2, 3, 4]),
                   ops=st.lists(st.sampled_from(sorted(OPERATIONS)), min_size=1, max_size=4),
-                  scale=st.sampled_from([1, 1000, 2**20, 2**28, 2**30]), seed=st.integers(0, 99))
-def test_property_an_in_step_sum_is_tfs_int64_number_or_raises(n, ops, scale, seed):
-    # Soundness: whatever the operations, a sum that does not raise is NumPy's int64 number.
+                  scale=st.sampled_from([1, 1000, 2**20, 2**28, 2**30]), seed=st.integers(0, 99),
+                  across=st.booleans())
+def test_property_an_in_step_sum_is_tfs_int64_number_or_raises(n, ops, scale, seed, across):
+    # Soundness: whatever the operations, a number that does not raise is NumPy's int64 one,
+    # all-reduced across replicas or returned by each.
     rows = [np.random.default_rng(seed + i).integers(-scale, scale, 4, dtype=np.int64)
             for i in range(n)]
 
@@ -179,10 +183,14 @@ def test_property_an_in_step_sum_is_tfs_int64_number_or_raises(n, ops, scale, se
         return y
     s = mirrored(n)
     try:
-        got = run(s, lambda y: all_reduce(compute(y, 0)), jdist.PerReplica(rows))
+        got = s.experimental_local_results(s.run(
+            lambda y: all_reduce(compute(y, 0)) if across else compute(y, 0),
+            args=(jdist.PerReplica(rows),)))
     except errors.X64RequiredError:
         return
-    np.testing.assert_array_equal(got, sum(compute(r, 1) for r in rows))
+    want = [sum(compute(r, 1) for r in rows)] * n if across else [compute(r, 1) for r in rows]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.parametrize("dtype,ops,raises", [
@@ -208,3 +216,99 @@ def test_an_in_step_all_gather_along_a_negative_axis_raises_where_tf_gathers_int
             s.run(lambda x: step(x, -1), args=(value,))
     else:
         np.testing.assert_array_equal(run(s, lambda x: step(x, -1), value), want)
+
+
+# Integers a step computes from int64 labels and returns, without summing them across replicas.
+def looped(y, times, dynamic=False):
+    stop = jnp.asarray(times) if dynamic else times  # A traced bound makes a while loop.
+    return jax.lax.fori_loop(0, stop, lambda i, c: c + jnp.sum(y), jnp.zeros((), y.dtype))
+
+
+IN_STEP = {
+    "sum": (jnp.sum, np.sum),
+    "times 4": (lambda y: y * 4, lambda y: y * 4),
+    "doubled": (lambda y: y + y,) * 2,
+    "cumsum": (jnp.cumsum, np.cumsum),
+    "summed in a 3-step loop": (lambda y: looped(y, 3), lambda y: 3 * np.sum(y)),
+    "summed in a while loop": (lambda y: looped(y, 3, dynamic=True), lambda y: 3 * np.sum(y)),
+    "summed in a branch": (lambda y: jax.lax.cond(y[0] > 0, jnp.sum, jnp.max, y),
+                           lambda y: np.sum(y) if y[0] > 0 else np.max(y)),
+}
+
+
+@pytest.mark.parametrize("form", list(IN_STEP))
+@pytest.mark.parametrize("n", (1, 2, 4))
+def test_integers_a_step_returns_are_tfs_numbers_or_raise(n, form):
+    # TF computes them in int64: jdist gives NumPy's int64 numbers, or raises at the call where
+    # int32's could differ. A while loop's count is unknown: its growing sum always raises.
+    step, want = IN_STEP[form]
+    s = mirrored(n)
+    small = per_replica(n, 1000)
+    if "while" in form:
+        with pytest.raises(errors.X64RequiredError, match="computes integers"):
+            s.run(step, args=(small,))
+        return
+    got = s.experimental_local_results(s.run(step, args=(small,)))
+    for g, v in zip(got, small.values):
+        np.testing.assert_array_equal(g, want(np.asarray(v)))
+    with pytest.raises(errors.X64RequiredError, match="computes integers"):
+        s.run(step, args=(per_replica(n, 2**30),))
+
+
+@pytest.mark.parametrize("step,want", [
+    (lambda y: y, lambda y: y), (lambda y: y + 1, lambda y: y + 1),
+    (lambda y: y % 7, lambda y: y % 7), (lambda y: y // 2, lambda y: y // 2),
+    (lambda y: jnp.maximum(y, 0)[::-1], lambda y: np.maximum(y, 0)[::-1]),
+    (lambda y: jnp.where(y > 2**29, y, -y), lambda y: np.where(y > 2**29, y, -y)),
+], ids=["as is", "plus 1", "mod 7", "halved", "relu reversed", "where"])
+@pytest.mark.parametrize("n", (2, 8))
+def test_large_numbers_computed_one_by_one_need_no_x64(n, step, want):
+    # Ids near 2**30 add up far beyond 2**31, but each number the step computes stays in int32.
+    s, value = mirrored(n), per_replica(n, 2**30)
+    got = s.experimental_local_results(s.run(step, args=(value,)))
+    for g, v in zip(got, value.values):
+        np.testing.assert_array_equal(g, want(np.asarray(v)))
+
+
+@pytest.mark.parametrize("how", ["rows", "replicas", "copies"])
+@pytest.mark.parametrize("n", (2, 3, 8))
+def test_a_steps_int64_outputs_are_checked_where_strategy_reduce_sums_them(n, how):
+    # `run` records what its outputs may add up to: reduce gives TF's int64 sum or raises.
+    s = mirrored(n)
+
+    def reduced(labels):
+        if how == "copies":  # A Mirrored: reduce adds its n copies.
+            total = s.run(lambda y: all_reduce(jnp.sum(y)), args=(labels,))
+            return s.reduce("sum", total, axis=None)
+        rows = s.run(lambda y: y, args=(labels,))  # A PerReplica.
+        return s.reduce("sum", rows, axis=0 if how == "rows" else None)
+    small = per_replica(n, 2**20)
+    want = sum(np.sum(v) for v in small.values) * (n if how == "copies" else 1)
+    assert int(np.sum(reduced(small))) == want
+    copies = n if how == "copies" else 1  # What the step computes fits; the reduce's sum not.
+    with pytest.raises(errors.X64RequiredError, match="int64"):
+        reduced(per_replica(n, 2**31 // (4 * n * copies) + 1))
+
+
+@pytest.mark.parametrize("n", (2, 4))
+def test_a_mirrored_of_int64_host_numbers_is_tfs_int64(n):
+    s, value = mirrored(n), jdist.Mirrored(np.full(3, 2**30, np.int64))
+    for step in (jnp.sum, lambda y: all_reduce(y)):  # 3 * 2**30; n copies of 2**30.
+        with pytest.raises(errors.X64RequiredError):
+            s.run(step, args=(value,))
+    small = jdist.Mirrored(np.arange(3, dtype=np.int64))
+    assert run(s, lambda y: all_reduce(jnp.sum(y)), small) == n * 3
+
+
+@pytest.mark.parametrize("times", (1, 3, 16, 17, 100))
+@pytest.mark.parametrize("scale", (1, 2**20, 2**26))
+def test_a_loops_integer_carry_is_tfs_number_or_raises(scale, times):
+    # A carry is followed iteration by iteration (up to 16): a short loop's sum is bounded by
+    # its count; a longer loop whose carry still grows is unbounded, so it raises: never wrong.
+    s, value = mirrored(2), per_replica(2, scale)
+    try:
+        got = s.experimental_local_results(s.run(lambda y: looped(y, times), args=(value,)))
+    except errors.X64RequiredError:
+        assert times > 16 or times * np.sum(np.asarray(value.values[-1])) >= 2**31
+        return
+    assert [int(g) for g in got] == [times * int(np.sum(v)) for v in value.values]

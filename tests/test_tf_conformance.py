@@ -244,6 +244,52 @@ def test_in_step_sums_of_int64_numbers_give_tfs_numbers_or_an_error(n, scale, fo
     assert_matches(got, want, known_dtypes("int64"))
 
 
+def tf_loop_sum(y):  # The Python loop TF runs eagerly; jdist's step loops in the program.
+    total = tf.zeros([], y.dtype)
+    for _ in range(3):
+        total += tf.reduce_sum(y)
+    return total
+
+
+# Integers a step computes from int64 labels, and how each library reduces the step's outputs.
+COMPUTED = {
+    "sum": (jnp.sum, tf.reduce_sum, None),
+    "times 4": (lambda y: y * 4, lambda y: y * 4, None),
+    "summed 3 times in a loop": (
+        lambda y: jax.lax.fori_loop(0, 3, lambda i, c: c + jnp.sum(y), jnp.zeros((), y.dtype)),
+        tf_loop_sum, None),
+    "as is, then reduced": (lambda y: y, lambda y: y, 0),
+    "all-reduced, then reduced": ("all_reduce", "all_reduce", "copies"),
+}
+
+
+@pytest.mark.parametrize("form", list(COMPUTED))
+@pytest.mark.parametrize("scale", [1000, 2**29])
+@pytest.mark.parametrize("n", [2, 4])
+def test_int64_numbers_a_step_computes_give_tfs_numbers_or_an_error(n, scale, form):
+    # TF computes with int64 labels in int64 in the step and in `reduce`: jdist gives TF's
+    # numbers, or raises X64RequiredError where TF's leave int32's range.
+    strategy, tf_strategy = both(n)
+    rows = [np.array([scale, 3, scale - i, 7], np.int64) for i in range(n)]
+    jax_step, tf_step, reduced = COMPUTED[form]
+
+    def computed(s, step, context):
+        value = s.experimental_distribute_values_from_function(
+            lambda ctx: rows[ctx.replica_id_in_sync_group])
+        if step == "all_reduce":
+            step = lambda y: context().all_reduce("sum", y[:1])  # noqa: E731
+        out = s.run(step, args=(value,))
+        return out if reduced is None else s.reduce(
+            "sum", out, axis=None if reduced == "copies" else reduced)
+    want = outcome(tf_strategy, lambda: computed(tf_strategy, tf_step,
+                                                 tf.distribute.get_replica_context))
+    got = outcome(strategy, lambda: computed(strategy, jax_step, jdist.get_replica_context))
+    if isinstance(got, errors.X64RequiredError):
+        assert max(np.max(np.abs(np.asarray(w, np.int64))) for w in want) >= 2**31, (got, want)
+        return
+    assert_matches(got, want, known_dtypes("int64"))
+
+
 # ---------------------------------------------------------------------------------------------
 # c. Inside strategy.run: the replica context's collectives.
 

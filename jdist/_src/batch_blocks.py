@@ -97,11 +97,12 @@ class BlockedPerReplica(PerReplica):
     __slots__ = ("_block", "_position", "_taken")
 
     @classmethod
-    def _at(cls, block, position, int64_magnitude=None):
+    def _at(cls, block, position, int64_bounds=(None, None, None)):
         self = object.__new__(cls)
         self._block, self._position, self._taken = block, position, None
         self._lengths = self._view_valid_rows = self._components = None
-        self._int64_magnitude = int64_magnitude  # As `PerReplica` records it.
+        # As `PerReplica` records them (`values.record_int64_bounds`).
+        self._int64_magnitude, self._int64_max, self._int64_replica = int64_bounds
         return self
 
     @property
@@ -197,14 +198,14 @@ class BlockFeed:
             blocks.append(block)
             if self._cut is None:  # TF sums int64 batches in int64: a reduce checks what
                 # JAX's int32 holds (one replica's plain arrays record nothing, as placed ones).
-                magnitudes.append(int64_magnitudes(np.swapaxes(batches, 0, 1), number))
+                magnitudes.append(int64_magnitudes(batches, number))
         blocks = jax.device_put(blocks, self._sharding)
         if self._cut is not None:
             batches = [batch for start in range(0, number, self._cut_count)
                        for batch in self._cut(blocks, self._positions[start])]
             return Elements(jax.tree_util.tree_unflatten(tree, b) for b in batches[:number])
         return Elements(jax.tree_util.tree_unflatten(tree, [
-            BlockedPerReplica._at(b, self._positions[i], None if m is None else int(m[i]))
+            BlockedPerReplica._at(b, self._positions[i], *([] if m is None else [m[i]]))
             for b, m in zip(blocks, magnitudes)]) for i in range(number))
 
 

@@ -128,12 +128,20 @@ def int64_magnitude(values) -> int:
       >>> int64_magnitude([np.array([2**30, -2**30]), np.float32(1.0)]) == 2**31
       True
     """
-    total = 0
-    for v in values:
-        magnitudes = int64_magnitudes(v, 1)
-        if magnitudes is not None:
-            total += int(magnitudes[0])
-    return total
+    return sum(int(np.abs(v.astype(np.int64)).sum(dtype=np.int64))
+               for v in values if held_as_int32(v))
+
+
+def int64_largest(values) -> int:
+    """The largest magnitude of a number in the int64 host arrays among ``values`` that JAX
+    holds as int32 (`int64_magnitude`'s values), else 0.
+
+    Example:
+      >>> int64_largest([np.array([3, -7]), np.array([5], np.int32)])
+      7
+    """
+    return max((int(np.max(np.abs(v.astype(np.int64)), initial=0))
+                for v in values if held_as_int32(v)), default=0)
 
 
 def held_as_int32(value) -> bool:
@@ -146,19 +154,23 @@ def held_as_int32(value) -> bool:
     return _held_narrower(value) is not None and value.dtype.kind in "iu"
 
 
-def int64_magnitudes(value, count: int):
-    """`int64_magnitude` of each of the ``count`` parts of ``value`` along its first axis (the
-    batches of a dataset block), or None where JAX holds ``value``'s numbers as they are.
+def int64_magnitudes(block, count: int):
+    """Per batch of a dataset block ``block`` (``(replicas, count, ...)``), the magnitudes of
+    its int64 numbers: ``(sum, largest, largest sum on one replica)``
+    (`values.record_int64_bounds`), or None where JAX holds ``block``'s numbers as they are.
 
     Example:
-      >>> int64_magnitudes(np.array([[1, -2], [3, 4]]), 2).tolist()
-      [3, 7]
-      >>> int64_magnitudes(np.ones((2, 2), np.int32), 2) is None
+      >>> int64_magnitudes(np.array([[[1, -2], [3, 4]], [[5, 0], [0, 0]]]), 2)
+      [(8, 5, 5), (7, 4, 7)]
+      >>> int64_magnitudes(np.ones((2, 2, 2), np.int32), 2) is None
       True
     """
-    if not held_as_int32(value):
+    if not held_as_int32(block):
         return None
-    return np.abs(value.astype(np.int64)).reshape(count, -1).sum(axis=1, dtype=np.int64)
+    parts = np.abs(block.astype(np.int64)).reshape(block.shape[0], count, -1)
+    sums = parts.sum(axis=2, dtype=np.int64)
+    return list(zip(sums.sum(axis=0).tolist(), parts.max(axis=(0, 2), initial=0).tolist(),
+                    sums.max(axis=0).tolist()))
 
 
 def python_numbers_as_tf(value) -> np.ndarray:

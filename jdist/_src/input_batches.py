@@ -321,7 +321,7 @@ class Placer:
                   for a, (_, lengths, kind) in zip(arrays, leaves)]
         for value, (host, _, kind) in zip(values, leaves):  # TF sums int64 batches in int64.
             if kind != WHOLE:
-                record_int64_magnitude(value, host if kind == RAGGED else [host])
+                record_int64_magnitude(value, host)  # One per replica, or stacked.
         return values
 
 

@@ -77,7 +77,7 @@ class _Program:
     collected_args: tuple
     num_replicas: int
     token_index: Optional[int]  # The output the CPU guard waits on (the fast path's).
-    int64_sums: tuple = ()  # Bounds of its integer all-reduces of int64 numbers (`int64_sums`).
+    int64_checks: int64_sums.Checks = int64_sums.NONE  # Its int64 numbers' checks.
 
     def __post_init__(self):
         # How the outputs are wrapped, worked out once (`Mirrored` ones in `values.mirror_at`).
@@ -180,7 +180,7 @@ class ReplicatedRunner:
         (number, arrays), = outputs.items()
         program = cache.plans[number]
         leaves = (jax.tree_util.tree_flatten(call, is_leaf=is_distributed)[0]
-                  if program.passed_at or program.int64_sums else None)  # Read where needed.
+                  if program.passed_at else call)  # Flattened where needed.
         return self._wrap_outputs(program, arrays, None, leaves)
 
     def _launch_canonical(self, cache, call):
@@ -423,7 +423,7 @@ class ReplicatedRunner:
         # once), picked out after the call: returning it twice would cost a copy.
         sizes = [math.prod(shape) * (1 if s else n) for s, shape in zip(same, record["shapes"])]
         token = min(range(len(sizes)), key=sizes.__getitem__, default=None)
-        sums = int64_sums.program_bounds(traced.jaxpr.invars, eqn.invars, inner, kinds, n)
+        sums = int64_sums.program_checks(traced.jaxpr.invars, eqn.invars, inner, kinds, n)
         return _Program(program, record["tree"], varying, inherits, record["statics"],
                         tuple(plain), record["passed"], record["collected"], n, token, sums)
 
@@ -531,7 +531,7 @@ class ReplicatedRunner:
             plan = cache.programs[key] = uneven.plan(self, cache.fn, in_tree, kinds, statics,
                                                      dynamic, abstract)
         outputs = plan(dynamic)  # Checked after its collectives, which every worker must run.
-        int64_sums.check(plan.int64_sums, leaves, self._n)
+        int64_sums.check(plan.int64_checks, leaves, self._n)
         return outputs
 
     @staticmethod
@@ -550,9 +550,7 @@ class ReplicatedRunner:
 
     def _wrap_outputs(self, program, outputs, lengths, leaves):
         """The user's output nest from the program's flat outputs (`Mirrored`, `PerReplica` or
-        plain arrays, Python objects); ``leaves``: the call's arguments (see `passed_at`)."""
-        if program.int64_sums:  # Before any output is seen: TF's int64 sum or an error.
-            int64_sums.check(program.int64_sums, leaves, self._n)
+        plain arrays, Python objects); ``leaves``: the call's flat arguments, or the call."""
         wrapped, mirrored_at = list(outputs), program.mirrored_at
         if program.passed_at:  # A plain argument returned as it is is TF's one tensor.
             plain = {k for k, j in program.passed_at if not is_distributed(leaves[j])}
@@ -567,6 +565,8 @@ class ReplicatedRunner:
             x = wrapped[i]
             wrapped[i] = PerReplica._from_stacked(
                 x if program.out_varying[i] else x[None], lengths)
+        if program.int64_checks:  # Before any output is seen: TF's numbers or an error.
+            int64_sums.check(program.int64_checks, leaves, self._n, wrapped)
         if program.has_statics:
             arrays = iter(wrapped)
             wrapped = [next(arrays) if st is OUTPUT else st for st in program.out_statics]

@@ -20,7 +20,7 @@ from jdist._src import cross_device_ops as cross_device_ops_lib
 from jdist._src import destinations as destinations_lib
 from jdist._src import devices as devices_lib
 from jdist._src import errors
-from jdist._src import int64_sums
+from jdist._src import int64_bounds
 from jdist._src import uneven_multi_worker
 from jdist._src.base import Axis
 from jdist._src.base import Destinations
@@ -197,10 +197,10 @@ class StrategyExtended:
     def negative_axis_scope(self, axis: int):
         """A context around an in-step ``all_gather`` along ``axis``: where TF would gather
         int64 numbers with its collective ops, which raise on a negative axis, it marks the
-        gather (`int64_sums.NEGATIVE_AXIS_SCOPE`), so ``run`` raises on each call whose int64
+        gather (`int64_bounds.NEGATIVE_AXIS_SCOPE`), so ``run`` raises on each call whose int64
         arguments reach it (a traced value's origin is known only then)."""
         if _negative(axis) and self._by_collective_ops(np.dtype(np.int64)):
-            return jax.named_scope(int64_sums.NEGATIVE_AXIS_SCOPE)
+            return jax.named_scope(int64_bounds.NEGATIVE_AXIS_SCOPE)
         return contextlib.nullcontext()
 
     def check_gather(self, value: PyTree, axis: int, what: str) -> None:

@@ -71,18 +71,18 @@ def plan(runner, fn, in_tree, kinds, statics, dynamic, abstract):
     """
     traces, merges = uneven_trace.trace_replicas(runner, fn, in_tree, kinds, statics, abstract)
     built = _Plan.build(runner.programs, traces, merges, dynamic, kinds)
-    return dataclasses.replace(built, int64_sums=_int64_sums(traces, kinds))
+    return dataclasses.replace(built, int64_checks=_int64_checks(traces, kinds))
 
 
-def _int64_sums(traces, kinds):
-    """`int64_sums.sum_bounds` of every distinct trace, keyed by the argument leaves."""
+def _int64_checks(traces, kinds):
+    """`int64_sums.step_checks` of every distinct trace, keyed by the argument leaves."""
     leaf_of = int64_sums.dynamic_leaves(kinds)
-    bounds = []
+    checks = []
     for t in {id(t): t for t in traces}.values():
         args = {v: leaf_of[i] for v, (kind, i) in zip(t.jaxpr.invars, t.sources) if kind == "arg"}
         inputs = int64_sums.argument_inputs(t.jaxpr.invars, args)
-        bounds += int64_sums.sum_bounds(t.jaxpr, inputs, len(traces))
-    return tuple(bounds)
+        checks.append(int64_sums.step_checks(t.jaxpr, inputs, len(traces)))
+    return int64_sums.merged(checks)
 
 
 # ------------------------------------------------------------------------ pieces and steps
@@ -268,7 +268,7 @@ class _Plan:
     ragged_args: frozenset
     stacked_args: frozenset  # Even per-replica arguments: their stacked array, a block each.
     mesh_pieces: Any  # A `uneven_mesh.MeshPieces` where it serves; None: one device at a time.
-    int64_sums: tuple = ()  # Bounds of its integer all-reduces of int64 numbers (`int64_sums`).
+    int64_checks: int64_sums.Checks = int64_sums.NONE  # Its int64 numbers' checks.
 
     @classmethod
     def build(cls, programs, traces, merges, dynamic, kinds):
