@@ -312,3 +312,15 @@ def test_a_loops_integer_carry_is_tfs_number_or_raises(scale, times):
         assert times > 16 or times * np.sum(np.asarray(value.values[-1])) >= 2**31
         return
     assert [int(g) for g in got] == [times * int(np.sum(v)) for v in value.values]
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+def test_a_constant_is_summed_once_per_replica(n):
+    # Every replica's 2**28 stands in for a label: 8 replicas' sum is 2**31 (TF's int64).
+    s, value = mirrored(n), per_replica(n, 7)
+    step = lambda y: all_reduce(jnp.where(y > 100, y, 2**28))  # noqa: E731
+    if n * 2**28 >= 2**31:
+        with pytest.raises(errors.X64RequiredError):
+            s.run(step, args=(value,))
+    else:
+        np.testing.assert_array_equal(run(s, step, value), np.full(4, n * 2**28))
