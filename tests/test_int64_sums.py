@@ -324,3 +324,25 @@ def test_a_constant_is_summed_once_per_replica(n):
             s.run(step, args=(value,))
     else:
         np.testing.assert_array_equal(run(s, step, value), np.full(4, n * 2**28))
+
+
+@pytest.mark.parametrize("source", ["dataset", "values from a function", "numpy dataset"])
+def test_one_replicas_plain_int64_values_are_checked_too(source):
+    # One replica gets plain arrays, as in TF: they remember their int64 numbers all the same.
+    s = mirrored(1)
+
+    def made(rows):
+        if source == "values from a function":
+            return s.experimental_distribute_values_from_function(lambda ctx: rows)
+        batches = (s.experimental_make_numpy_dataset(rows).batch(4) if source == "numpy dataset"
+                   else [rows])  # An iterable of global batches.
+        return next(iter(s.experimental_distribute_dataset(batches)))
+    small, large = made(np.full(4, 1000, np.int64)), made(np.full(4, 2**29, np.int64))
+    assert isinstance(large, jax.Array)
+    assert int(s.run(jnp.sum, args=(small,))) == 4000
+    with pytest.raises(errors.X64RequiredError):
+        s.run(jnp.sum, args=(large,))
+    doubled = s.run(lambda y: y * 2, args=(large,))  # 2**30: each fits.
+    np.testing.assert_array_equal(doubled, np.full(4, 2**30))
+    with pytest.raises(errors.X64RequiredError):
+        s.reduce("sum", doubled, axis=0)

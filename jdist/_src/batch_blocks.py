@@ -35,6 +35,7 @@ from jax import lax
 import numpy as np
 
 from jdist._src.host_values import int64_magnitudes
+from jdist._src.int64_values import record_int64_bounds
 from jdist._src.values import PerReplica
 
 BLOCK_BYTES = 4 << 20  # A block holds at most this many bytes of batches...
@@ -97,12 +98,11 @@ class BlockedPerReplica(PerReplica):
     __slots__ = ("_block", "_position", "_taken")
 
     @classmethod
-    def _at(cls, block, position, int64_bounds=(None, None, None)):
+    def _at(cls, block, position, int64_bounds=None):
         self = object.__new__(cls)
         self._block, self._position, self._taken = block, position, None
         self._lengths = self._view_valid_rows = self._components = None
-        # As `PerReplica` records them (`values.record_int64_bounds`).
-        self._int64_magnitude, self._int64_max, self._int64_replica = int64_bounds
+        self._int64_bounds = int64_bounds  # As `PerReplica` records them (`int64_values`).
         return self
 
     @property
@@ -196,14 +196,18 @@ class BlockFeed:
             _read_rows(leaf, rows, batches)
             block[:, number:] = 0  # The data's last block: positions nobody reads.
             blocks.append(block)
-            if self._cut is None:  # TF sums int64 batches in int64: a reduce checks what
-                # JAX's int32 holds (one replica's plain arrays record nothing, as placed ones).
-                magnitudes.append(int64_magnitudes(batches, number))
+            # TF computes with int64 batches in int64: steps and reduces check what JAX's int32
+            # holds against these (`int64_values`).
+            magnitudes.append(int64_magnitudes(batches, number))
         blocks = jax.device_put(blocks, self._sharding)
         if self._cut is not None:
             batches = [batch for start in range(0, number, self._cut_count)
-                       for batch in self._cut(blocks, self._positions[start])]
-            return Elements(jax.tree_util.tree_unflatten(tree, b) for b in batches[:number])
+                       for batch in self._cut(blocks, self._positions[start])][:number]
+            for i, batch in enumerate(batches):
+                for array, m in zip(batch, magnitudes):
+                    if m is not None:
+                        record_int64_bounds(array, *m[i])
+            return Elements(jax.tree_util.tree_unflatten(tree, b) for b in batches)
         return Elements(jax.tree_util.tree_unflatten(tree, [
             BlockedPerReplica._at(b, self._positions[i], *([] if m is None else [m[i]]))
             for b, m in zip(blocks, magnitudes)]) for i in range(number))

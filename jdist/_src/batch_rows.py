@@ -81,7 +81,7 @@ def _merge(states):
 
 def _scan_rows(eqn, ins):
     params = eqn.params
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    n_consts, n_carry = invariance.scan_counts(params)
     consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
     # Each iteration sees one slice along axis 0: a row axis further in moves one place in; a
     # scan along the rows themselves hands the body single rows (not modelled).

@@ -157,7 +157,7 @@ def held_as_int32(value) -> bool:
 def int64_magnitudes(block, count: int):
     """Per batch of a dataset block ``block`` (``(replicas, count, ...)``), the magnitudes of
     its int64 numbers: ``(sum, largest, largest sum on one replica)``
-    (`values.record_int64_bounds`), or None where JAX holds ``block``'s numbers as they are.
+    (`int64_values.record_int64_bounds`), or None where JAX holds ``block``'s numbers as they are.
 
     Example:
       >>> int64_magnitudes(np.array([[[1, -2], [3, 4]], [[5, 0], [0, 0]]]), 2)

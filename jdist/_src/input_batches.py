@@ -37,7 +37,7 @@ from jdist._src.values import DistributedValues
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
 from jdist._src.values import pad_components
-from jdist._src.values import record_int64_magnitude
+from jdist._src.int64_values import record_int64_magnitude
 
 
 def _is_tf_dataset(obj):
@@ -320,8 +320,7 @@ class Placer:
                   else PerReplica._from_components(a) if kind == RAGGED else a
                   for a, (_, lengths, kind) in zip(arrays, leaves)]
         for value, (host, _, kind) in zip(values, leaves):  # TF sums int64 batches in int64.
-            if kind != WHOLE:
-                record_int64_magnitude(value, host)  # One per replica, or stacked.
+            record_int64_magnitude(value, [host] if kind == WHOLE else host)
         return values
 
 

@@ -252,17 +252,15 @@ def _values(eqn, ins):
 
 # ------------------------------------------------------------------ loops and branches
 def _scan(eqn, ins, n, checks):
-    p = eqn.params
-    body, consts = invariance.open_jaxpr(p["jaxpr"]), ins[:p["num_consts"]]
-    carry = list(ins[p["num_consts"]:p["num_consts"] + p["num_carry"]])
-    xs = ins[p["num_consts"] + p["num_carry"]:]  # One slice per iteration: within the whole.
+    p, (nc, nk) = eqn.params, invariance.scan_counts(eqn.params)
+    body, consts, carry = invariance.open_jaxpr(p["jaxpr"]), ins[:nc], list(ins[nc:nc + nk])
+    xs = ins[nc + nk:]  # One slice per iteration: within the whole.
 
     def step(state, record):
         return invariance.propagate(body, consts + state + xs, _rule(record, n), None)
-    carry, outs = _iterate(step, carry, p["length"], checks)
-    ys = [None if y is None else Bound(y.elem, _scale(y.replica, p["length"]))
-          for y in outs[p["num_carry"]:]]
-    return carry + ys
+    carry, ys = _iterate(step, carry, p["length"], checks)
+    return carry + [None if y is None else Bound(y.elem, _scale(y.replica, p["length"]))
+                    for y in ys]
 
 
 def _while(eqn, ins, n, checks):

@@ -11,7 +11,7 @@ check: every operation whose numbers could leave int32's range (a SUM across rep
 ``add``, a ``reduce_sum``, a product...), and the bounds of the step's integer outputs. `check`
 evaluates them on each call's arguments: it raises `X64RequiredError` where a bound reaches
 2**31 (there the int32 number may differ from TF's), and records the outputs' bounds on the
-`PerReplica` and `Mirrored` values returned (`values.record_int64_bounds`), so that a later
+values returned (`int64_values.record_int64_bounds`), so that a later
 ``strategy.reduce`` of them, or a later step, is checked in turn. Counts, indices and floats
 computed from int64 numbers are not bounded by them and need no check. An in-step
 ``all_gather`` along a negative axis is marked (`NEGATIVE_AXIS_SCOPE`) where TF would gather
@@ -41,9 +41,9 @@ from jdist._src.run_arguments import STATIC
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
-from jdist._src.values import holds_tf_int64
-from jdist._src.values import int64_max_magnitude
-from jdist._src.values import record_int64_bounds
+from jdist._src.int64_values import holds_tf_int64
+from jdist._src.int64_values import int64_max_magnitude
+from jdist._src.int64_values import record_int64_bounds
 
 _RECORDED_AT_MOST = 2**62  # An output's unbounded magnitude, recorded: any sum of it raises.
 

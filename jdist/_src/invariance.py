@@ -108,9 +108,18 @@ def _eqn_same(eqn, ins):
     return [all(ins)] * n_out
 
 
+def scan_counts(params) -> tuple:
+    """How many of a ``scan``'s operands are constants and carries: its ``num_consts`` and
+    ``num_carry`` (JAX 0.10), or the sizes of the first two groups of its ``ft_in`` (0.11)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()  # Flat trees: one value per operand.
+    return len(list(consts.vals)), len(list(carry.vals))
+
+
 def _scan_same(eqn, ins):
     body = open_jaxpr(eqn.params["jaxpr"])
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    n_consts, n_carry = scan_counts(eqn.params)
     consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
     carry, outs = loop_fixpoint(same_outputs, all, body, consts, carry, xs)
     return carry + outs[n_carry:]

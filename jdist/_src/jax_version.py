@@ -8,9 +8,9 @@ primitive may not, and could mark a value that differs per replica as `Mirrored`
 number. So an untested JAX is refused at import, loudly, unless the user asks to try it.
 
 Measured on jax 0.11.2 (2026-11-26): ``lax.scan``'s parameters changed (``num_consts`` and
-``num_carry`` became ``ft_in``), and XLA's CPU compiler crashed the process (a segmentation
-fault) on a ``jit(shard_map)`` program that takes a zero-size array, which a partial batch's
-empty replicas give.
+``num_carry`` became ``ft_in``; `invariance.scan_counts` reads both since 2026-11-27), and
+XLA's CPU compiler crashed the process (a segmentation fault) on a ``jit(shard_map)`` program
+that takes a zero-size array, which a partial batch's empty replicas give.
 """
 
 import os

@@ -7,7 +7,7 @@ import numpy as np
 
 from jdist._src import errors
 from jdist._src import host_values
-from jdist._src import values
+from jdist._src import int64_values
 
 
 class ReduceOp(enum.Enum):
@@ -97,7 +97,7 @@ def _check_int64_sums(op, value, copies):
     the int32 JAX holds them in (`host_values.int64_magnitude`; a plain value is added
     ``copies`` times)."""
     for v in value if isinstance(value, (list, tuple)) else (value,):
-        magnitude = values.int64_sum_magnitude(v, copies)
+        magnitude = int64_values.int64_sum_magnitude(v, copies)
         if magnitude >= host_values.WRAPS_AT:
             raise errors.X64RequiredError(
                 f"{op} of int64 host values whose magnitudes add up to "

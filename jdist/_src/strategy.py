@@ -31,7 +31,7 @@ from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
 from jdist._src.values import local_results
-from jdist._src.values import record_int64_magnitude
+from jdist._src.int64_values import record_int64_magnitude
 
 
 class Strategy(TF1Methods):
@@ -261,7 +261,7 @@ class Strategy(TF1Methods):
         for leaf in jax.tree_util.tree_leaves(per_replica):
             check_host_numbers(leaf)  # Before any transfer: JAX would wrap 64-bit integers.
         if n == 1:  # The value itself, on the replica's device (as TF's device scope puts it).
-            return jax.tree_util.tree_map(self._extended.place_one_replica_value, per_replica[0])
+            return jax.tree_util.tree_map(self._one_replica_value, per_replica[0])
         if dispatch.under_a_staging_trace():
             raise errors.WrongContextError(
                 "experimental_distribute_values_from_function was called while a function is "
@@ -274,6 +274,11 @@ class Strategy(TF1Methods):
         for leaf, column in zip(leaves, columns):  # TF's sums of int64 values stay int64.
             record_int64_magnitude(leaf, column)
         return jax.tree_util.tree_unflatten(trees[0], leaves)
+
+    def _one_replica_value(self, host):
+        value = self._extended.place_one_replica_value(host)
+        record_int64_magnitude(value, [host])  # TF's int64 numbers, held as int32 (plain).
+        return value
 
     # ----- Distributed input: thin delegations to jdist._src.input (see that module). -----
     def experimental_distribute_dataset(self, dataset, options=None):

@@ -38,7 +38,7 @@ from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
-from jdist._src.values import holds_tf_int64
+from jdist._src.int64_values import holds_tf_int64
 from jdist._src.values import is_step_output
 from jdist._src.values import local_results
 from jdist._src.values import spans_workers

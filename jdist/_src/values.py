@@ -25,9 +25,7 @@ from jdist._src.host_values import check_arrays
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.host_values import dtype_kind
-from jdist._src.host_values import held_as_int32
-from jdist._src.host_values import int64_largest
-from jdist._src.host_values import int64_magnitude
+from jdist._src.int64_values import record_int64_magnitude
 
 
 ARRAYS = (jax.Array, np.ndarray, np.generic)  # What jdist takes as an array leaf.
@@ -96,12 +94,10 @@ class PerReplica(DistributedValues):
 
     # `_components`: the per-replica arrays of a ragged value (then `_stacked` is None).
     # `_view_valid_rows`: traced real-row counts of a merge_call view (see spmd.merge_call).
-    # `_int64_magnitude`: `host_values.int64_magnitude` of the int64 host values it was made
-    # from (TF holds it as int64, though its numbers may all be 0), else None; `_int64_max`,
-    # `_int64_replica`: their largest magnitude and one replica's largest sum, where known
-    # (`record_int64_bounds`).
-    __slots__ = ("_stacked", "_lengths", "_view_valid_rows", "_components", "_int64_magnitude",
-                 "_int64_max", "_int64_replica")
+    # `_int64_bounds`: the magnitudes of the int64 host numbers it was made from or computed
+    # from (TF holds it as int64, though its numbers may all be 0), else None (`int64_values`).
+    __slots__ = ("_stacked", "_lengths", "_view_valid_rows", "_components", "_int64_bounds")
+    _int64_per_copy = False  # Its recorded total counts every replica's numbers.
 
     def __init__(self, values):
         if isinstance(values, DistributedValues) or not isinstance(values, (tuple, list)):
@@ -118,7 +114,7 @@ class PerReplica(DistributedValues):
         self._components = components
         self._lengths = None if lengths is None else tuple(int(n) for n in lengths)
         self._view_valid_rows = None
-        self._int64_magnitude = self._int64_max = self._int64_replica = None
+        self._int64_bounds = None
 
     @classmethod
     def _from_stacked(cls, stacked, lengths=None):
@@ -229,9 +225,10 @@ class Mirrored(DistributedValues):
     # The replica count is the class's, not the instance's: a `Mirrored` of N replicas is an
     # instance of `_mirrored_class(N, ...)`. JAX compares a pytree node's metadata on every
     # jitted call, and a metadata field made each `Mirrored` parameter cost 0.18 us more per call.
-    # So is whether `run` returned it (see `is_step_output`). `_int64_magnitude`, `_int64_max`,
-    # `_int64_replica`: as `PerReplica`'s, of one copy, where set (`record_int64_bounds`).
-    __slots__ = ("_value", "_int64_magnitude", "_int64_max", "_int64_replica")
+    # So is whether `run` returned it (see `is_step_output`). `_int64_bounds`: as
+    # `PerReplica`'s, of one copy, where set (`int64_values`).
+    __slots__ = ("_value", "_int64_bounds")
+    _int64_per_copy = True
     _num_replicas = 1
     _step_output = False
 
@@ -521,57 +518,6 @@ def mirror_at(leaves, indices, num_replicas):
         m = new(cls)
         m._value = leaves[i]
         leaves[i] = m
-
-
-def record_int64_magnitude(value, components) -> None:
-    """Records on ``value``, a `PerReplica` made from the host values ``components`` (one per
-    replica, or stacked with the replica axis first), or a `Mirrored` made from one copy, the
-    magnitudes of their int64 numbers (`record_int64_bounds`), which TF holds as int64 and JAX
-    without x64 as int32; None where none of them is int64 (`holds_tf_int64` reads that)."""
-    if any(map(held_as_int32, [components] if isinstance(components, np.ndarray)
-               else components)):
-        sums = [int64_magnitude([c]) for c in components]
-        record_int64_bounds(value, sum(sums), int64_largest(list(components)), max(sums))
-
-
-def record_int64_bounds(value, total, largest, replica=None) -> None:
-    """Records that ``value`` (a `PerReplica`, or one copy of a `Mirrored`) holds, as int32,
-    TF's int64 numbers whose magnitudes add up to at most ``total`` (every replica's), each at
-    most ``largest``, at most ``replica`` on one replica (``total`` if not given). `run`'s
-    outputs computed from int64 arguments record theirs too (`int64_sums`)."""
-    if isinstance(value, (PerReplica, Mirrored)):
-        value._int64_magnitude, value._int64_max = int(total), int(largest)
-        value._int64_replica = int(total if replica is None else replica)
-
-
-def int64_sum_magnitude(value, copies: int = 1) -> int:
-    """The magnitude of the int64 host numbers a SUM of ``value`` adds: a `PerReplica`'s
-    recorded one, a `Mirrored`'s or a host array's ``copies`` times (one per replica holding
-    it), else 0."""
-    if isinstance(value, PerReplica):  # Every maker sets it: `_init`, dataset blocks' `_at`.
-        return value._int64_magnitude or 0
-    if isinstance(value, Mirrored):
-        return (getattr(value, "_int64_magnitude", None) or 0) * copies
-    return int64_magnitude([value]) * copies
-
-
-def int64_max_magnitude(value, per_replica: bool = False) -> int:
-    """The largest magnitude of the int64 host numbers in ``value`` (`int64_sum_magnitude`'s
-    values), or with ``per_replica`` the largest sum of them on one replica (a `Mirrored`'s or
-    a host array's: one copy's); bounded by their sum where not recorded; else 0."""
-    if isinstance(value, (PerReplica, Mirrored)):
-        largest = getattr(value, "_int64_replica" if per_replica else "_int64_max", None)
-        return largest if largest is not None else getattr(value, "_int64_magnitude", 0) or 0
-    return int64_magnitude([value]) if per_replica else int64_largest([value])
-
-
-def holds_tf_int64(value) -> bool:
-    """Whether TF holds ``value`` as int64 where JAX without x64 holds int32: a `PerReplica`
-    or `Mirrored` made from int64 host numbers (all zeros too) or computed from them by
-    ``run``, or such a host array."""
-    if isinstance(value, (PerReplica, Mirrored)):
-        return getattr(value, "_int64_magnitude", None) is not None
-    return held_as_int32(value)
 
 
 def is_distributed(x):

@@ -1,0 +1,96 @@
+"""Where a value's int64 numbers came from: what TF holds as int64 and JAX without x64 as int32.
+
+TF keeps int64 host numbers (tf.data's integers, NumPy's default) int64 in every value made from
+them and every integer computed from them; JAX without x64 holds them as int32, which gives the
+same numbers until a sum or product leaves int32's range. So jdist records, on each value it makes
+from int64 host numbers, the magnitudes of those numbers (`record_int64_magnitude`): their sum
+over every replica, the largest one, and the largest sum on one replica. `run` records its own
+integer outputs' bounds the same way (`record_int64_bounds`, from `int64_sums`). Reductions and
+steps read them (`int64_sum_magnitude`, `int64_max_magnitude`, `holds_tf_int64`) to give TF's
+number or raise `X64RequiredError` where int32's could differ.
+
+A `PerReplica` or `Mirrored` keeps them in its ``_int64_bounds`` slot (a `Mirrored`, whose
+class sets ``_int64_per_copy``, one copy's); a plain ``jax.Array`` (what one replica gets, as in
+TF) has no room of its own, so its bounds are kept beside it while it lives.
+"""
+
+import weakref
+
+import jax
+import numpy as np
+
+from jdist._src.host_values import held_as_int32
+from jdist._src.host_values import int64_largest
+from jdist._src.host_values import int64_magnitude
+
+_PLAIN = {}  # id(array): (weak reference, bounds) of plain arrays (`record_int64_bounds`).
+
+
+def record_int64_magnitude(value, components) -> None:
+    """Records on ``value``, a `PerReplica` made from the host values ``components`` (one per
+    replica, or stacked with the replica axis first), a `Mirrored` made from one copy, or one
+    replica's plain array made from one, the magnitudes of their int64 numbers
+    (`record_int64_bounds`); nothing where none of them is int64.
+
+    Example:
+      >>> import jdist
+      >>> v = jdist.PerReplica([np.array([3, -4]), np.array([5, 0])])
+      >>> int64_sum_magnitude(v), int64_max_magnitude(v), int64_max_magnitude(v, True)
+      (12, 5, 7)
+    """
+    if any(map(held_as_int32, [components] if isinstance(components, np.ndarray)
+               else components)):
+        sums = [int64_magnitude([c]) for c in components]
+        record_int64_bounds(value, sum(sums), int64_largest(list(components)), max(sums))
+
+
+def record_int64_bounds(value, total: int, largest: int, replica: int = None) -> None:
+    """Records that ``value`` (a `PerReplica`, one copy of a `Mirrored`, or one replica's
+    plain ``jax.Array``) holds, as int32, TF's int64 numbers whose magnitudes add up to at most
+    ``total`` (every replica's), each at most ``largest``, and at most ``replica`` on one
+    replica (``total`` if not given)."""
+    bounds = (int(total), int(largest), int(total if replica is None else replica))
+    if hasattr(type(value), "_int64_per_copy"):  # A `PerReplica` or a `Mirrored`.
+        value._int64_bounds = bounds
+    elif isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+        key = id(value)
+        _PLAIN[key] = (weakref.ref(value, lambda _: _PLAIN.pop(key, None)), bounds)
+
+
+def _recorded(value):
+    """``(total, largest, replica)`` recorded for ``value``, or None."""
+    if hasattr(type(value), "_int64_per_copy"):
+        return getattr(value, "_int64_bounds", None)
+    entry = _PLAIN.get(id(value))
+    return entry[1] if entry is not None and entry[0]() is value else None
+
+
+def int64_sum_magnitude(value, copies: int = 1) -> int:
+    """The magnitude of the int64 numbers a SUM of ``value`` adds: a `PerReplica`'s recorded
+    total, a `Mirrored`'s, a plain array's or a host array's ``copies`` times (one per replica
+    holding it), else 0."""
+    recorded = _recorded(value)
+    if recorded is None:
+        return 0 if hasattr(type(value), "_int64_per_copy") else int64_magnitude([value]) * copies
+    return recorded[0] * (copies if getattr(type(value), "_int64_per_copy", True) else 1)
+
+
+def int64_max_magnitude(value, per_replica: bool = False) -> int:
+    """The largest magnitude of the int64 numbers in ``value``, or with ``per_replica`` the
+    largest sum of them on one replica (a `Mirrored`'s, a plain or host array's: one copy's);
+    0 where it holds none."""
+    recorded = _recorded(value)
+    if recorded is not None:
+        return recorded[2 if per_replica else 1]
+    return int64_magnitude([value]) if per_replica else int64_largest([value])
+
+
+def holds_tf_int64(value) -> bool:
+    """Whether TF holds ``value`` as int64 where JAX without x64 holds int32: a value made from
+    int64 host numbers (all zeros too) or computed from them by ``run``, or such a host array.
+
+    Example:
+      >>> holds_tf_int64(np.zeros(2, np.int64)), holds_tf_int64(np.zeros(2, np.int32))
+      (True, False)
+    """
+    return _recorded(value) is not None or held_as_int32(value)
