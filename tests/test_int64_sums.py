@@ -346,3 +346,15 @@ def test_one_replicas_plain_int64_values_are_checked_too(source):
     np.testing.assert_array_equal(doubled, np.full(4, 2**30))
     with pytest.raises(errors.X64RequiredError):
         s.reduce("sum", doubled, axis=0)
+
+
+@pytest.mark.parametrize("n", (2, 4))
+def test_ids_with_the_replica_id_or_split_need_no_x64(n):
+    # Large ids offset by the replica id, or split in halves, are each in int32's range.
+    s, value = mirrored(n), per_replica(n, 2**30)
+    got = s.experimental_local_results(s.run(
+        lambda y: (y + jdist.get_replica_context().replica_id_in_sync_group,
+                   jnp.split(y, 2)[1]), args=(value,)))
+    for r, ((plus, half), v) in enumerate(zip(got, value.values)):
+        np.testing.assert_array_equal(plus, np.asarray(v) + r)
+        np.testing.assert_array_equal(half, np.asarray(v)[2:])

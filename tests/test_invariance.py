@@ -9,6 +9,7 @@ when it is replicated; the answer may err towards *differ*, never towards *same*
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -190,3 +191,22 @@ def test_merge_primitive_reports_its_out_same_param():
     for out_same in ((True, False, True), (False, False, False)):
         got = same(lambda x, w: body(x, w, out_same), DIFFER, SAME)
         assert got == list(out_same)
+
+
+class _FlatTree:
+    """Stands in for jax 0.11's ``FTTuple`` (its groups' ``unpack``, their ``vals``)."""
+
+    def __init__(self, *groups):
+        self.groups, self.vals = groups, [v for g in groups for v in getattr(g, "vals", [g])]
+
+    def unpack(self):
+        return self.groups
+
+
+@pytest.mark.parametrize("params,counts", [
+    ({"num_consts": 1, "num_carry": 2}, (1, 2)),  # jax 0.10
+    ({"ft_in": _FlatTree(_FlatTree(None), _FlatTree(None, None), _FlatTree())}, (1, 2)),
+    ({"ft_in": _FlatTree(_FlatTree(), _FlatTree(None), _FlatTree(None, None))}, (0, 1)),
+])
+def test_scan_counts_reads_both_jax_releases_parameters(params, counts):
+    assert invariance.scan_counts(params) == counts

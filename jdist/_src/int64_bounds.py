@@ -89,7 +89,7 @@ def _rule(checks, n):
     def rule(eqn, ins):
         ints = [is_integer(v.aval) for v in eqn.outvars]
         if not any(ins):  # Constants: bounded by themselves (a mask's zeros, a bool as 0/1).
-            return [_constant(eqn) if i else None for i in ints]
+            return [_constant(eqn, n) if i else None for i in ints]
         if not any(ints) and not _sub_programs(eqn):
             return [None] * len(ints)
         if NEGATIVE_AXIS_SCOPE in str(eqn.source_info.name_stack):
@@ -103,7 +103,7 @@ def _bounds(eqn, ins, n, checks):
     if name in _ACROSS_REPLICAS or name == GROUP:
         return _collectives(eqn, ins, n, checks)
     if name in _INDICES:
-        return [_index(eqn)] * len(eqn.outvars)
+        return [_index(eqn, n)] * len(eqn.outvars)
     # A sub-program's literal operands become its inputs: bounded by themselves.
     ins = [_literal(v, _size(v)) if isinstance(v, core.Literal) and is_integer(v.aval) else b
            for v, b in zip(eqn.invars, ins)] if _sub_programs(eqn) else ins
@@ -120,7 +120,7 @@ def _bounds(eqn, ins, n, checks):
     if rule is None or name in _GROWS:
         checks.append((WRAP, out.elem))
     if name == "top_k":
-        return [out, _index(eqn)]
+        return [out, _index(eqn, n)]
     return [out] * len(eqn.outvars)
 
 
@@ -208,7 +208,8 @@ _RULES = {
                      "ppermute", "optimization_barrier", "pvary",
                      "reduce_precision", "add", "add_any", "sub", "max", "min", "clamp",
                      "concatenate", "select_n", "sort", "dynamic_update_slice", "scatter",
-                     "shift_right_arithmetic"], _same),
+                     "shift_right_arithmetic", "split", "pbroadcast", "device_put",
+                     "sharding_constraint", "mesh_cast", "reshard"], _same),
     "convert_element_type": _converted,
     "broadcast_in_dim": _broadcast,
     **dict.fromkeys(["gather", "pad", "cummax", "cummin"], _spread),
@@ -339,7 +340,7 @@ def _literal(var, count):
     return _constants(np.max(np.abs(var.val)), count)
 
 
-def _constant(eqn):
+def _constant(eqn, n):
     """The bound of an integer computed from no argument: a literal broadcast, a bool made
     0 or 1, an index (`_index`); None (unknown) for others."""
     name, size = eqn.primitive.name, _size(eqn.outvars[0])
@@ -349,15 +350,14 @@ def _constant(eqn):
     if name == "convert_element_type" and operand is not None and operand.aval.dtype == bool:
         return _constants(1, size)
     if name in _INDICES:
-        return _index(eqn)
+        return _index(eqn, n)
     return None
 
 
-def _index(eqn):
-    """An index's bound: under the size of what it indexes (an operand's, or its own)."""
-    sizes = [_size(v) for v in eqn.invars] + [_size(eqn.outvars[0])]
-    if eqn.primitive.name == "axis_index":
-        return None  # A replica id: no argument bounds it, and TF's is int32 too.
+def _index(eqn, n):
+    """An index's bound: under the size of what it indexes (an operand's, or its own; a
+    replica id's: the replica count)."""
+    sizes = [_size(v) for v in eqn.invars] + [_size(eqn.outvars[0]), n]
     return _constants(max(sizes), _size(eqn.outvars[0]))
 
 
