@@ -265,10 +265,13 @@ COMPUTED = {
 
 @pytest.mark.parametrize("form", list(COMPUTED))
 @pytest.mark.parametrize("scale", [1000, 2**29])
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [1, 2, 4])  # One replica: plain tensors in TF, plain arrays here.
 def test_int64_numbers_a_step_computes_give_tfs_numbers_or_an_error(n, scale, form):
     # TF computes with int64 labels in int64 in the step and in `reduce`: jdist gives TF's
     # numbers, or raises X64RequiredError where TF's leave int32's range.
+    if n == 1 and form.startswith("all-reduced"):
+        pytest.skip("TF's one-device MirroredStrategy raises on an eager in-step all_reduce of "
+                    "a plain tensor ('destinations must be one of a DistributedValues object').")
     strategy, tf_strategy = both(n)
     rows = [np.array([scale, 3, scale - i, 7], np.int64) for i in range(n)]
     jax_step, tf_step, reduced = COMPUTED[form]
