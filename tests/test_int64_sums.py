@@ -358,3 +358,29 @@ def test_ids_with_the_replica_id_or_split_need_no_x64(n):
     for r, ((plus, half), v) in enumerate(zip(got, value.values)):
         np.testing.assert_array_equal(plus, np.asarray(v) + r)
         np.testing.assert_array_equal(half, np.asarray(v)[2:])
+
+
+def in_function(s, how):
+    """TF's `@tf.function def step(batch)` idioms over int64 labels, as `jdist.function`s."""
+    if how == "reduce inside":
+        return jdist.function(lambda b: s.reduce("sum", s.run(jnp.sum, args=(b,)), axis=None))
+    if how == "reduce of its output":
+        rows = jdist.function(lambda b: s.run(lambda y: y, args=(b,)))
+        return lambda b: s.reduce("sum", rows(b), axis=0)
+    return jdist.function(lambda b: s.run(  # Two steps: the second sums the first's numbers.
+        lambda z: all_reduce(jnp.sum(z)), args=(s.run(lambda y: y * 2, args=(b,)),)))
+
+
+@pytest.mark.parametrize("how", ["reduce inside", "reduce of its output", "two steps"])
+@pytest.mark.parametrize("n", (2, 4))
+def test_a_jdist_functions_reduces_outputs_and_later_steps_are_checked(n, how):
+    s = mirrored(n)
+    step = in_function(s, how)
+    for value in (1000, 7, 2**31 // (8 * n) + 1):  # The last one's sum reaches 2**31.
+        labels = per_replica(n, value)
+        want = sum(np.sum(v) for v in labels.values) * (2 if how == "two steps" else 1)
+        if want < 2**31:
+            assert int(np.sum(s.experimental_local_results(step(labels))[0])) == want
+        else:
+            with pytest.raises(errors.X64RequiredError):
+                step(labels)

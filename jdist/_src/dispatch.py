@@ -258,7 +258,7 @@ def function(fun=None, **jit_kwargs):
         raise errors.UnsupportedValueError(
             f"jdist.function expects a function, got {type(fun).__name__}.")
 
-    sums = []  # What its run calls all-reduce of int64 numbers, per argument tree (`int64_sums`).
+    sums = int64_sums.FunctionChecks()  # What its int64 numbers need, per argument tree.
 
     @functools.wraps(fun)
     def traced(*args, **kwargs):
@@ -266,7 +266,9 @@ def function(fun=None, **jit_kwargs):
             raise _RaggedArguments()  # Before ``fun`` is traced: `call` runs it as Python.
         batch_blocks.blocks_read()  # Arguments flattened: what ``fun`` captures reads plainly.
         with int64_sums.function_trace((args, kwargs), sums):
-            return _checked_outputs(fun(*args, **kwargs))
+            outputs = _checked_outputs(fun(*args, **kwargs))
+            int64_sums.traced_outputs(outputs)
+            return outputs
     jitted = jax.jit(traced, **jit_kwargs)
     guard = guard_for(jax.default_backend(), jax.local_device_count())
     # Dataset elements held in blocks enter as (block, position), indexed inside the program;
@@ -282,7 +284,7 @@ def function(fun=None, **jit_kwargs):
                     return jitted(*args, **kwargs)
                 outputs = guard.dispatch(lambda: jitted(*args, **kwargs), spans_all_devices=False)
                 if sums:  # Found by this call's trace or an earlier one.
-                    int64_sums.check_function(sums, (args, kwargs))
+                    int64_sums.check_function(sums, (args, kwargs), outputs)
                 return outputs
         except (_RaggedArguments, TypeError):
             # Values of different shapes per replica (a partial batch): no program has them,

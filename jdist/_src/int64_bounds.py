@@ -136,10 +136,10 @@ def _collectives(eqn, ins, n, checks):
             if b is None or not is_integer(v.aval):
                 outs.append(None)
             elif primitive.name in _SUMS:
-                checks.append((ACROSS, _scale(b.elem, n)))
-                outs.append(Bound(_scale(b.elem, n), _scale(b.replica, n)))
+                checks.append((ACROSS, scale(b.elem, n)))
+                outs.append(Bound(scale(b.elem, n), scale(b.replica, n)))
             else:
-                outs.append(Bound(b.elem, _scale(b.replica, n)))
+                outs.append(Bound(b.elem, scale(b.replica, n)))
         start += count
     return outs
 
@@ -151,17 +151,17 @@ def _same(eqn, values, size):
 
 def _broadcast(eqn, values, size):
     (v,) = values
-    return Bound(v.elem, _scale(v.replica, size / max(1, _size(eqn.invars[0]))))
+    return Bound(v.elem, scale(v.replica, size / max(1, _size(eqn.invars[0]))))
 
 
 def _spread(eqn, values, size):  # Each number is one of the operands' (or a padding value).
     elem = _add(v.elem for v in values)
-    return Bound(elem, _scale(elem, size))
+    return Bound(elem, scale(elem, size))
 
 
 def _summed(eqn, values, size):  # Each number adds some of the replica's numbers.
     share = _add(v.replica for v in values)
-    return Bound(share, share if eqn.primitive.name == "reduce_sum" else _scale(share, size))
+    return Bound(share, share if eqn.primitive.name == "reduce_sum" else scale(share, size))
 
 
 def _scatter_add(eqn, values, size):
@@ -185,7 +185,7 @@ def _product(eqn, values, size):
     unknown = [v for v, f in zip(values, factors) if f is None]
     if len(unknown) == 1 and len(values) == 2:
         factor = math.prod(f for f in factors if f is not None)
-        return Bound(_scale(unknown[0].elem, factor), _scale(unknown[0].replica, factor))
+        return Bound(scale(unknown[0].elem, factor), scale(unknown[0].replica, factor))
     if not unknown:
         return _constants(math.prod(factors), size)
     return _unbounded(values, known=True)
@@ -260,7 +260,7 @@ def _scan(eqn, ins, n, checks):
     def step(state, record):
         return invariance.propagate(body, consts + state + xs, _rule(record, n), None)
     carry, ys = _iterate(step, carry, p["length"], checks)
-    return carry + [None if y is None else Bound(y.elem, _scale(y.replica, p["length"]))
+    return carry + [None if y is None else Bound(y.elem, scale(y.replica, p["length"]))
                     for y in ys]
 
 
@@ -310,7 +310,8 @@ def _add(forms):
     return total
 
 
-def _scale(form, factor):
+def scale(form: dict, factor) -> dict:
+    """``form`` times ``factor``."""
     return {key: coefficient * factor for key, coefficient in form.items()} if factor else {}
 
 

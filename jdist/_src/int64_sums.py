@@ -34,6 +34,7 @@ from jdist._src import int64_bounds
 from jdist._src.host_values import WRAPS_AT
 from jdist._src.int64_bounds import ACROSS
 from jdist._src.int64_bounds import CONST
+from jdist._src.int64_bounds import MAX
 from jdist._src.int64_bounds import NEGATIVE_AXIS
 from jdist._src.int64_bounds import OTHER
 from jdist._src.int64_bounds import SUM
@@ -44,6 +45,8 @@ from jdist._src.values import is_distributed
 from jdist._src.int64_values import holds_tf_int64
 from jdist._src.int64_values import int64_max_magnitude
 from jdist._src.int64_values import record_int64_bounds
+from jdist._src.int64_values import record_traced_bounds
+from jdist._src.int64_values import traced_bounds
 
 _RECORDED_AT_MOST = 2**62  # An output's unbounded magnitude, recorded: any sum of it raises.
 
@@ -108,10 +111,23 @@ def argument_inputs(operands: Sequence, keys: dict) -> list:
             else None for v in operands]
 
 
+@dataclasses.dataclass
+class FunctionChecks:
+    """What a `dispatch.function`'s traces found (`function_trace`), keyed by the function's
+    own argument leaves: per argument tree, the checks its ``run`` and ``strategy.reduce`` calls
+    need (``(tree, (kind, form))``), and its integer outputs' bounds (``(tree, leaf, bound)``)."""
+    checks: list = dataclasses.field(default_factory=list)
+    outputs: list = dataclasses.field(default_factory=list)
+
+    def __bool__(self):
+        return bool(self.checks or self.outputs)
+
+
 class _TracedArguments(threading.local):
     """While a `dispatch.function` traces its function on this thread: its argument leaves'
-    arrays (by id, to their index) and where the checks its ``run`` calls find go."""
+    arrays (by id, to their index), their tree and what its traces find (`FunctionChecks`)."""
     inputs = None
+    tree = None
     found = None
 
 
@@ -119,31 +135,59 @@ _function_trace = _TracedArguments()
 
 
 @contextlib.contextmanager
-def function_trace(arguments, found: list):
+def function_trace(arguments, found: FunctionChecks):
     """While inside, a traced ``run`` whose arguments are ``arguments``' leaves (a
-    `dispatch.function`'s, traced) adds its checks, keyed by those leaves, to ``found`` as
-    ``(tree, check, num_replicas)``: `check_function` checks them on each call."""
+    `dispatch.function`'s, traced), or values it computed, adds its checks, keyed by those
+    leaves, to ``found``, and records its outputs' bounds on them as forms in those leaves
+    (`int64_values.record_traced_bounds`), which a ``strategy.reduce``, a later ``run`` and
+    `traced_outputs` read: `check_function` checks and records them on each call."""
     leaves, tree = jax.tree_util.tree_flatten(arguments, is_leaf=is_distributed)
-    saved = _function_trace.inputs, _function_trace.found
+    saved = _function_trace.inputs, _function_trace.tree, _function_trace.found
     _function_trace.inputs = {id(_array(leaf)): i for i, leaf in enumerate(leaves)}
-    _function_trace.found = (tree, found)
+    _function_trace.tree, _function_trace.found = tree, found
     try:
         yield
     finally:
-        _function_trace.inputs, _function_trace.found = saved
+        _function_trace.inputs, _function_trace.tree, _function_trace.found = saved
 
 
-def check_function(found: list, arguments) -> None:
+def traced_outputs(outputs) -> None:
+    """Inside `function_trace`: keeps the bounds recorded on the function's ``outputs``, so
+    each call records them on what it returns (`check_function`)."""
+    tree, found = _function_trace.tree, _function_trace.found
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(outputs, is_leaf=is_distributed)):
+        bound = traced_bounds(leaf)
+        if bound is not None and (tree, i, bound) not in found.outputs:
+            found.outputs.append((tree, i, bound))
+
+
+def hand_over_sum(value, copies: int) -> bool:
+    """Inside `function_trace`, for a SUM of ``value`` (``strategy.reduce``): hands the
+    function the check of what it adds, where ``value`` carries traced bounds; returns whether
+    it did (else the caller checks ``value``'s recorded numbers)."""
+    bound = traced_bounds(value)
+    if _function_trace.found is None or bound is None:
+        return False
+    total = int64_bounds.scale(bound.replica, value.num_replicas
+                               if isinstance(value, PerReplica) else copies)
+    _found(_function_trace.found.checks, (_function_trace.tree, (ACROSS, total)))
+    return True
+
+
+def check_function(found: FunctionChecks, arguments, outputs) -> None:
     """`check` of a `dispatch.function` call's ``arguments`` against the checks its traces
-    found (`function_trace`)."""
+    found (`function_trace`), then the bounds of its integer ``outputs`` recorded on them."""
     leaves, tree = jax.tree_util.tree_flatten(arguments, is_leaf=is_distributed)
-    for traced_tree, one, num_replicas in found:
+    for traced_tree, one in found.checks:
         if traced_tree == tree:
-            check(_checks((one,), ()), leaves, num_replicas, what="a jdist.function's strategy.run")
+            check(_checks((one,), ()), leaves, what="a jdist.function's strategy.run")
+    returned = jax.tree_util.tree_leaves(outputs, is_leaf=is_distributed)
+    for traced_tree, index, bound in found.outputs:
+        if traced_tree == tree:
+            check(_checks((), ((index, bound),)), leaves, returned)
 
 
-def check(checks: Checks, leaves, num_replicas: int, outputs=None,
-          what: str = "strategy.run") -> None:
+def check(checks: Checks, leaves, outputs=None, what: str = "strategy.run") -> None:
     """Raises where one of ``checks`` may wrap on this call, else records the bounds of the
     call's integer ``outputs`` (the program's flat outputs, wrapped) on them.
 
@@ -151,7 +195,6 @@ def check(checks: Checks, leaves, num_replicas: int, outputs=None,
       checks: the program's `Checks`.
       leaves: the call's arguments flattened with distributed values as leaves, or the call
         ``(args, kwargs)`` itself (the leaves the checks read are then looked up by path).
-      num_replicas: the replica count (a `PerReplica` output's total is n times a replica's).
       outputs: the program's outputs as ``run`` returns them, flat, or None.
       what: the call, as the error names it.
 
@@ -161,7 +204,7 @@ def check(checks: Checks, leaves, num_replicas: int, outputs=None,
     """
     keyed = _keyed_leaves(checks, leaves)
     if _function_trace.inputs is not None and any(map(_traced, keyed.values())):
-        _hand_over(checks, keyed, num_replicas)
+        _hand_over(checks, keyed, outputs)
         return
     int64 = {k for k, leaf in keyed.items() if holds_tf_int64(leaf)}
     if not int64:
@@ -175,7 +218,8 @@ def check(checks: Checks, leaves, num_replicas: int, outputs=None,
         if any(isinstance(key, tuple) and key[1] in int64 for form in bound for key in form):
             largest, replica = (min(_evaluate(form, magnitude), _RECORDED_AT_MOST)
                                 for form in bound)
-            copies = 1 if isinstance(outputs[index], Mirrored) else num_replicas
+            value = outputs[index]  # A `PerReplica`'s total is n times a replica's sum.
+            copies = value.num_replicas if isinstance(value, PerReplica) else 1
             record_int64_bounds(outputs[index], min(replica * copies, _RECORDED_AT_MOST),
                                 largest, replica)
 
@@ -238,19 +282,39 @@ def _keyed_leaves(checks, leaves):
     return {k: argument_paths.leaf_at(leaves, path) for k, path in at}
 
 
-def _hand_over(checks, keyed, num_replicas):
-    """``checks`` on the traced function's own argument leaves; a leaf the function computed
-    (not one of its arguments) counts as one that nothing bounds (`OTHER`)."""
-    tree, found = _function_trace.found
+def _hand_over(checks, keyed, outputs):
+    """``checks`` on the traced function's own argument leaves, and its ``outputs``' bounds
+    recorded as forms in them (`function_trace`)."""
     for kind, form in checks.checks:
-        outer = {}
-        for key, coefficient in form.items():
-            if isinstance(key, tuple):
-                index = _function_trace.inputs.get(id(_array(keyed[key[1]])))
-                key = OTHER if index is None else (key[0], index)
-            outer[key] = math.inf if key == OTHER else outer.get(key, 0) + coefficient
-        if (tree, (kind, outer), num_replicas) not in found:  # A retrace finds it again.
-            found.append((tree, (kind, outer), num_replicas))
+        _found(_function_trace.found.checks, (_function_trace.tree, (kind, _outer(form, keyed))))
+    for index, bound in checks.outputs if outputs is not None else ():
+        record_traced_bounds(outputs[index], int64_bounds.Bound(
+            *(_outer(form, keyed) for form in bound)))
+
+
+def _outer(form, keyed):
+    """``form`` (in a traced ``run``'s argument leaves ``keyed``) in the function's own
+    argument leaves: a leaf the function computed counts by its traced bounds, or as one
+    that nothing bounds (`OTHER`)."""
+    outer = {}
+    for key, coefficient in form.items():
+        parts = {key: 1}
+        if isinstance(key, tuple):
+            leaf = keyed[key[1]]
+            index = _function_trace.inputs.get(id(_array(leaf)))
+            traced = traced_bounds(leaf)
+            parts = ({(key[0], index): 1} if index is not None
+                     else {OTHER: 1} if traced is None
+                     else traced.elem if key[0] == MAX else traced.replica)
+        for part, factor in parts.items():
+            outer[part] = (math.inf if part == OTHER
+                           else outer.get(part, 0) + coefficient * factor)
+    return outer
+
+
+def _found(found, entry):
+    if entry not in found:  # A retrace finds it again.
+        found.append(entry)
 
 
 def _traced(leaf):

@@ -57,10 +57,24 @@ def record_int64_bounds(value, total: int, largest: int, replica: int = None) ->
         _PLAIN[key] = (weakref.ref(value, lambda _: _PLAIN.pop(key, None)), bounds)
 
 
+def record_traced_bounds(value, bounds) -> None:
+    """Records on ``value``, a traced `PerReplica` or `Mirrored` (inside a `jdist.function`),
+    its bounds as forms in the function's arguments (`int64_sums`), read by `traced_bounds`."""
+    if hasattr(type(value), "_int64_per_copy"):
+        value._int64_bounds = bounds
+
+
+def traced_bounds(value):
+    """What `record_traced_bounds` recorded on ``value``, or None."""
+    recorded = getattr(value, "_int64_bounds", None)
+    return None if recorded is None or type(recorded) is tuple else recorded
+
+
 def _recorded(value):
     """``(total, largest, replica)`` recorded for ``value``, or None."""
     if hasattr(type(value), "_int64_per_copy"):
-        return getattr(value, "_int64_bounds", None)
+        recorded = getattr(value, "_int64_bounds", None)
+        return recorded if type(recorded) is tuple else None
     entry = _PLAIN.get(id(value))
     return entry[1] if entry is not None and entry[0]() is value else None
 

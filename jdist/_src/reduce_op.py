@@ -7,6 +7,7 @@ import numpy as np
 
 from jdist._src import errors
 from jdist._src import host_values
+from jdist._src import int64_sums
 from jdist._src import int64_values
 
 
@@ -97,6 +98,8 @@ def _check_int64_sums(op, value, copies):
     the int32 JAX holds them in (`host_values.int64_magnitude`; a plain value is added
     ``copies`` times)."""
     for v in value if isinstance(value, (list, tuple)) else (value,):
+        if int64_sums.hand_over_sum(v, copies):  # Traced in a jdist.function: checked per call.
+            continue
         magnitude = int64_values.int64_sum_magnitude(v, copies)
         if magnitude >= host_values.WRAPS_AT:
             raise errors.X64RequiredError(

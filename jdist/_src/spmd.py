@@ -531,7 +531,7 @@ class ReplicatedRunner:
             plan = cache.programs[key] = uneven.plan(self, cache.fn, in_tree, kinds, statics,
                                                      dynamic, abstract)
         outputs = plan(dynamic)  # Checked after its collectives, which every worker must run.
-        int64_sums.check(plan.int64_checks, leaves, self._n)
+        int64_sums.check(plan.int64_checks, leaves)
         return outputs
 
     @staticmethod
@@ -566,7 +566,7 @@ class ReplicatedRunner:
             wrapped[i] = PerReplica._from_stacked(
                 x if program.out_varying[i] else x[None], lengths)
         if program.int64_checks:  # Before any output is seen: TF's numbers or an error.
-            int64_sums.check(program.int64_checks, leaves, self._n, wrapped)
+            int64_sums.check(program.int64_checks, leaves, wrapped)
         if program.has_statics:
             arrays = iter(wrapped)
             wrapped = [next(arrays) if st is OUTPUT else st for st in program.out_statics]
