@@ -44,6 +44,7 @@ from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
 from jdist._src.int64_values import holds_tf_int64
 from jdist._src.int64_values import int64_max_magnitude
+from jdist._src.int64_values import int64_sum_magnitude
 from jdist._src.int64_values import record_int64_bounds
 from jdist._src.int64_values import record_traced_bounds
 from jdist._src.int64_values import traced_bounds
@@ -172,6 +173,23 @@ def hand_over_sum(value, copies: int) -> bool:
                                if isinstance(value, PerReplica) else copies)
     _found(_function_trace.found.checks, (_function_trace.tree, (ACROSS, total)))
     return True
+
+
+def check_reduce(op, value, copies: int) -> None:
+    """Raises `X64RequiredError` where ``value`` (or one of a list of values) holds int64 host
+    numbers (`int64_values`) whose SUM (``op``: a reduce's), TF's int64, may wrap in the int32
+    JAX holds them in (a plain value is added ``copies`` times); inside a `jdist.function`,
+    hands the check over instead (`hand_over_sum`)."""
+    for v in value if isinstance(value, (list, tuple)) else (value,):
+        if hand_over_sum(v, copies):
+            continue
+        magnitude = int64_sum_magnitude(v, copies)
+        if magnitude >= WRAPS_AT:
+            raise errors.X64RequiredError(
+                f"{op} of int64 host values whose magnitudes add up to "
+                f"{magnitude}: TF sums them in int64, JAX without 64-bit mode in int32, where "
+                "the sum may wrap to another number. Enable 64-bit mode before creating arrays "
+                "(jax.config.update('jax_enable_x64', True)), or sum values that int32 holds.")
 
 
 def check_function(found: FunctionChecks, arguments, outputs) -> None:

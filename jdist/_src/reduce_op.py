@@ -8,7 +8,6 @@ import numpy as np
 from jdist._src import errors
 from jdist._src import host_values
 from jdist._src import int64_sums
-from jdist._src import int64_values
 
 
 class ReduceOp(enum.Enum):
@@ -76,7 +75,7 @@ def check_reducible(op, value, adds: bool = True, places: bool = True, copies: i
         jdist._src.errors.UnsupportedValueError: ReduceOp.SUM of bool values ...
     """
     if adds and op is ReduceOp.SUM:
-        _check_int64_sums(op, value, copies)
+        int64_sums.check_reduce(op, value, copies)
     for leaf in jax.tree_util.tree_leaves(value):  # One walk of the nest: reduce is per step.
         host_values.check_array(leaf, str(op))
         dtype = getattr(leaf, "dtype", None)
@@ -90,20 +89,3 @@ def check_reducible(op, value, adds: bool = True, places: bool = True, copies: i
         if kind == "PRNG key":
             raise errors.UnsupportedValueError(
                 f"{op} of PRNG keys is not defined; reduce what the replicas drew with them.")
-
-
-def _check_int64_sums(op, value, copies):
-    """Raises `X64RequiredError` where ``value`` (or one of a list of values) is an int64 host
-    array, or a `PerReplica` made from int64 host values, whose sum, TF's int64, may wrap in
-    the int32 JAX holds them in (`host_values.int64_magnitude`; a plain value is added
-    ``copies`` times)."""
-    for v in value if isinstance(value, (list, tuple)) else (value,):
-        if int64_sums.hand_over_sum(v, copies):  # Traced in a jdist.function: checked per call.
-            continue
-        magnitude = int64_values.int64_sum_magnitude(v, copies)
-        if magnitude >= host_values.WRAPS_AT:
-            raise errors.X64RequiredError(
-                f"{op} of int64 host values whose magnitudes add up to "
-                f"{magnitude}: TF sums them in int64, JAX without 64-bit mode in int32, where "
-                "the sum may wrap to another number. Enable 64-bit mode before creating arrays "
-                "(jax.config.update('jax_enable_x64', True)), or sum values that int32 holds.")
