@@ -367,11 +367,14 @@ def in_function(s, how):
     if how == "reduce of its output":
         rows = jdist.function(lambda b: s.run(lambda y: y, args=(b,)))
         return lambda b: s.reduce("sum", rows(b), axis=0)
+    if how == "reduce its rows inside":
+        return jdist.function(lambda b: s.reduce("sum", s.run(lambda y: y, args=(b,)), axis=0))
     return jdist.function(lambda b: s.run(  # Two steps: the second sums the first's numbers.
         lambda z: all_reduce(jnp.sum(z)), args=(s.run(lambda y: y * 2, args=(b,)),)))
 
 
-@pytest.mark.parametrize("how", ["reduce inside", "reduce of its output", "two steps"])
+@pytest.mark.parametrize("how", ["reduce inside", "reduce its rows inside",
+                                 "reduce of its output", "two steps"])
 @pytest.mark.parametrize("n", (2, 4))
 def test_a_jdist_functions_reduces_outputs_and_later_steps_are_checked(n, how):
     s = mirrored(n)
@@ -384,3 +387,19 @@ def test_a_jdist_functions_reduces_outputs_and_later_steps_are_checked(n, how):
         else:
             with pytest.raises(errors.X64RequiredError):
                 step(labels)
+
+
+@pytest.mark.parametrize("how", ["reduce inside", "reduce its rows inside", "reduce of its output",
+                                 "two steps"])
+def test_a_jdist_function_on_one_replica_is_checked_too(how):
+    # One replica's step outputs are plain arrays, traced inside the function.
+    s = mirrored(1)
+    step = in_function(s, how)
+    for value, fits in ((1000, True), (2**29, False)):  # 4 labels of 2**29 (twice: 2**31).
+        batch = next(iter(s.experimental_distribute_dataset([np.full(4, value, np.int64)])))
+        if fits:
+            want = 4 * value * (2 if how == "two steps" else 1)
+            assert int(np.sum(s.experimental_local_results(step(batch))[0])) == want
+        else:
+            with pytest.raises(errors.X64RequiredError):
+                step(batch)
