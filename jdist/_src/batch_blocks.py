@@ -203,7 +203,7 @@ class BlockFeed:
         if self._cut is not None:
             batches = [batch for start in range(0, number, self._cut_count)
                        for batch in self._cut(blocks, self._positions[start])][:number]
-            for i, batch in enumerate(batches):
+            for i, batch in enumerate(batches if any(m is not None for m in magnitudes) else ()):
                 for array, m in zip(batch, magnitudes):
                     if m is not None:
                         record_int64_bounds(array, *m[i])

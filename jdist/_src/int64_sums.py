@@ -50,6 +50,7 @@ from jdist._src.int64_values import record_traced_bounds
 from jdist._src.int64_values import traced_bounds
 
 _RECORDED_AT_MOST = 2**62  # An output's unbounded magnitude, recorded: any sum of it raises.
+REDUCE = "reduce"  # A check a `jdist.function` gets from a `strategy.reduce` inside it.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Checks:
     checks: tuple = ()
     outputs: tuple = ()
     keys: tuple = ()
-    found: dict = dataclasses.field(default_factory=dict, compare=False)  # Their paths.
+    lookup: dict = dataclasses.field(default_factory=dict, compare=False)  # Keys' paths.
 
     def __bool__(self):
         return bool(self.checks or self.outputs)
@@ -173,7 +174,7 @@ def hand_over_sum(value, copies: int) -> bool:
         return False
     total = int64_bounds.scale(bound.replica, value.num_replicas
                                if isinstance(value, PerReplica) else copies)
-    _found(_function_trace.found.checks, (_function_trace.tree, (ACROSS, total)))
+    _found(_function_trace.found.checks, (_function_trace.tree, (REDUCE, total)))
     return True
 
 
@@ -200,7 +201,7 @@ def check_function(found: FunctionChecks, arguments, outputs) -> None:
     leaves, tree = jax.tree_util.tree_flatten(arguments, is_leaf=is_distributed)
     for traced_tree, one in found.checks:
         if traced_tree == tree:
-            check(_checks((one,), ()), leaves, what="a jdist.function's strategy.run")
+            check(_checks((one,), ()), leaves, what="a jdist.function")
     returned = jax.tree_util.tree_leaves(outputs, is_leaf=is_distributed)
     for traced_tree, index, bound in found.outputs:
         if traced_tree == tree:
@@ -240,24 +241,24 @@ def check(checks: Checks, leaves, outputs=None, what: str = "strategy.run") -> N
                                 for form in bound)
             value = outputs[index]  # A `PerReplica`'s total is n times a replica's sum.
             copies = value.num_replicas if isinstance(value, PerReplica) else 1
-            record_int64_bounds(outputs[index], min(replica * copies, _RECORDED_AT_MOST),
+            record_int64_bounds(value, min(replica * copies, _RECORDED_AT_MOST),
                                 largest, replica)
 
 
 def _raise_where_it_may_wrap(kind, bound, keys, what):
     if kind == NEGATIVE_AXIS:
         raise errors.InvalidArgumentError(
-            f"{what}: the step all-gathers along a negative axis integers computed from "
+            f"{what}: a step all-gathers along a negative axis integers computed from "
             f"int64 host numbers (the arguments' leaves {keys}). TensorFlow holds them as "
             "int64 and gathers them with its collective ops (CollectiveAllReduce), which "
             "raise on a negative axis ('Requires start <= limit'). Count the axis from the "
             "front (axis=x.ndim - 1 for the last).")
     if bound < WRAPS_AT:
         return
-    does = ("all-reduces (SUM) integers" if kind == ACROSS
-            else "computes integers (a sum, a product, an addition, a loop...)")
+    does = {ACROSS: "a step all-reduces (SUM) integers", REDUCE: "strategy.reduce adds integers"
+            }.get(kind, "a step computes integers (a sum, a product, an addition, a loop...)")
     raise errors.X64RequiredError(
-        f"{what}: the step {does} from int64 host numbers (the arguments' leaves {keys}, in "
+        f"{what}: {does} from int64 host numbers (the arguments' leaves {keys}, in "
         "jax.tree_util.tree_leaves order with distributed values as leaves) whose magnitudes "
         f"may reach 2**31{'' if math.isinf(bound) else f' ({int(bound)})'}: TF computes them "
         "in int64, while JAX without x64 holds int32, which would wrap. Enable x64 "
@@ -293,10 +294,10 @@ def _keyed_leaves(checks, leaves):
     of a call made of dicts, lists and tuples (`argument_paths`)."""
     if isinstance(leaves, list):
         return {k: leaves[k] for k in checks.keys}
-    at = checks.found.get("at")
+    at = checks.lookup.get("at")
     if at is None:
         paths = argument_paths.paths_of(leaves, checks.keys, is_distributed)
-        at = checks.found["at"] = False if paths is None else tuple(zip(checks.keys, paths))
+        at = checks.lookup["at"] = False if paths is None else tuple(zip(checks.keys, paths))
     if at is False:
         return _keyed_leaves(checks, jax.tree_util.tree_flatten(leaves, is_distributed)[0])
     return {k: argument_paths.leaf_at(leaves, path) for k, path in at}
