@@ -131,7 +131,6 @@ class _TracedArguments(threading.local):
     inputs = None
     tree = None
     found = None
-    plain = None  # id: (traced plain array, its bounds): one replica's outputs have no slot.
 
 
 _function_trace = _TracedArguments()
@@ -146,13 +145,13 @@ def function_trace(arguments, found: FunctionChecks):
     `traced_outputs` read: `check_function` checks and records them on each call."""
     leaves, tree = jax.tree_util.tree_flatten(arguments, is_leaf=is_distributed)
     trace = _function_trace
-    saved = trace.inputs, trace.tree, trace.found, trace.plain
+    saved = trace.inputs, trace.tree, trace.found
     trace.inputs = {id(_array(leaf)): i for i, leaf in enumerate(leaves)}
-    trace.tree, trace.found, trace.plain = tree, found, {}
+    trace.tree, trace.found = tree, found
     try:
         yield
     finally:
-        trace.inputs, trace.tree, trace.found, trace.plain = saved
+        trace.inputs, trace.tree, trace.found = saved
 
 
 def traced_outputs(outputs) -> None:
@@ -160,7 +159,7 @@ def traced_outputs(outputs) -> None:
     each call records them on what it returns (`check_function`)."""
     tree, found = _function_trace.tree, _function_trace.found
     for i, leaf in enumerate(jax.tree_util.tree_leaves(outputs, is_leaf=is_distributed)):
-        bound = _traced_bounds(leaf)
+        bound = traced_bounds(leaf)
         if bound is not None and (tree, i, bound) not in found.outputs:
             found.outputs.append((tree, i, bound))
 
@@ -169,7 +168,7 @@ def hand_over_sum(value, copies: int) -> bool:
     """Inside `function_trace`, for a SUM of ``value`` (``strategy.reduce``): hands the
     function the check of what it adds, where ``value`` carries traced bounds; returns whether
     it did (else the caller checks ``value``'s recorded numbers)."""
-    bound = _traced_bounds(value)
+    bound = traced_bounds(value)
     if _function_trace.found is None or bound is None:
         return False
     total = int64_bounds.scale(bound.replica, value.num_replicas
@@ -309,10 +308,8 @@ def _hand_over(checks, keyed, outputs):
     for kind, form in checks.checks:
         _found(_function_trace.found.checks, (_function_trace.tree, (kind, _outer(form, keyed))))
     for index, bound in checks.outputs if outputs is not None else ():
-        value, outer = outputs[index], int64_bounds.Bound(*(_outer(f, keyed) for f in bound))
-        record_traced_bounds(value, outer)
-        if isinstance(value, jax.core.Tracer):
-            _function_trace.plain[id(value)] = (value, outer)
+        record_traced_bounds(outputs[index], int64_bounds.Bound(
+            *(_outer(form, keyed) for form in bound)))
 
 
 def _outer(form, keyed):
@@ -325,7 +322,7 @@ def _outer(form, keyed):
         if isinstance(key, tuple):
             leaf = keyed[key[1]]
             index = _function_trace.inputs.get(id(_array(leaf)))
-            traced = _traced_bounds(leaf)
+            traced = traced_bounds(leaf)
             parts = ({(key[0], index): 1} if index is not None
                      else {OTHER: 1} if traced is None
                      else traced.elem if key[0] == MAX else traced.replica)
@@ -333,12 +330,6 @@ def _outer(form, keyed):
             outer[part] = (math.inf if part == OTHER
                            else outer.get(part, 0) + coefficient * factor)
     return outer
-
-
-def _traced_bounds(value):
-    """The bounds a traced ``run`` recorded on ``value`` inside `function_trace`, or None."""
-    plain = (_function_trace.plain or {}).get(id(value))
-    return plain[1] if plain is not None and plain[0] is value else traced_bounds(value)
 
 
 def _found(found, entry):

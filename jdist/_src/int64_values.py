@@ -50,33 +50,42 @@ def record_int64_bounds(value, total: int, largest: int, replica: int = None) ->
     ``total`` (every replica's), each at most ``largest``, and at most ``replica`` on one
     replica (``total`` if not given)."""
     bounds = (int(total), int(largest), int(total if replica is None else replica))
-    if hasattr(type(value), "_int64_per_copy"):  # A `PerReplica` or a `Mirrored`.
-        value._int64_bounds = bounds
-    elif isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
-        key = id(value)
-        _PLAIN[key] = (weakref.ref(value, lambda _: _PLAIN.pop(key, None)), bounds)
+    if not isinstance(value, jax.core.Tracer):
+        _record(value, bounds)
 
 
 def record_traced_bounds(value, bounds) -> None:
-    """Records on ``value``, a traced `PerReplica` or `Mirrored` (inside a `jdist.function`),
-    its bounds as forms in the function's arguments (`int64_sums`), read by `traced_bounds`."""
-    if hasattr(type(value), "_int64_per_copy"):
-        value._int64_bounds = bounds
+    """Records on ``value``, a traced `PerReplica`, `Mirrored` or plain array (inside a
+    `jdist.function`), its bounds as forms in the function's arguments (`int64_sums`), read by
+    `traced_bounds`."""
+    _record(value, bounds)
 
 
 def traced_bounds(value):
     """What `record_traced_bounds` recorded on ``value``, or None."""
-    recorded = getattr(value, "_int64_bounds", None)
+    recorded = _stored(value)
     return None if recorded is None or type(recorded) is tuple else recorded
+
+
+def _record(value, bounds):
+    if hasattr(type(value), "_int64_per_copy"):  # A `PerReplica` or a `Mirrored`.
+        value._int64_bounds = bounds
+    elif isinstance(value, jax.Array):  # A plain array, or a traced one: kept while it lives.
+        key = id(value)
+        _PLAIN[key] = (weakref.ref(value, lambda _: _PLAIN.pop(key, None)), bounds)
+
+
+def _stored(value):
+    if hasattr(type(value), "_int64_per_copy"):
+        return getattr(value, "_int64_bounds", None)
+    entry = _PLAIN.get(id(value))
+    return entry[1] if entry is not None and entry[0]() is value else None
 
 
 def _recorded(value):
     """``(total, largest, replica)`` recorded for ``value``, or None."""
-    if hasattr(type(value), "_int64_per_copy"):
-        recorded = getattr(value, "_int64_bounds", None)
-        return recorded if type(recorded) is tuple else None
-    entry = _PLAIN.get(id(value))
-    return entry[1] if entry is not None and entry[0]() is value else None
+    recorded = _stored(value)
+    return recorded if type(recorded) is tuple else None
 
 
 def int64_sum_magnitude(value, copies: int = 1) -> int:
