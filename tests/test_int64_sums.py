@@ -163,7 +163,13 @@ OPERATIONS = {
     "taken": (lambda y: y[jnp.array([0, 0, -1])], lambda y: y[np.array([0, 0, -1])]),
     "tripled in a loop": (lambda y: jax.lax.fori_loop(0, 2, lambda i, c: c + y, y),
                           lambda y: 3 * y),
+    "minus constants": (lambda y: y - jnp.asarray(_constants(y.shape), jnp.int32),
+                        lambda y: y - _constants(y.shape)),
 }
+
+
+def _constants(shape):  # A constant array the step closes over (not a literal).
+    return (np.arange(int(np.prod(shape))) * 2**27 - 2**28).reshape(shape)
 
 
 @hypothesis.settings(max_examples=40, deadline=None)
@@ -260,7 +266,8 @@ def test_integers_a_step_returns_are_tfs_numbers_or_raise(n, form):
     (lambda y: y % 7, lambda y: y % 7), (lambda y: y // 2, lambda y: y // 2),
     (lambda y: jnp.maximum(y, 0)[::-1], lambda y: np.maximum(y, 0)[::-1]),
     (lambda y: jnp.where(y > 2**29, y, -y), lambda y: np.where(y > 2**29, y, -y)),
-], ids=["as is", "plus 1", "mod 7", "halved", "relu reversed", "where"])
+    (lambda y: y - jnp.array([1, 2, 3, 4]), lambda y: y - np.array([1, 2, 3, 4])),
+], ids=["as is", "plus 1", "mod 7", "halved", "relu reversed", "where", "minus a constant"])
 @pytest.mark.parametrize("n", (2, 8))
 def test_large_numbers_computed_one_by_one_need_no_x64(n, step, want):
     # Ids near 2**30 add up far beyond 2**31, but each number the step computes stays in int32.

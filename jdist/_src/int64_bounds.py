@@ -50,6 +50,12 @@ def argument(key: int) -> Bound:
     return Bound({(MAX, key): 1}, {(SUM, key): 1})
 
 
+def constant(value) -> Bound:
+    """The bound of an integer constant the step closes over: its own largest magnitude."""
+    value = np.asarray(value)
+    return _constants(np.max(np.abs(value), initial=0), value.size)
+
+
 def analyse(jaxpr: core.Jaxpr, inputs: Sequence, num_replicas: int):
     """Bounds the integers ``jaxpr`` (one replica's program) computes from ``inputs``.
 

@@ -74,12 +74,13 @@ class Checks:
 NONE = Checks()
 
 
-def program_checks(arguments: Sequence, operands: Sequence, body: core.Jaxpr,
+def program_checks(traced: core.ClosedJaxpr, operands: Sequence, body: core.Jaxpr,
                    kinds: Sequence[str], num_replicas: int) -> Checks:
-    """The `Checks` of an even step's ``body``, keyed by argument leaf: ``arguments`` are the
-    variables of the leaves that are not static (``kinds``), in order, and ``operands`` the
-    body's inputs among them."""
-    inputs = argument_inputs(operands, dict(zip(arguments, dynamic_leaves(kinds))))
+    """The `Checks` of an even step's ``body``, keyed by argument leaf: ``traced``'s inputs are
+    the leaves that are not static (``kinds``), in order, its constants what the step closes
+    over, and ``operands`` the body's inputs among them."""
+    keys = dict(zip(traced.jaxpr.invars, dynamic_leaves(kinds)))
+    inputs = argument_inputs(operands, keys, dict(zip(traced.jaxpr.constvars, traced.consts)))
     checks, outputs = int64_bounds.analyse(body, inputs, num_replicas)
     return _checks(checks, [(i, b) for i, b in enumerate(outputs) if b is not None])
 
@@ -95,9 +96,10 @@ def merged(all_checks: Sequence[Checks]) -> Checks:
 
 
 def _checks(checks, outputs):
+    """A `Checks`, or `NONE` where no argument leaf takes part: no call's numbers change it."""
     forms = [form for _, form in checks] + [form for _, b in outputs for form in b]
     keys = sorted({key[1] for form in forms for key in form if isinstance(key, tuple)})
-    return Checks(tuple(checks), tuple(outputs), tuple(keys)) if checks or outputs else NONE
+    return Checks(tuple(checks), tuple(outputs), tuple(keys)) if keys else NONE
 
 
 def dynamic_leaves(kinds: Sequence[str]) -> list:
@@ -105,12 +107,17 @@ def dynamic_leaves(kinds: Sequence[str]) -> list:
     return [i for i, kind in enumerate(kinds) if kind != STATIC]
 
 
-def argument_inputs(operands: Sequence, keys: dict) -> list:
+def argument_inputs(operands: Sequence, keys: dict, constants: dict = None) -> list:
     """`int64_bounds.analyse`'s inputs: per operand of the step's program, the bound of an
-    integer argument (``keys``: the arguments' variables to their leaf indices), else None."""
-    return [int64_bounds.argument(keys[v])
-            if isinstance(v, core.Var) and v in keys and int64_bounds.is_integer(v.aval)
-            else None for v in operands]
+    integer argument (``keys``: the arguments' variables to their leaf indices) or of an
+    integer constant (``constants``: variables to values), else None."""
+    def bound(v):
+        if not (isinstance(v, core.Var) and int64_bounds.is_integer(v.aval)):
+            return None
+        if v in keys:
+            return int64_bounds.argument(keys[v])
+        return int64_bounds.constant(constants[v]) if v in (constants or {}) else None
+    return [bound(v) for v in operands]
 
 
 @dataclasses.dataclass

@@ -423,7 +423,7 @@ class ReplicatedRunner:
         # once), picked out after the call: returning it twice would cost a copy.
         sizes = [math.prod(shape) * (1 if s else n) for s, shape in zip(same, record["shapes"])]
         token = min(range(len(sizes)), key=sizes.__getitem__, default=None)
-        sums = int64_sums.program_checks(traced.jaxpr.invars, eqn.invars, inner, kinds, n)
+        sums = int64_sums.program_checks(traced, eqn.invars, inner, kinds, n)
         return _Program(program, record["tree"], varying, inherits, record["statics"],
                         tuple(plain), record["passed"], record["collected"], n, token, sums)
 
