@@ -410,3 +410,19 @@ def test_a_jdist_function_on_one_replica_is_checked_too(how):
         else:
             with pytest.raises(errors.X64RequiredError):
                 step(batch)
+
+
+@pytest.mark.parametrize("n", (2, 4))
+def test_an_exact_partial_steps_outputs_are_checked_where_reduce_sums_them(n):
+    # The last batch's 3 rows: each fits int32, their sum (TF's int64) does not.
+    s = mirrored(n)
+    rows = np.concatenate([np.full(4 * n, 7, np.int64), np.full(3, 2**30, np.int64)])
+    full, partial = s.experimental_distribute_dataset(
+        s.experimental_make_numpy_dataset(rows).batch(4 * n))
+    step = lambda y: y - jnp.array([1])  # noqa: E731  (a constant the step closes over)
+    assert int(s.reduce("sum", s.run(step, args=(full,)), axis=0)) == 4 * n * 6
+    out = s.run(step, args=(partial,))
+    assert sorted(int(x) for v in s.experimental_local_results(out) for x in np.ravel(v)) == \
+        [2**30 - 1] * 3
+    with pytest.raises(errors.X64RequiredError):
+        s.reduce("sum", out, axis=0)

@@ -285,7 +285,7 @@ def _while(eqn, ins, n, checks):
 def _cond(eqn, ins, n, checks):
     branches = [invariance.propagate(invariance.open_jaxpr(b), ins[1:], _rule(checks, n), None)
                 for b in eqn.params["branches"]]
-    return [_join(outs) for outs in zip(*branches)]
+    return [join(outs) for outs in zip(*branches)]
 
 
 _LOOPS = {"scan": _scan, "while": _while, "cond": _cond}
@@ -298,7 +298,7 @@ def _iterate(step, carry, count, checks):
     unbounded. The checks of the final bounds are recorded."""
     done = 0
     while done < count:
-        new = [_join([c, o]) for c, o in zip(carry, step(carry, [])[:len(carry)])]
+        new = [join([c, o]) for c, o in zip(carry, step(carry, [])[:len(carry)])]
         if new == carry:
             break
         done += 1
@@ -321,7 +321,7 @@ def scale(form: dict, factor) -> dict:
     return {key: coefficient * factor for key, coefficient in form.items()} if factor else {}
 
 
-def _join(bounds):
+def join(bounds: Sequence) -> Bound:
     """The least bound above every one of ``bounds`` (None where all are)."""
     bounds = [b for b in bounds if b is not None]
     if not bounds:

@@ -85,14 +85,23 @@ def program_checks(traced: core.ClosedJaxpr, operands: Sequence, body: core.Jaxp
     return _checks(checks, [(i, b) for i, b in enumerate(outputs) if b is not None])
 
 
-def step_checks(jaxpr: core.Jaxpr, inputs: Sequence, num_replicas: int) -> Checks:
-    """The `Checks` of one replica's trace of an exact step (its outputs are not recorded)."""
-    return _checks(int64_bounds.analyse(jaxpr, inputs, num_replicas)[0], ())
+def step_checks(jaxpr: core.Jaxpr, inputs: Sequence, num_replicas: int,
+                out_leaves: Sequence[int]) -> Checks:
+    """The `Checks` of one replica's trace of an exact step, its outputs keyed by their leaves
+    in the step's output nest (``out_leaves``: the leaf of each of ``jaxpr``'s outputs)."""
+    checks, outputs = int64_bounds.analyse(jaxpr, inputs, num_replicas)
+    return _checks(checks, [(i, b) for i, b in zip(out_leaves, outputs) if b is not None])
 
 
 def merged(all_checks: Sequence[Checks]) -> Checks:
-    """One `Checks` holding every one of ``all_checks``' checks."""
-    return _checks(tuple(c for checks in all_checks for c in checks.checks), ())
+    """One `Checks` holding every one of ``all_checks``' checks, each output bounded by the
+    largest of its bounds (replicas' traces of one step)."""
+    outputs = {}
+    for checks in all_checks:
+        for index, bound in checks.outputs:
+            outputs.setdefault(index, []).append(bound)
+    return _checks(tuple(c for checks in all_checks for c in checks.checks),
+                   [(i, int64_bounds.join(b)) for i, b in sorted(outputs.items())])
 
 
 def _checks(checks, outputs):
@@ -222,7 +231,8 @@ def check(checks: Checks, leaves, outputs=None, what: str = "strategy.run") -> N
       checks: the program's `Checks`.
       leaves: the call's arguments flattened with distributed values as leaves, or the call
         ``(args, kwargs)`` itself (the leaves the checks read are then looked up by path).
-      outputs: the program's outputs as ``run`` returns them, flat, or None.
+      outputs: the program's outputs as ``run`` returns them, flat or as the step's nest, or
+        None.
       what: the call, as the error names it.
 
     Raises:
@@ -241,6 +251,8 @@ def check(checks: Checks, leaves, outputs=None, what: str = "strategy.run") -> N
         keys = sorted({key[1] for key in form if isinstance(key, tuple)} & int64)
         if keys:
             _raise_where_it_may_wrap(kind, _evaluate(form, magnitude), keys, what)
+    if checks.outputs and outputs is not None:  # Flat (`run`'s programs), or a nest.
+        outputs = jax.tree_util.tree_leaves(outputs, is_leaf=is_distributed)
     for index, bound in checks.outputs if outputs is not None else ():
         if any(isinstance(key, tuple) and key[1] in int64 for form in bound for key in form):
             largest, replica = (min(_evaluate(form, magnitude), _RECORDED_AT_MOST)
@@ -314,6 +326,8 @@ def _hand_over(checks, keyed, outputs):
     recorded as forms in them (`function_trace`)."""
     for kind, form in checks.checks:
         _found(_function_trace.found.checks, (_function_trace.tree, (kind, _outer(form, keyed))))
+    if checks.outputs and outputs is not None:  # Flat (`run`'s programs), or a nest.
+        outputs = jax.tree_util.tree_leaves(outputs, is_leaf=is_distributed)
     for index, bound in checks.outputs if outputs is not None else ():
         record_traced_bounds(outputs[index], int64_bounds.Bound(
             *(_outer(form, keyed) for form in bound)))

@@ -531,7 +531,7 @@ class ReplicatedRunner:
             plan = cache.programs[key] = uneven.plan(self, cache.fn, in_tree, kinds, statics,
                                                      dynamic, abstract)
         outputs = plan(dynamic)  # Checked after its collectives, which every worker must run.
-        int64_sums.check(plan.int64_checks, leaves)
+        int64_sums.check(plan.int64_checks, leaves, outputs)
         return outputs
 
     @staticmethod

@@ -75,13 +75,16 @@ def plan(runner, fn, in_tree, kinds, statics, dynamic, abstract):
 
 
 def _int64_checks(traces, kinds):
-    """`int64_sums.step_checks` of every distinct trace, keyed by the argument leaves."""
+    """`int64_sums.step_checks` of every distinct trace, keyed by the argument leaves (its
+    outputs by their leaves in the step's output nest)."""
     leaf_of = int64_sums.dynamic_leaves(kinds)
     checks = []
     for t in {id(t): t for t in traces}.values():
         args = {v: leaf_of[i] for v, (kind, i) in zip(t.jaxpr.invars, t.sources) if kind == "arg"}
-        inputs = int64_sums.argument_inputs(t.jaxpr.invars, args)
-        checks.append(int64_sums.step_checks(t.jaxpr, inputs, len(traces)))
+        consts = {v: x for v, (kind, x) in zip(t.jaxpr.invars, t.sources) if kind == "const"}
+        inputs = int64_sums.argument_inputs(t.jaxpr.invars, args, consts)
+        out_leaves = [i for i, static in enumerate(t.out_statics) if static is uneven_trace.OUTPUT]
+        checks.append(int64_sums.step_checks(t.jaxpr, inputs, len(traces), out_leaves))
     return int64_sums.merged(checks)
 
 
