@@ -426,3 +426,48 @@ def test_an_exact_partial_steps_outputs_are_checked_where_reduce_sums_them(n):
         [2**30 - 1] * 3
     with pytest.raises(errors.X64RequiredError):
         s.reduce("sum", out, axis=0)
+
+
+REBUILT = {  # Pytree functions that hand a value's arrays back as they are.
+    "tree_map identity": lambda v: jax.tree.map(lambda a: a, v),
+    "jnp.asarray": lambda v: jax.tree.map(jnp.asarray, v),
+    "inside a dict": lambda v: jax.tree.map(lambda a: a, {"y": v})["y"],
+    "device_put": jax.device_put,
+    "block_until_ready": jax.block_until_ready,
+}
+SOURCES = {  # A PerReplica on the devices, a dataset element (blocked), a Mirrored, one held
+    # on the host, and a step's output: each made from (or computed from) int64 host numbers.
+    "values from a function": lambda s, rows: s.experimental_distribute_values_from_function(
+        lambda ctx: rows[ctx.replica_id_in_sync_group]),
+    "numpy dataset": lambda s, rows: next(iter(s.experimental_distribute_dataset(
+        s.experimental_make_numpy_dataset(np.concatenate(rows)).batch(4 * len(rows))))),
+    "mirrored": lambda s, rows: jdist.Mirrored(rows[0]),
+    "host PerReplica": lambda s, rows: jdist.PerReplica(rows),
+    "step output": lambda s, rows: s.run(lambda y: y + 0, args=(jdist.PerReplica(rows),)),
+}
+
+
+@pytest.mark.parametrize("rebuild", list(REBUILT))
+@pytest.mark.parametrize("source", list(SOURCES))
+@pytest.mark.parametrize("n", (2, 8))
+def test_a_value_rebuilt_from_its_own_arrays_keeps_its_int64_numbers(n, source, rebuild):
+    # A step's all-reduce of the rebuilt value gives TF's int64 sum where it fits int32 and
+    # raises where it would wrap, as it does for the value itself.
+    s = mirrored(n)
+    summed = lambda v: run(s, all_reduce, v)  # noqa: E731
+
+    def reduced(scale):
+        rows = [np.full(4, scale, np.int64) + i for i in range(n)]
+        value = SOURCES[source](s, rows)
+        copies = n if source == "mirrored" else 1
+        want = np.sum(rows[:1] if copies > 1 else rows, axis=0) * copies
+        return REBUILT[rebuild](value), want
+    small, want = reduced(2**20)
+    np.testing.assert_array_equal(summed(small), want)
+    large, _ = reduced(2**31 // n)
+    try:
+        summed(large)
+    except errors.X64RequiredError:
+        return
+    # Not followed: JAX made new arrays from host-held ones (see docs/design.md, section 9).
+    assert source == "host PerReplica" and rebuild in ("jnp.asarray", "device_put")

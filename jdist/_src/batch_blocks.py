@@ -35,6 +35,7 @@ from jax import lax
 import numpy as np
 
 from jdist._src.host_values import int64_magnitudes
+from jdist._src import int64_values
 from jdist._src.int64_values import record_int64_bounds
 from jdist._src.values import PerReplica
 
@@ -123,12 +124,16 @@ class BlockedPerReplica(PerReplica):
 def _flatten(value):
     if reading.active:
         return (value._block, value._position), _IN_BLOCK
+    if value._int64_bounds is not None:  # What the value rebuilt from its leaf inherits.
+        int64_values.follow(value, (value._stacked,))
     return (value._stacked,), None
 
 
 def _unflatten(aux, children):
     if aux != _IN_BLOCK:
-        return PerReplica._from_stacked(children[0])
+        rebuilt = PerReplica._from_stacked(children[0])
+        int64_values.inherit(rebuilt, children)
+        return rebuilt
     block, position = children
     if isinstance(block, jax.Array) and isinstance(position, jax.Array):  # Tracers included.
         return PerReplica._from_stacked(_take(block, position))

@@ -12,6 +12,10 @@ number or raise `X64RequiredError` where int32's could differ.
 A `PerReplica` or `Mirrored` keeps them in its ``_int64_bounds`` slot (a `Mirrored`, whose
 class sets ``_int64_per_copy``, one copy's); a plain ``jax.Array`` (what one replica gets, as in
 TF) has no room of its own, so its bounds are kept beside it while it lives.
+
+A value's arrays keep its bounds beside them too (`follow`), so that the value JAX rebuilds
+from the same arrays (``jax.tree.map(jnp.asarray, batch)``, any pytree function that returns
+its leaves as they are) has them again (`inherit`): without them its sums would pass unchecked.
 """
 
 import weakref
@@ -23,7 +27,10 @@ from jdist._src.host_values import held_as_int32
 from jdist._src.host_values import int64_largest
 from jdist._src.host_values import int64_magnitude
 
-_PLAIN = {}  # id(array): (weak reference, bounds) of plain arrays (`record_int64_bounds`).
+# id(first array): (weak references to the arrays, kind, bounds), kept while the arrays live.
+# Kind: None for a plain array's own record (`record_int64_bounds`), else the
+# ``_int64_per_copy`` of the value whose arrays they are (`follow`).
+_PLAIN = {}
 
 
 def record_int64_magnitude(value, components) -> None:
@@ -68,18 +75,65 @@ def traced_bounds(value):
 
 
 def _record(value, bounds):
-    if hasattr(type(value), "_int64_per_copy"):  # A `PerReplica` or a `Mirrored`.
+    per_copy = getattr(type(value), "_int64_per_copy", None)
+    if per_copy is not None:  # A `PerReplica` or a `Mirrored`.
         value._int64_bounds = bounds
+        if per_copy:  # A `Mirrored`'s array is flattened by JAX's C++ code: kept now.
+            _keep((value.value,), True, bounds)
     elif isinstance(value, jax.Array):  # A plain array, or a traced one: kept while it lives.
-        key = id(value)
-        _PLAIN[key] = (weakref.ref(value, lambda _: _PLAIN.pop(key, None)), bounds)
+        _keep((value,), None, bounds)
+
+
+def _keep(arrays, kind, bounds):
+    key, refs = id(arrays[0]), []
+    for array in arrays:
+        refs.append(weakref.ref(array, lambda _: _PLAIN.pop(key, None)))
+    _PLAIN[key] = (tuple(refs), kind, bounds)
+
+
+def _entry(arrays):
+    entry = _PLAIN.get(id(arrays[0])) if arrays else None
+    if entry is None or len(entry[0]) != len(arrays):
+        return None
+    return entry if all(r() is a for r, a in zip(entry[0], arrays)) else None
+
+
+def follow(value, arrays) -> None:
+    """Keeps ``value``'s bounds, if recorded, beside ``arrays``, its pytree children (called
+    as a `PerReplica` is flattened), for a value `inherit` makes from them."""
+    bounds = value._int64_bounds
+    if bounds is not None and arrays and isinstance(arrays[0], (jax.Array, np.ndarray)):
+        entry = _entry(arrays)
+        if entry is None or entry[2] is not bounds:
+            _keep(arrays, type(value)._int64_per_copy, bounds)
+
+
+def inherit(value, arrays) -> None:
+    """Records on ``value``, a `PerReplica` or `Mirrored` just made from ``arrays`` (its
+    pytree children, as JAX unflattens it), the bounds of the value of its kind they came
+    from (`follow`), if any.
+
+    Example:
+      >>> import jax, jdist
+      >>> v = jdist.PerReplica([np.array([3, -4]), np.array([5, 0])])
+      >>> int64_sum_magnitude(jax.tree.map(lambda a: a, v))
+      12
+    """
+    entry = _entry(arrays) if _PLAIN else None
+    if entry is not None and entry[1] is type(value)._int64_per_copy:
+        value._int64_bounds = entry[2]
 
 
 def _stored(value):
     if hasattr(type(value), "_int64_per_copy"):
         return getattr(value, "_int64_bounds", None)
-    entry = _PLAIN.get(id(value))
-    return entry[1] if entry is not None and entry[0]() is value else None
+    entry = _entry((value,))
+    if entry is None or entry[1] is not False:
+        return None if entry is None else entry[2]
+    # A `PerReplica`'s one array, held whole (replicated) as a plain value: its numbers are
+    # every replica's.
+    bounds = entry[2]
+    return (bounds[0], bounds[1], bounds[0]) if type(bounds) is tuple else None
 
 
 def _recorded(value):

@@ -25,6 +25,7 @@ from jdist._src.host_values import check_arrays
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.host_values import dtype_kind
+from jdist._src import int64_values
 from jdist._src.int64_values import record_int64_magnitude
 
 
@@ -241,6 +242,7 @@ class Mirrored(DistributedValues):
     def __init__(self, values=None, *, _value=_UNSET):
         if _value is not _UNSET:  # JAX unflattening the node (see `_mirrored_class`).
             self._value = _value
+            int64_values.inherit(self, (_value,))
             return
         if values is None:
             raise errors.InvalidArgumentError("Mirrored needs a value (or one per replica).")
@@ -256,8 +258,8 @@ class Mirrored(DistributedValues):
                         "values that differ.")
             values = values[0]
         check_host_numbers(values)
-        record_int64_magnitude(self, [values])
         self._value = jax.numpy.asarray(values)
+        record_int64_magnitude(self, [values])
 
     @classmethod
     def _from_value(cls, value, num_replicas, step_output=False):
@@ -466,6 +468,8 @@ def pad_components(chunks, rows=None):
 
 
 def _flatten_per_replica(v):
+    if v._int64_bounds is not None:  # What the value rebuilt from its leaves inherits.
+        int64_values.follow(v, v._components or (v._stacked,))
     if v._components is not None:
         return v._components, ("ragged", len(v._components))
     return (v._stacked,), ("stacked", v._lengths)
@@ -478,6 +482,7 @@ def _unflatten_per_replica(aux, children):
         self._init(None, tuple(children), None)
     else:
         self._init(children[0], None, lengths)
+    int64_values.inherit(self, children)
     return self
 
 
