@@ -159,6 +159,41 @@ def _training(s, jdist, np):
                            "tolerance": 1e-6}}
 
 
+def _int64(s, jdist, np):
+    """int64 numbers whose sum leaves int32's range only through worker 1's replicas (2 and 3):
+    every worker gives TF's int64 sum where it fits, or raises X64RequiredError."""
+    def outcome(compute):
+        try:
+            return {"global": np.asarray(compute()).tolist()}
+        except jdist.errors.X64RequiredError:
+            return {"global": 0, "kind": "X64RequiredError"}
+
+    def summed(value):
+        total = s.run(lambda v: jdist.get_replica_context().all_reduce("sum", v), args=(value,))
+        return s.experimental_local_results(total)[0]
+
+    def per_pipeline(rows):  # Replica r gets rows[r], whichever worker reads it.
+        def dataset_fn(c):
+            k = len(rows) // c.num_input_pipelines
+            return [rows[i:i + 1] for i in range((c.input_pipeline_id + 1) * k)[-k:]]
+        return dataset_fn
+    out = {}
+    for scale in (2**20, 2**30):
+        rows = np.array([1, 1, scale, scale], np.int64)
+        values = {
+            "dataset": next(iter(s.experimental_distribute_dataset(
+                s.experimental_make_numpy_dataset(_in_tf_layout(s, np, rows, 4)).batch(4)))),
+            "values_from_function": s.experimental_distribute_values_from_function(
+                lambda c: rows[c.replica_id_in_sync_group:][:1]),
+            "per_worker": next(iter(s.distribute_datasets_from_function(per_pipeline(rows)))),
+        }
+        for name, value in values.items():
+            out[f"int64_{name}_{scale}_all_reduce"] = outcome(lambda: summed(value))
+            out[f"int64_{name}_{scale}_reduce"] = outcome(
+                lambda: s.reduce("sum", value, axis=None))
+    return out
+
+
 def _record(s, jdist, np, result):
     """What one worker sees of a reduce_to / broadcast_to result: its kind, where it lies (replica
     indices of its devices), and its value or the typed error reading it raises."""
@@ -446,7 +481,7 @@ def main(out_path, fault=None):
         return
     results = {}
     for part in (_values_and_run, _replica_collectives, _dataset, _training, _cross_host,
-                 _auto_shard, _exact_uneven, _per_worker):
+                 _auto_shard, _exact_uneven, _per_worker, _int64):
         results.update(part(s, jdist, np))
     results["_seconds"] = time.time() - t0
     results["_devices"] = [jax.process_count(), jax.local_device_count()]

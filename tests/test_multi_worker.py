@@ -99,6 +99,7 @@ def test_two_workers_equal_one_process(tmp_path):
     _check_cross_host(workers, one)
     _check_auto_shard(workers, one)
     _check_exact(one)
+    _check_int64(one)
     print(f"2x2: {workers[0]['_seconds']:.1f} s, 1x4: {one['_seconds']:.1f} s")
 
 
@@ -257,6 +258,14 @@ def _check_exact(one):
     assert one["exact_errors"]["replicas"]["0"] == {
         "all_reduce": "UnevenValuesError", "loop": "UnevenValuesError",
         "all_reduce_shapes": "ShapeMismatchError"}
+
+
+def _check_int64(one):
+    # `_compare` found the workers' outcomes equal to one process's; these are TF's.
+    for source in ("dataset", "values_from_function", "per_worker"):
+        for how in ("all_reduce", "reduce"):
+            assert np.ravel(one[f"int64_{source}_{2**20}_{how}"]["global"]) == [2 + 2 * 2**20]
+            assert one[f"int64_{source}_{2**30}_{how}"]["kind"] == "X64RequiredError"
 
 
 def _check_per_worker(workers):

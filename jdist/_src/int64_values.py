@@ -37,7 +37,7 @@ def record_int64_magnitude(value, components) -> None:
     """Records on ``value``, a `PerReplica` made from the host values ``components`` (one per
     replica, or stacked with the replica axis first), a `Mirrored` made from one copy, or one
     replica's plain array made from one, the magnitudes of their int64 numbers
-    (`record_int64_bounds`); nothing where none of them is int64.
+    (`record_int64_parts`); nothing where none of them is int64.
 
     Example:
       >>> import jdist
@@ -45,10 +45,30 @@ def record_int64_magnitude(value, components) -> None:
       >>> int64_sum_magnitude(v), int64_max_magnitude(v), int64_max_magnitude(v, True)
       (12, 5, 7)
     """
-    if any(map(held_as_int32, [components] if isinstance(components, np.ndarray)
-               else components)):
-        sums = [int64_magnitude([c]) for c in components]
-        record_int64_bounds(value, sum(sums), int64_largest(list(components)), max(sums))
+    record_int64_parts(value, int64_parts(components))
+
+
+def int64_parts(components):
+    """Per component (host values, one per replica, or stacked with the replica axis first),
+    ``[sum, largest]`` of the magnitudes of its int64 numbers (JSON-able, for an exchange
+    between workers); None where none of them is int64.
+
+    Example:
+      >>> int64_parts([np.array([3, -4]), np.array([5, 0])]), int64_parts([np.zeros(2)])
+      ([[7, 4], [5, 5]], None)
+    """
+    if not any(map(held_as_int32, [components] if isinstance(components, np.ndarray)
+                   else components)):
+        return None
+    return [[int64_magnitude([c]), int64_largest([c])] for c in components]
+
+
+def record_int64_parts(value, parts) -> None:
+    """Records on ``value`` the bounds of its replicas' int64 numbers from their `int64_parts`
+    (every replica's, in replica order); nothing where ``parts`` is None."""
+    if parts is not None:
+        sums = [total for total, _ in parts]
+        record_int64_bounds(value, sum(sums), max(largest for _, largest in parts), max(sums))
 
 
 def record_int64_bounds(value, total: int, largest: int, replica: int = None) -> None:

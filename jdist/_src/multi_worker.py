@@ -34,6 +34,8 @@ from jdist._src import packing
 from jdist._src import replica_mesh
 from jdist._src import uneven_multi_worker
 from jdist._src.cluster_resolver import TFConfigClusterResolver
+from jdist._src.int64_values import int64_parts
+from jdist._src.int64_values import record_int64_parts
 from jdist._src.mirrored import MirroredExtended
 from jdist._src.strategy import Strategy
 from jdist._src.run_arguments import SCALARS
@@ -198,23 +200,29 @@ class MultiWorkerExtended(MirroredExtended):
         if self._agreement is None:
             return super()._distribute_components(components)
         arrays = [np.asarray(c) for c in components]
+        parts = int64_parts(arrays) or [None] * len(arrays)  # Every worker's, as TF sums them.
         shapes = self._agreement.exchange(
             "experimental_distribute_values_from_function",
-            [[list(a.shape), str(a.dtype)] for a in arrays])
+            [[list(a.shape), str(a.dtype), p] for a, p in zip(arrays, parts)])
         _check_one_dtype(self._cluster, shapes)
-        everyone = [tuple(s) for worker in shapes for s, _ in worker]
+        everyone = [tuple(s) for worker in shapes for s, _, _ in worker]
         if len(set(everyone)) != 1:  # Ragged (TF holds replicas of different shapes).
-            return uneven_multi_worker.ragged_from_local(
+            value = uneven_multi_worker.ragged_from_local(
                 self._devices, self._local_ids, arrays, everyone, arrays[0].dtype)
-        local = np.stack(arrays)
-        return PerReplica._from_stacked(jax.make_array_from_process_local_data(
-            self._programs.per_replica_sharding, local, (self._num_replicas,) + local.shape[1:]))
+        else:
+            local = np.stack(arrays)
+            value = PerReplica._from_stacked(jax.make_array_from_process_local_data(
+                self._programs.per_replica_sharding, local,
+                (self._num_replicas,) + local.shape[1:]))
+        parts = [p for worker in shapes for _, _, p in worker]
+        record_int64_parts(value, None if None in parts else parts)
+        return value
 
 
 def _check_one_dtype(cluster, shapes):
     """Raises unless every worker's replica values share one dtype (typed, on every worker:
     each raises from the same exchanged dtypes)."""
-    flat = [(w, tuple(s), d) for w, worker in enumerate(shapes) for s, d in worker]
+    flat = [(w, tuple(s), d) for w, worker in enumerate(shapes) for s, d, _ in worker]
     dtypes = sorted({d for _, _, d in flat})
     if len(dtypes) != 1:
         raise errors.InvalidArgumentError(

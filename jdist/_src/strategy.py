@@ -270,9 +270,8 @@ class Strategy(TF1Methods):
         columns = [list(c) for c in zip(*(jax.tree_util.tree_leaves(v) for v in per_replica))]
         for column in columns:
             check_placeable(column)
+        # Each records its int64 numbers (every worker's), which TF sums in int64.
         leaves = [self._extended._distribute_components(c) for c in columns]
-        for leaf, column in zip(leaves, columns):  # TF's sums of int64 values stay int64.
-            record_int64_magnitude(leaf, column)
         return jax.tree_util.tree_unflatten(trees[0], leaves)
 
     def _one_replica_value(self, host):

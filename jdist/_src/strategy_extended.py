@@ -39,6 +39,7 @@ from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
 from jdist._src.int64_values import holds_tf_int64
+from jdist._src.int64_values import record_int64_magnitude
 from jdist._src.values import is_step_output
 from jdist._src.values import local_results
 from jdist._src.values import spans_workers
@@ -283,7 +284,9 @@ class StrategyExtended:
         return jnp.concatenate(value.values, axis=axis)
 
     def _distribute_components(self, components):
-        return PerReplica._from_stacked(np.stack([np.asarray(c) for c in components]))
+        value = PerReplica._from_stacked(np.stack([np.asarray(c) for c in components]))
+        record_int64_magnitude(value, components)  # TF sums int64 values in int64.
+        return value
 
     def _replicate(self, value):
         return jnp.asarray(value)
