@@ -33,6 +33,17 @@ def main(out):
                 s.experimental_local_results(s.extended.reduce_to(op, value, replica)))]
         if name != "number":
             results[f"gather {name}"] = np.asarray(s.gather(value, 0)).tolist()
+    for scale in (2**20, 2**31 - 1):  # int64: TF's sum where it fits int32, else an error.
+        mine = np.array([1 if worker == 0 else scale], np.int64)
+        cases = {f"int64 reduce {scale} {axis}": lambda axis=axis: s.reduce("SUM", mine, axis)
+                 for axis in (None, 0)}
+        cases[f"int64 reduce_to {scale}"] = lambda: s.experimental_local_results(
+            s.extended.reduce_to("SUM", mine, replica))[0]
+        for case, compute in cases.items():
+            try:
+                results[case] = np.asarray(compute()).tolist()
+            except jdist.errors.X64RequiredError:
+                results[case] = "X64RequiredError"
     with open(f"{out}.{worker}", "w", encoding="utf-8") as f:
         json.dump(results, f)
 

@@ -20,7 +20,6 @@ import atexit
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jdist._src import cross_host
@@ -34,6 +33,8 @@ from jdist._src import packing
 from jdist._src import replica_mesh
 from jdist._src import uneven_multi_worker
 from jdist._src.cluster_resolver import TFConfigClusterResolver
+from jdist._src.host_values import check_host_numbers
+from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.int64_values import int64_parts
 from jdist._src.int64_values import record_int64_parts
 from jdist._src.mirrored import MirroredExtended
@@ -126,7 +127,10 @@ class MultiWorkerExtended(MirroredExtended):
                 "and its result then depends on the call (a SUM along an axis counts it once per "
                 "local replica). Pass a PerReplica instead, e.g. "
                 "strategy.experimental_distribute_values_from_function(lambda ctx: value).")
-        return self._distribute_components([jnp.asarray(value)])
+        # Host numbers stay on the host: the exchange records every worker's int64 numbers.
+        host = python_numbers_as_tf(value) if isinstance(value, SCALARS) else value
+        check_host_numbers(host)  # Before it is placed: JAX would narrow 64-bit numbers.
+        return self._distribute_components([host])
 
     @property
     def should_checkpoint(self):

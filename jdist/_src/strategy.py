@@ -139,6 +139,10 @@ class Strategy(TF1Methods):
         if axis is not None and _is_number_list(value):  # TF sums it as one tensor.
             value = _number_list_as_tf(op, value)
         across = self.num_replicas_in_sync > 1 or axis is not None
+        # Across workers a plain value is the worker's one replica value (TF's collective ops),
+        # checked as such, with every worker's numbers.
+        value = jax.tree_util.tree_map(self._extended.as_worker_value, value,
+                                       is_leaf=is_distributed)
         for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
             # TF adds no plain value without an axis: MEAN hands it back, SUM refuses it.
             distributed = is_distributed(leaf)

@@ -330,9 +330,9 @@ class StrategyExtended:
         """
         context.require_cross_replica(self._container_strategy_ref, "extended.reduce_to")
         op = ReduceOp.from_any(reduce_op)
+        value = self.as_worker_value(value)  # Checked with every worker's numbers.
         check_reducible(op, value, adds=self._num_replicas > 1)
         self.check_collective_dtypes(value, "extended.reduce_to", reduces_one=True)
-        value = self.as_worker_value(value)
         unreduced = _unreduced(op, value)
         if unreduced is not _REDUCE:  # Before the destinations are read, as in TF.
             return unreduced
@@ -368,9 +368,9 @@ class StrategyExtended:
         op = ReduceOp.from_any(reduce_op)
         pairs = cross_device_ops_lib.check_pairs(value_destination_pairs)
         as_options(options)  # Checked on one replica too, which reduces nothing.
+        pairs = [(self.as_worker_value(value), d) for value, d in pairs]  # Every worker's.
         check_reducible(op, [value for value, _ in pairs], adds=self._num_replicas > 1)
         self.check_collective_dtypes([value for value, _ in pairs], "extended.batch_reduce_to")
-        pairs = [(self.as_worker_value(value), d) for value, d in pairs]
         self.check_batch_reduce([value for value, _ in pairs], "extended.batch_reduce_to")
         targets = [self._target(d) for _, d in pairs]
         if self._tf_collective_ops:
