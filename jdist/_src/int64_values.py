@@ -30,7 +30,7 @@ from jdist._src.host_values import int64_magnitude
 # id(first array): (weak references to the arrays, kind, bounds), kept while the arrays live.
 # Kind: None for a plain array's own record (`record_int64_bounds`), else the
 # ``_int64_per_copy`` of the value whose arrays they are (`follow`).
-_PLAIN = {}
+_KEPT = {}
 
 
 def record_int64_magnitude(value, components) -> None:
@@ -107,12 +107,12 @@ def _record(value, bounds):
 def _keep(arrays, kind, bounds):
     key, refs = id(arrays[0]), []
     for array in arrays:
-        refs.append(weakref.ref(array, lambda _: _PLAIN.pop(key, None)))
-    _PLAIN[key] = (tuple(refs), kind, bounds)
+        refs.append(weakref.ref(array, lambda _: _KEPT.pop(key, None)))
+    _KEPT[key] = (tuple(refs), kind, bounds)
 
 
 def _entry(arrays):
-    entry = _PLAIN.get(id(arrays[0])) if arrays else None
+    entry = _KEPT.get(id(arrays[0])) if arrays else None
     if entry is None or len(entry[0]) != len(arrays):
         return None
     return entry if all(r() is a for r, a in zip(entry[0], arrays)) else None
@@ -139,7 +139,7 @@ def inherit(value, arrays) -> None:
       >>> int64_sum_magnitude(jax.tree.map(lambda a: a, v))
       12
     """
-    entry = _entry(arrays) if _PLAIN else None
+    entry = _entry(arrays) if _KEPT else None
     if entry is not None and entry[1] is type(value)._int64_per_copy:
         value._int64_bounds = entry[2]
 
