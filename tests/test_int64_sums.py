@@ -251,13 +251,13 @@ def test_integers_a_step_returns_are_tfs_numbers_or_raise(n, form):
     s = mirrored(n)
     small = per_replica(n, 1000)
     if "while" in form:
-        with pytest.raises(errors.X64RequiredError, match="computes integers"):
+        with pytest.raises(errors.X64RequiredError, match="integers are computed"):
             s.run(step, args=(small,))
         return
     got = s.experimental_local_results(s.run(step, args=(small,)))
     for g, v in zip(got, small.values):
         np.testing.assert_array_equal(g, want(np.asarray(v)))
-    with pytest.raises(errors.X64RequiredError, match="computes integers"):
+    with pytest.raises(errors.X64RequiredError, match="integers are computed"):
         s.run(step, args=(per_replica(n, 2**30),))
 
 
@@ -471,3 +471,57 @@ def test_a_value_rebuilt_from_its_own_arrays_keeps_its_int64_numbers(n, source, 
         return
     # Not followed: JAX made new arrays from host-held ones (see docs/design.md, section 9).
     assert source == "host PerReplica" and rebuild in ("jnp.asarray", "device_put")
+
+
+OUTSIDE_RUN = {  # What a jdist.function computes itself from its int64 argument, and NumPy's.
+    "sum": (jnp.sum, np.sum),
+    "doubled": (lambda y: y * 2, lambda y: y * 2),
+    "cumsum in a jitted helper": (jax.jit(jnp.cumsum), np.cumsum),
+    "a PerReplica's numbers added": (lambda v: jnp.sum(v.stacked), np.sum),
+}
+
+
+@pytest.mark.parametrize("form", list(OUTSIDE_RUN))
+@pytest.mark.parametrize("n", (1, 2, 4))
+def test_integers_a_jdist_function_computes_itself_are_tfs_or_raise(n, form):
+    # TF's tf.function computes them in int64; jdist's gives that number or raises.
+    traces, (fn, reference) = [], OUTSIDE_RUN[form]
+    f = jdist.function(lambda y: traces.append(1) or fn(y))
+    made = ((lambda rows: jdist.PerReplica(list(rows))) if "PerReplica" in form
+            else (lambda rows: np.concatenate(rows)))
+    for scale in (2**20, 2**29):
+        rows = [np.full(3, scale, np.int64) + i for i in range(n)]
+        want = reference(np.stack(rows) if "PerReplica" in form else np.concatenate(rows))
+        if np.max(np.abs(want)) >= 2**31:
+            with pytest.raises(errors.X64RequiredError, match="jdist.function"):
+                f(made(rows))
+        else:
+            np.testing.assert_array_equal(f(made(rows)), want)
+    assert len(traces) == 1  # Read from the program JAX traced: not traced again.
+    wrapped = f(made([np.full(3, 2**29, np.int32)] * n))  # int32: TF's int32 wraps too.
+    np.testing.assert_array_equal(wrapped, reference(
+        np.stack([np.full(3, 2**29, np.int32)] * n) if "PerReplica" in form
+        else np.full(3 * n, 2**29, np.int32)).astype(np.int32))  # NumPy's sum is int64.
+
+
+def test_a_jdist_functions_own_integer_outputs_are_checked_where_reduce_sums_them():
+    s = mirrored(2)
+    doubled = jdist.function(lambda y: y * 2)(np.full(4, 2**29, np.int64))  # 2**30 each: fits.
+    np.testing.assert_array_equal(doubled, np.full(4, 2**30))
+    with pytest.raises(errors.X64RequiredError):
+        s.reduce("sum", doubled, axis=0)  # TF's int64 sum is 2**32.
+
+
+@pytest.mark.parametrize("jit_kwargs, call", [
+    ({"static_argnums": 0}, lambda f, y: f(3, y)),
+    ({"static_argnums": -2}, lambda f, y: f(3, y)),
+    ({"static_argnames": "k"}, lambda f, y: f(3, y)),  # A name given by position.
+    ({"static_argnames": "k"}, lambda f, y: f(y=y, k=3)),
+    ({"donate_argnums": 1, "static_argnums": 0}, lambda f, y: f(3, y)),
+])
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")  # A sum's output.
+def test_a_jdist_functions_static_and_donated_arguments_keep_its_checks(jit_kwargs, call):
+    f = jdist.function(lambda k, y: jnp.sum(y) * k, **jit_kwargs)
+    assert int(call(f, np.arange(4, dtype=np.int64))) == 18
+    with pytest.raises(errors.X64RequiredError, match="jdist.function"):
+        call(f, np.full(4, 2**28, np.int64))  # 3 * 2**30 in TF.

@@ -16,6 +16,7 @@ On GPU and TPU the guard is off, so dispatch stays asynchronous.
 
 import contextlib
 import functools
+import inspect
 import threading
 
 import jax
@@ -259,11 +260,13 @@ def function(fun=None, **jit_kwargs):
             f"jdist.function expects a function, got {type(fun).__name__}.")
 
     sums = int64_sums.FunctionChecks()  # What its int64 numbers need, per argument tree.
+    new_trace = []  # Set by a trace: the next call reads its program's own integers.
 
     @functools.wraps(fun)
     def traced(*args, **kwargs):
         if _holds_ragged_values((args, kwargs)):
             raise _RaggedArguments()  # Before ``fun`` is traced: `call` runs it as Python.
+        new_trace[:] = [True]
         batch_blocks.blocks_read()  # Arguments flattened: what ``fun`` captures reads plainly.
         with int64_sums.function_trace((args, kwargs), sums):
             outputs = _checked_outputs(fun(*args, **kwargs))
@@ -283,6 +286,12 @@ def function(fun=None, **jit_kwargs):
                 if guard.inside_launch():  # Traced by a launch: part of that launch's program.
                     return jitted(*args, **kwargs)
                 outputs = guard.dispatch(lambda: jitted(*args, **kwargs), spans_all_devices=False)
+                if new_trace:  # Its program, as traced (JAX's cache: ``fun`` does not run).
+                    new_trace.clear()
+                    with batch_blocks.reading_blocks(blocks):  # The trace cleared it.
+                        int64_sums.function_checks(
+                            sums, jitted.trace(*args, **kwargs).jaxpr, (args, kwargs),
+                            outputs, _static_arguments(fun, jit_kwargs, len(args)))
                 if sums:  # Found by this call's trace or an earlier one.
                     int64_sums.check_function(sums, (args, kwargs), outputs)
                 return outputs
@@ -309,6 +318,25 @@ def function(fun=None, **jit_kwargs):
     call.__name__ = getattr(fun, "__name__", "function")
     call.__doc__ = getattr(fun, "__doc__", None)
     return call
+
+
+def _static_arguments(fun, jit_kwargs, count):
+    """Whether the argument leaf at a path of ``(args, kwargs)`` (``count`` positional ones)
+    is one of ``jax.jit``'s static arguments, which its program does not take: by number or
+    by name, either naming a positional parameter of ``fun`` (as ``jax.jit`` reads them)."""
+    numbers = jit_kwargs.get("static_argnums", ())
+    numbers = {numbers} if isinstance(numbers, int) else set(numbers)
+    numbers = {i + count if i < 0 else i for i in numbers}
+    names = jit_kwargs.get("static_argnames", ())
+    names = {names} if isinstance(names, str) else set(names)
+    try:
+        params = [p.name for p in inspect.signature(fun).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):  # No signature (a builtin): numbers and names as given.
+        params = []
+    names |= {params[i] for i in numbers if i < len(params)}
+    numbers |= {params.index(name) for name in names if name in params}
+    return lambda path: (path[1].key in names if path[0].idx == 1 else path[1].idx in numbers)
 
 
 def _checked_outputs(outputs):

@@ -29,6 +29,11 @@ import numpy as np
 from jdist._src import invariance
 
 MAX, SUM = "max", "sum"  # A leaf's key: (MAX, k) its largest number, (SUM, k) one replica's.
+TOTAL = "total"  # (TOTAL, k): the sum of leaf k's magnitudes on every replica.
+# `analyse`'s replica count for a program outside the replicas' (a `jdist.function`'s own):
+# there a value's ``replica`` form bounds the sum over the whole value, and the replicas'
+# programs it calls (`run`'s, `strategy.reduce`'s) are checked by their own analyses.
+OUTSIDE = None
 CONST = "const"  # A form's part that constants contribute (its magnitude is 1).
 OTHER = "other"  # A form's part that nothing recorded bounds: infinite where it appears.
 WRAP, ACROSS, NEGATIVE_AXIS = "wrap", "across", "negative axis"  # What a check guards.
@@ -50,6 +55,12 @@ def argument(key: int) -> Bound:
     return Bound({(MAX, key): 1}, {(SUM, key): 1})
 
 
+def whole(key: int) -> Bound:
+    """The bound of integer argument leaf ``key`` of a program `OUTSIDE` the replicas': its
+    largest magnitude, and the sum of all of them."""
+    return Bound({(MAX, key): 1}, {(TOTAL, key): 1})
+
+
 def constant(value) -> Bound:
     """The bound of an integer constant the step closes over: its own largest magnitude."""
     value = np.asarray(value)
@@ -62,7 +73,7 @@ def analyse(jaxpr: core.Jaxpr, inputs: Sequence, num_replicas: int):
     Args:
       jaxpr: the step's body.
       inputs: per input, a `Bound` (`argument`) or None (not an integer argument).
-      num_replicas: how many replicas a collective spans.
+      num_replicas: how many replicas a collective spans, or `OUTSIDE`.
 
     Returns:
       ``(checks, outputs)``: the distinct checks ``(kind, form)`` and, per output, its `Bound`
@@ -106,9 +117,11 @@ def _rule(checks, n):
 
 def _bounds(eqn, ins, n, checks):
     name, size = eqn.primitive.name, _size(eqn.outvars[0])
-    if name in _ACROSS_REPLICAS or name == GROUP:
+    if n is OUTSIDE and name in _REPLICA_PROGRAMS:  # Checked by its own analysis.
+        return [Bound({OTHER: math.inf}, {OTHER: math.inf})] * len(eqn.outvars)
+    if n is not OUTSIDE and (name in _ACROSS_REPLICAS or name == GROUP):
         return _collectives(eqn, ins, n, checks)
-    if name in _INDICES:
+    if name in _INDICES and (n is not OUTSIDE or name != "axis_index"):
         return [_index(eqn, n)] * len(eqn.outvars)
     # A sub-program's literal operands become its inputs: bounded by themselves.
     ins = [_literal(v, _size(v)) if isinstance(v, core.Literal) and is_integer(v.aval) else b
@@ -233,6 +246,7 @@ _GROWS = frozenset({"add", "add_any", "sub", "neg", "abs", "mul", "reduce_sum", 
 _SUMS = frozenset({"psum", "psum_invariant", "psum_scatter", "reduce_scatter"})
 _ACROSS_REPLICAS = _SUMS | {"pmax", "pmin", "all_gather", "all_gather_invariant", "all_to_all"}
 _INDICES = frozenset({"argmax", "argmin", "iota", "axis_index"})  # Bounded by a shape.
+_REPLICA_PROGRAMS = frozenset({"shard_map"})  # `OUTSIDE`: what `run` and `reduce` call.
 # The operands whose numbers reach the output (the others are indices); all by default.
 _VALUE_OPERANDS = {"dynamic_slice": (0,), "gather": (0,), "dynamic_update_slice": (0, 1),
                    "scatter-add": (0, 2), "scatter_add": (0, 2), "scatter": (0, 2),
@@ -356,7 +370,7 @@ def _constant(eqn, n):
         return _literal(operand, size)
     if name == "convert_element_type" and operand is not None and operand.aval.dtype == bool:
         return _constants(1, size)
-    if name in _INDICES:
+    if name in _INDICES and (n is not OUTSIDE or name != "axis_index"):
         return _index(eqn, n)
     return None
 
@@ -364,7 +378,7 @@ def _constant(eqn, n):
 def _index(eqn, n):
     """An index's bound: under the size of what it indexes (an operand's, or its own; a
     replica id's: the replica count)."""
-    sizes = [_size(v) for v in eqn.invars] + [_size(eqn.outvars[0]), n]
+    sizes = [_size(v) for v in eqn.invars] + [_size(eqn.outvars[0])] + ([n] if n else [])
     return _constants(max(sizes), _size(eqn.outvars[0]))
 
 

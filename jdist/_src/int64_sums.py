@@ -38,6 +38,7 @@ from jdist._src.int64_bounds import MAX
 from jdist._src.int64_bounds import NEGATIVE_AXIS
 from jdist._src.int64_bounds import OTHER
 from jdist._src.int64_bounds import SUM
+from jdist._src.int64_bounds import TOTAL
 from jdist._src.run_arguments import STATIC
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
@@ -109,6 +110,10 @@ def _checks(checks, outputs):
     forms = [form for _, form in checks] + [form for _, b in outputs for form in b]
     keys = sorted({key[1] for form in forms for key in form if isinstance(key, tuple)})
     return Checks(tuple(checks), tuple(outputs), tuple(keys)) if keys else NONE
+
+
+def _keyed(form):
+    return any(isinstance(key, tuple) for key in form)
 
 
 def dynamic_leaves(kinds: Sequence[str]) -> list:
@@ -210,6 +215,38 @@ def check_reduce(op, value, copies: int) -> None:
                 "(jax.config.update('jax_enable_x64', True)), or sum values that int32 holds.")
 
 
+def function_checks(found: FunctionChecks, traced: core.ClosedJaxpr, arguments, outputs,
+                    static=lambda path: False) -> None:
+    """Adds to ``found`` the checks of what a `dispatch.function` computes itself, outside the
+    replicas' programs (``traced``: its program, traced for ``arguments``, which returned
+    ``outputs``; ``static``: whether the leaf at a path of ``arguments`` is a static argument,
+    not among the program's inputs), keyed by its argument leaves, and the bounds of its
+    integer outputs that its ``run`` calls did not bound (`traced_outputs`)."""
+    paths, tree = jax.tree_util.tree_flatten_with_path(arguments, is_leaf=is_distributed)
+    # A leaf's first array holds its numbers; a dataset element's block comes with its
+    # position in the block, an index (`batch_blocks`).
+    keys = [None if i else k for k, (path, leaf) in enumerate(paths) if not static(path)
+            for i, _ in enumerate(jax.tree_util.tree_leaves(leaf))]
+    jaxpr = traced.jaxpr
+    if len(keys) != len(jaxpr.invars):  # Not expected: then no argument is known.
+        keys = [None] * len(jaxpr.invars)
+    inputs = [int64_bounds.constant(c) if int64_bounds.is_integer(v.aval) else None
+              for v, c in zip(jaxpr.constvars, traced.consts)]
+    inputs += [int64_bounds.whole(k) if k is not None and int64_bounds.is_integer(v.aval)
+               else None for v, k in zip(jaxpr.invars, keys)]
+    opened = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
+    checks, bounds = int64_bounds.analyse(opened, inputs, int64_bounds.OUTSIDE)
+    for kind, form in checks:
+        if _keyed(form):  # An argument takes part: a call's numbers may make it wrap.
+            _found(found.checks, (tree, (kind, form)))
+    returned = jax.tree_util.tree_leaves(outputs, is_leaf=is_distributed)
+    at = [j for j, leaf in enumerate(returned) for _ in jax.tree_util.tree_leaves(leaf)]
+    bounded = {index for t, index, _ in found.outputs if t == tree}
+    for j, bound in zip(at, bounds):
+        if j not in bounded and bound is not None and any(map(_keyed, bound)):
+            found.outputs.append((tree, j, bound))
+
+
 def check_function(found: FunctionChecks, arguments, outputs) -> None:
     """`check` of a `dispatch.function` call's ``arguments`` against the checks its traces
     found (`function_trace`), then the bounds of its integer ``outputs`` recorded on them."""
@@ -274,7 +311,7 @@ def _raise_where_it_may_wrap(kind, bound, keys, what):
     if bound < WRAPS_AT:
         return
     does = {ACROSS: "a step all-reduces (SUM) integers", REDUCE: "strategy.reduce adds integers"
-            }.get(kind, "a step computes integers (a sum, a product, an addition, a loop...)")
+            }.get(kind, "integers are computed (a sum, a product, an addition, a loop...)")
     raise errors.X64RequiredError(
         f"{what}: {does} from int64 host numbers (the arguments' leaves {keys}, in "
         "jax.tree_util.tree_leaves order with distributed values as leaves) whose magnitudes "
@@ -294,6 +331,8 @@ def _magnitudes(keyed):
         value = keyed[index]
         if not holds_tf_int64(value):
             return math.inf  # An int32 array from elsewhere: nothing bounds its numbers here.
+        if kind == TOTAL:
+            return int64_sum_magnitude(value)
         return int64_max_magnitude(value, per_replica=kind == SUM)
     return magnitude
 
