@@ -162,6 +162,8 @@ def _training(s, jdist, np):
 def _int64(s, jdist, np):
     """int64 numbers whose sum leaves int32's range only through worker 1's replicas (2 and 3):
     every worker gives TF's int64 sum where it fits, or raises X64RequiredError."""
+    import jax  # pylint: disable=import-outside-toplevel
+
     def outcome(compute):
         try:
             return {"global": np.asarray(compute()).tolist()}
@@ -186,8 +188,15 @@ def _int64(s, jdist, np):
             "values_from_function": s.experimental_distribute_values_from_function(
                 lambda c: rows[c.replica_id_in_sync_group:][:1]),
             "per_worker": next(iter(s.distribute_datasets_from_function(per_pipeline(rows)))),
+            "ragged": s.experimental_distribute_values_from_function(  # r + 1 rows each.
+                lambda c: np.repeat(rows[c.replica_id_in_sync_group:][:1],
+                                    c.replica_id_in_sync_group + 1)),
         }
         for name, value in values.items():
+            if name == "ragged":  # Rebuilt by a pytree function: it keeps its record.
+                out[f"int64_{name}_{scale}_reduce"] = outcome(lambda: s.reduce(
+                    "sum", jax.tree_util.tree_map(lambda a: a, value), axis=0))
+                continue
             out[f"int64_{name}_{scale}_all_reduce"] = outcome(lambda: summed(value))
             out[f"int64_{name}_{scale}_reduce"] = outcome(
                 lambda: s.reduce("sum", value, axis=None))

@@ -270,6 +270,8 @@ def _check_int64(one):
         for how in ("all_reduce", "reduce"):
             assert np.ravel(one[f"int64_{source}_{2**20}_{how}"]["global"]) == [2 + 2 * 2**20]
             assert one[f"int64_{source}_{2**30}_{how}"]["kind"] == "X64RequiredError"
+    assert one[f"int64_ragged_{2**20}_reduce"] == {"global": 3 + 7 * 2**20}  # 1 + 2 + 3s + 4s.
+    assert one[f"int64_ragged_{2**30}_reduce"]["kind"] == "X64RequiredError"
 
 
 def _check_per_worker(workers):

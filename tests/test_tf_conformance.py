@@ -293,6 +293,25 @@ def test_int64_numbers_a_step_computes_give_tfs_numbers_or_an_error(n, scale, fo
     assert_matches(got, want, known_dtypes("int64"))
 
 
+# Integers a function computes itself (outside run) from int64 host numbers, in each library.
+OWN = {"sum": (jnp.sum, tf.reduce_sum), "times 4": (lambda y: y * 4, lambda y: y * 4),
+       "cumsum": (jnp.cumsum, tf.cumsum)}
+
+
+@pytest.mark.parametrize("form", list(OWN))
+@pytest.mark.parametrize("scale", [1000, 2**29])
+def test_int64_numbers_a_function_computes_itself_give_tfs_numbers_or_an_error(scale, form):
+    # tf.function computes them in int64; jdist.function gives TF's numbers or raises.
+    rows, (jax_fn, tf_fn) = np.array([scale, 3, scale - 1, 7, scale], np.int64), OWN[form]
+    want = tf.function(tf_fn)(tf.constant(rows)).numpy()
+    try:
+        got = jdist.function(jax_fn)(rows)
+    except errors.X64RequiredError:
+        assert np.max(np.abs(want)) >= 2**31, want
+        return
+    np.testing.assert_array_equal(got, want)
+
+
 # ---------------------------------------------------------------------------------------------
 # c. Inside strategy.run: the replica context's collectives.
 

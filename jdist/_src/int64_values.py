@@ -31,6 +31,7 @@ from jdist._src.host_values import int64_magnitude
 # Kind: None for a plain array's own record (`record_int64_bounds`), else the
 # ``_int64_per_copy`` of the value whose arrays they are (`follow`).
 _KEPT = {}
+_ARRAYS = (jax.Array, np.ndarray)
 
 
 def record_int64_magnitude(value, components) -> None:
@@ -106,8 +107,9 @@ def _record(value, bounds):
 
 def _keep(arrays, kind, bounds):
     key, refs = id(arrays[0]), []
-    for array in arrays:
-        refs.append(weakref.ref(array, lambda _: _KEPT.pop(key, None)))
+    for array in arrays:  # Another worker's replica is a shape (`jax.ShapeDtypeStruct`): kept.
+        refs.append(weakref.ref(array, lambda _: _KEPT.pop(key, None))
+                    if isinstance(array, _ARRAYS) else (lambda shape=array: shape))
     _KEPT[key] = (tuple(refs), kind, bounds)
 
 
@@ -122,7 +124,7 @@ def follow(value, arrays) -> None:
     """Keeps ``value``'s bounds, if recorded, beside ``arrays``, its pytree children (called
     as a `PerReplica` is flattened), for a value `inherit` makes from them."""
     bounds = value._int64_bounds
-    if bounds is not None and arrays and isinstance(arrays[0], (jax.Array, np.ndarray)):
+    if bounds is not None and any(isinstance(a, _ARRAYS) for a in arrays):
         entry = _entry(arrays)
         if entry is None or entry[2] is not bounds:
             _keep(arrays, type(value)._int64_per_copy, bounds)
