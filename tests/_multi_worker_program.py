@@ -457,15 +457,18 @@ def _per_worker(s, jdist, np):
 
 
 def _fault(s, jdist, np, fault):
-    """Worker 1 dies, stalls or disagrees on shapes; the others must fail in bounded time."""
+    """Worker 1 dies, stalls, raises or disagrees on shapes; the others must fail in bounded
+    time."""
     worker = s.extended.worker_index
     step = lambda x: jdist.get_replica_context().all_reduce("sum", x)  # noqa: E731
     size = 3 if (worker == 1 and fault == "shapes") else 2
     v = s.experimental_distribute_values_from_function(lambda c: np.ones((2, size), np.float32))
     for _ in range(3):
         s.run(step, args=(v,))
-    if worker == 1 and fault in ("die", "stall"):
+    if worker == 1 and fault in ("die", "stall", "raise"):
         print(f"fault at {time.time()}", flush=True)
+    if worker == 1 and fault == "raise":  # Uncaught: the main thread ends with it.
+        raise RuntimeError("worker 1's own bug")
     if worker == 1 and fault == "die":
         import os  # pylint: disable=import-outside-toplevel
         os._exit(3)

@@ -329,11 +329,19 @@ def _wait_survivors(runs, timeout):
 
 
 def test_faults_end_in_bounded_time_with_typed_errors(tmp_path):
-    """A dead worker, a stalled one (timeout 8 s) and per-worker shape disagreement."""
-    runs = {fault: _fault_run(fault, tmp_path) for fault in ("die", "stall", "shapes")}
+    """A dead worker, a stalled one (timeout 8 s), one whose script raises, and per-worker
+    shape disagreement."""
+    runs = {fault: _fault_run(fault, tmp_path) for fault in ("die", "stall", "raise", "shapes")}
     ended = _wait_survivors(runs, 120)
-    out = {name: (tmp_path / f"{name}.txt").read_text(errors="replace")
-           for name in ("die0", "die1", "stall0", "stall1", "shapes0", "shapes1")}
+    out = {f"{fault}{i}": (tmp_path / f"{fault}{i}.txt").read_text(errors="replace")
+           for fault in runs for i in range(2)}
+    # An uncaught exception: worker 1 announces its failure at exit, so worker 0 ends well
+    # before the timeout, and worker 1 does not wait for it in JAX's shutdown barrier.
+    assert runs["raise"][1].returncode == 1 and "worker 1's own bug" in out["raise1"]
+    assert runs["raise"][0].returncode == runtime.UNAVAILABLE_EXIT_CODE, out["raise0"]
+    assert "worker 1 (task worker:1" in out["raise0"] and "ended with an error" in out["raise0"]
+    fault_at = float(out["raise1"].split("fault at ")[1].split()[0])
+    assert ended["raise"] - fault_at < 6, (ended["raise"] - fault_at, out["raise0"])
     for fault in ("die", "stall"):
         assert runs[fault][0].returncode == runtime.UNAVAILABLE_EXIT_CODE, out[f"{fault}0"]
         assert "jdist.errors.UnavailableError: worker 1 (task worker:1" in out[f"{fault}0"]

@@ -14,13 +14,18 @@ The thread is stopped and joined by `stop`, which runs at interpreter exit befor
 ``jax.distributed``'s shutdown barrier: the worker announces that it ends and waits until every
 peer has ended too, so that a peer that died (or failed, or stays away for ``timeout_seconds``)
 is reported with the same error and exit status instead of JAX's shutdown barrier aborting the
-process. A worker that fails publishes it first, so its peers end at once.
+process. A worker that fails publishes it first, so its peers end at once: one that reports a
+peer, and one whose main thread ends with an uncaught exception (its traceback printed by
+``sys.excepthook``, then exit status 1 without waiting for peers that would wait for it); a
+collective's runtime error is most likely a dead peer's doing, which the exit then names.
 """
 
 import os
 import sys
 import threading
 import time
+
+import jax
 
 from jdist._src import errors
 from jdist._src.multi_worker_runtime import UNAVAILABLE_EXIT_CODE
@@ -40,6 +45,7 @@ class Watchdog:
         self._timeout = float(timeout_seconds)
         self._poll = min(1.0, self._timeout / 10)
         self.launched = 0
+        self.failed = False  # The main thread ended with an uncaught exception (`start`).
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="jdist-watchdog", daemon=True)
 
@@ -48,15 +54,28 @@ class Watchdog:
         self.launched += 1
 
     def start(self):
-        """Starts the thread."""
+        """Starts the thread, and notes an uncaught exception that ends the main thread."""
         self._thread.start()
+        hook = sys.excepthook
+
+        def failing(kind, value, traceback):
+            # A runtime error of a collective is most likely a peer's end: that peer is then
+            # found and named at exit, as before. Anything else is this worker's own failure.
+            self.failed = not issubclass(kind, jax.errors.JaxRuntimeError)
+            hook(kind, value, traceback)
+        sys.excepthook = failing
 
     def stop(self):
         """At exit: announces that this worker ends, waits until every peer has ended too (or
-        reports the one that died or stays away, see `_exit_problem`), joins the thread."""
+        reports the one that died or stays away, see `_exit_problem`), joins the thread. After
+        an uncaught exception it announces a failure instead and ends the process at once: its
+        peers end on reading it, and JAX's shutdown barrier would wait for them in vain."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
+        if self.failed:
+            sys.stderr.flush()
+            os._exit(1)  # Python's status for an uncaught exception.
 
     def _loop(self):
         client, me, beat = _client(), self._cluster.index, 0
@@ -67,6 +86,9 @@ class Watchdog:
             beat += 1
             now = time.monotonic()
             exit_since = now if exiting and exit_since is None else exit_since
+            if exiting and self.failed:
+                self._announce_failure(client, beat)
+                return
             try:
                 client.key_value_set(f"jdist/watchdog/{me}",
                                      f"{beat} {self.launched} {_ENDED if exiting else 0}",
@@ -93,15 +115,20 @@ class Watchdog:
         return (f"did not end within {self._timeout:g} s (CommunicationOptions.timeout_seconds) "
                 "of this worker's end.")
 
+    def _announce_failure(self, client, beat):
+        try:  # Tell the peers at once that this worker ends with an error.
+            client.key_value_set(f"jdist/watchdog/{self._cluster.index}",
+                                 f"{beat} {self.launched} {_FAILED}", allow_overwrite=True)
+            # Let the peers read it before this process's end closes its connections (a peer's
+            # collective would fail untyped) or, on worker 0, the service (JAX's client would
+            # abort them, SIGABRT).
+            time.sleep(2 * self._poll)
+        except Exception:  # pylint: disable=broad-except
+            pass  # The service is gone: the peers find out themselves.
+
     def _fail(self, message, client=None, beat=0):
         if client is not None:
-            try:  # Tell the peers at once that this worker ends with an error.
-                client.key_value_set(f"jdist/watchdog/{self._cluster.index}",
-                                     f"{beat} {self.launched} {_FAILED}", allow_overwrite=True)
-                if self._cluster.index == 0:  # It hosts the service: let the peers read it
-                    time.sleep(2 * self._poll)  # (else JAX's client aborts them, SIGABRT).
-            except Exception:  # pylint: disable=broad-except
-                pass  # The service is gone: the peers find out themselves.
+            self._announce_failure(client, beat)
         error = errors.UnavailableError(message)
         sys.stdout.flush()
         sys.stderr.write(f"\njdist.errors.UnavailableError: {error}\n")
@@ -139,7 +166,8 @@ class _Peer:
             self.behind_since = now
         self.launched, self.done = launched, done
         if done == _FAILED:  # The job cannot go on: any collective would wait for it forever.
-            return "ended with jdist.errors.UnavailableError; the job cannot go on without it."
+            return ("ended with an error (its own output names it); the job cannot go on "
+                    "without it.")
         if done:  # A peer that ended blocks this worker only once it waits for it in vain.
             if launched >= mine or now - self.behind_since <= timeout:
                 return None
