@@ -33,6 +33,11 @@ def main(out):
                 s.experimental_local_results(s.extended.reduce_to(op, value, replica)))]
         if name != "number":
             results[f"gather {name}"] = np.asarray(s.gather(value, 0)).tolist()
+    try:  # float64: TF adds it in float64; JAX would hold it as float32.
+        results["float64 reduce None"] = np.asarray(
+            s.reduce("SUM", np.float64([0.1 + worker]), None)).tolist()
+    except jdist.errors.X64RequiredError:
+        results["float64 reduce None"] = "X64RequiredError"
     for scale in (2**20, 2**31 - 1):  # int64: TF's sum where it fits int32, else an error.
         mine = np.array([1 if worker == 0 else scale], np.int64)
         cases = {f"int64 reduce {scale} {axis}": lambda axis=axis: s.reduce("SUM", mine, axis)

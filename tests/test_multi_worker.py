@@ -130,6 +130,7 @@ def test_a_plain_value_is_each_workers_own(tmp_path):
             np.testing.assert_array_equal(got[0][case], want, err_msg=case)
     for case in ("reduce 1048576 None", "reduce 1048576 0", "reduce_to 1048576"):
         assert np.ravel(got[0][f"int64 {case}"]).tolist() == [1 + 2**20]
+    assert got[0]["float64 reduce None"] == "X64RequiredError"  # Was float32's 1.2000000477.
     for case in ("reduce 2147483647 None", "reduce 2147483647 0", "reduce_to 2147483647"):
         assert got[0][f"int64 {case}"] == "X64RequiredError"  # 2**31: wraps in int32.
 
