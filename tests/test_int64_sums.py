@@ -525,3 +525,27 @@ def test_a_jdist_functions_static_and_donated_arguments_keep_its_checks(jit_kwar
     assert int(call(f, np.arange(4, dtype=np.int64))) == 18
     with pytest.raises(errors.X64RequiredError, match="jdist.function"):
         call(f, np.full(4, 2**28, np.int64))  # 3 * 2**30 in TF.
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(n=st.sampled_from([1, 2, 3, 4]),
+                  ops=st.lists(st.sampled_from(sorted(OPERATIONS)), min_size=1, max_size=4),
+                  scale=st.sampled_from([1, 1000, 2**20, 2**28, 2**30]), seed=st.integers(0, 99))
+def test_property_what_a_jdist_function_computes_itself_is_tfs_int64_number_or_raises(
+        n, ops, scale, seed):
+    # Soundness outside run: a number that does not raise is NumPy's int64 one, and so is
+    # strategy.reduce's sum of it (a plain value: once per replica).
+    rows = [np.random.default_rng(seed + i).integers(-scale, scale, 4, dtype=np.int64)
+            for i in range(n)]
+
+    def compute(v, which):
+        for op in ops:
+            v = OPERATIONS[op][which](v)
+        return v
+    y, s = np.concatenate(rows), mirrored(n)
+    try:
+        got = jdist.function(lambda v: compute(v, 0))(y)
+        np.testing.assert_array_equal(got, compute(y, 1))
+        assert int(s.reduce("sum", got, axis=0)) == n * np.sum(compute(y, 1))
+    except errors.X64RequiredError:
+        pass
