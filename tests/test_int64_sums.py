@@ -549,3 +549,20 @@ def test_property_what_a_jdist_function_computes_itself_is_tfs_int64_number_or_r
         assert int(s.reduce("sum", got, axis=0)) == n * np.sum(compute(y, 1))
     except errors.X64RequiredError:
         pass
+
+
+@pytest.mark.parametrize("where", ["step", "function"])
+def test_a_python_number_argument_counts_by_its_own_magnitude(where):
+    # TF takes a Python number as a constant of the trace; jdist bounds it by its value on
+    # each call, so ids plus an offset compute, and a sum that may wrap still raises.
+    s = mirrored(2)
+    if where == "step":
+        compute = lambda y, k: s.experimental_local_results(  # noqa: E731
+            s.run(lambda v, k: all_reduce(v + k), args=(jdist.PerReplica([y, y]), k)))[0]
+    else:
+        compute = jdist.function(lambda y, k: y + k)
+    y = np.full(4, 2**29, np.int64)
+    factor = 2 if where == "step" else 1
+    np.testing.assert_array_equal(compute(y, 3), np.full(4, factor * (2**29 + 3)))
+    with pytest.raises(errors.X64RequiredError):
+        compute(y, 2**31 - 1)

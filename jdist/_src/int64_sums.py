@@ -27,6 +27,7 @@ from typing import Sequence
 
 import jax
 from jax.extend import core
+import numpy as np
 
 from jdist._src import argument_paths
 from jdist._src import errors
@@ -329,6 +330,8 @@ def _magnitudes(keyed):
             return math.inf
         kind, index = key
         value = keyed[index]
+        if isinstance(value, (int, np.integer)):  # A number the call gives: its own.
+            return abs(int(value))
         if not holds_tf_int64(value):
             return math.inf  # An int32 array from elsewhere: nothing bounds its numbers here.
         if kind == TOTAL:
