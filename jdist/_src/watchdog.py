@@ -74,6 +74,7 @@ class Watchdog:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
         if self.failed:
+            sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)  # Python's status for an uncaught exception.
 
