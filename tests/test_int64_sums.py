@@ -168,6 +168,21 @@ OPERATIONS = {
 }
 
 
+def random_rows(n, scale, seed):
+    """One row of 4 int64 numbers in (-scale, scale) per replica."""
+    return [np.random.default_rng(seed + i).integers(-scale, scale, 4, dtype=np.int64)
+            for i in range(n)]
+
+
+def composed(ops):
+    """``compute(y, which)``: the `OPERATIONS` ``ops`` in turn, JAX's (0) or NumPy's (1)."""
+    def compute(y, which):
+        for op in ops:
+            y = OPERATIONS[op][which](y)
+        return y
+    return compute
+
+
 def _constants(shape):  # A constant array the step closes over (not a literal).
     return (np.arange(int(np.prod(shape))) * 2**27 - 2**28).reshape(shape)
 
@@ -180,14 +195,7 @@ def _constants(shape):  # A constant array the step closes over (not a literal).
 def test_property_an_in_step_sum_is_tfs_int64_number_or_raises(n, ops, scale, seed, across):
     # Soundness: whatever the operations, a number that does not raise is NumPy's int64 one,
     # all-reduced across replicas or returned by each.
-    rows = [np.random.default_rng(seed + i).integers(-scale, scale, 4, dtype=np.int64)
-            for i in range(n)]
-
-    def compute(y, which):
-        for op in ops:
-            y = OPERATIONS[op][which](y)
-        return y
-    s = mirrored(n)
+    rows, compute, s = random_rows(n, scale, seed), composed(ops), mirrored(n)
     try:
         got = s.experimental_local_results(s.run(
             lambda y: all_reduce(compute(y, 0)) if across else compute(y, 0),
@@ -535,14 +543,7 @@ def test_property_what_a_jdist_function_computes_itself_is_tfs_int64_number_or_r
         n, ops, scale, seed):
     # Soundness outside run: a number that does not raise is NumPy's int64 one, and so is
     # strategy.reduce's sum of it (a plain value: once per replica).
-    rows = [np.random.default_rng(seed + i).integers(-scale, scale, 4, dtype=np.int64)
-            for i in range(n)]
-
-    def compute(v, which):
-        for op in ops:
-            v = OPERATIONS[op][which](v)
-        return v
-    y, s = np.concatenate(rows), mirrored(n)
+    y, compute, s = np.concatenate(random_rows(n, scale, seed)), composed(ops), mirrored(n)
     try:
         got = jdist.function(lambda v: compute(v, 0))(y)
         np.testing.assert_array_equal(got, compute(y, 1))
