@@ -567,3 +567,16 @@ def test_a_python_number_argument_counts_by_its_own_magnitude(where):
     np.testing.assert_array_equal(compute(y, 3), np.full(4, factor * (2**29 + 3)))
     with pytest.raises(errors.X64RequiredError):
         compute(y, 2**31 - 1)
+
+
+def test_a_jdist_function_on_a_partial_batch_keeps_the_checks_its_full_batches_found():
+    # A partial batch's call runs as Python (eager): what the function computes itself there
+    # is checked as its full batches' programs found it, on this call's numbers.
+    s = mirrored(2)
+    f = jdist.function(lambda b, y: (s.run(lambda v: v * 2, args=(b,)), jnp.sum(y)))
+    ones = lambda *rows: jdist.PerReplica([np.ones(r, np.float32) for r in rows])  # noqa: E731
+    full, partial = ones(2, 2), ones(2, 1)
+    assert int(f(full, np.full(4, 2**20, np.int64))[1]) == 2**22
+    assert int(f(partial, np.full(4, 2**20, np.int64))[1]) == 2**22
+    with pytest.raises(errors.X64RequiredError, match="jdist.function"):
+        f(partial, np.full(4, 2**30, np.int64))  # TF's 2**32.

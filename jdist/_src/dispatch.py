@@ -302,7 +302,10 @@ def function(fun=None, **jit_kwargs):
             # replicas, `jax.ShapeDtypeStruct`s, make jax.jit raise TypeError first.)
             if not _holds_ragged_values((args, kwargs)):
                 raise
-        return _as_python(fun, args, kwargs)
+        outputs = _as_python(fun, args, kwargs)
+        if sums:  # Eager, so unread: what the programs of its even calls computed itself.
+            int64_sums.check_function(sums, (args, kwargs), outputs)
+        return outputs
 
     def lower(*args, **kwargs):
         with _inside_function(), batch_blocks.reading_blocks(blocks):
