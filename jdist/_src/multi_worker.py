@@ -43,6 +43,7 @@ from jdist._src.run_arguments import SCALARS
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
+from jdist._src.values import is_distributed
 from jdist._src.values import is_step_output
 from jdist._src.watchdog import Watchdog
 
@@ -103,6 +104,9 @@ class MultiWorkerExtended(MirroredExtended):
     def _by_collective_ops(self, dtype, reduces_one=False):
         # TF's multi-worker strategy reduces and gathers every value with its collective ops.
         return self._num_replicas > 1
+
+    def as_worker_values(self, value):
+        return jax.tree_util.tree_map(self.as_worker_value, value, is_leaf=is_distributed)
 
     def as_worker_value(self, value):
         """A non-distributed array or number reduced or gathered across several workers is this

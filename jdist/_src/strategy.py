@@ -141,8 +141,7 @@ class Strategy(TF1Methods):
         across = self.num_replicas_in_sync > 1 or axis is not None
         # Across workers a plain value is the worker's one replica value (TF's collective ops),
         # checked as such, with every worker's numbers.
-        value = jax.tree_util.tree_map(self._extended.as_worker_value, value,
-                                       is_leaf=is_distributed)
+        value = self._extended.as_worker_values(value)
         for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
             # TF adds no plain value without an axis: MEAN hands it back, SUM refuses it.
             distributed = is_distributed(leaf)

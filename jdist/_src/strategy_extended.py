@@ -163,6 +163,11 @@ class StrategyExtended:
         `MultiWorkerMirroredStrategy` across workers, this worker's value)."""
         return value
 
+    def as_worker_values(self, value: PyTree) -> PyTree:
+        """`as_worker_value` of each leaf of the nest ``value``; one worker's: the nest itself
+        (no walk of it on every reduce)."""
+        return value
+
     def check_collective_dtypes(self, value: PyTree, what: str, gathers: bool = False,
                                 reduces_one: bool = False) -> None:
         """Raises where TF hands a value to its ``CollectiveAllReduce``, whose ops take only
