@@ -142,9 +142,32 @@ class FunctionChecks:
     need (``(tree, (kind, form))``), and its integer outputs' bounds (``(tree, leaf, bound)``)."""
     checks: list = dataclasses.field(default_factory=list)
     outputs: list = dataclasses.field(default_factory=list)
+    _of: dict = dataclasses.field(default_factory=dict)  # Per tree, its `Checks` (`of`).
 
     def __bool__(self):
         return bool(self.checks or self.outputs)
+
+    def add_check(self, tree, kind_and_form) -> None:
+        """Keeps a check of calls with argument tree ``tree`` (once: a retrace finds it again)."""
+        self._add(self.checks, (tree, kind_and_form))
+
+    def add_output(self, tree, index: int, bound) -> None:
+        """Keeps the bound of output leaf ``index`` of calls with argument tree ``tree``."""
+        self._add(self.outputs, (tree, index, bound))
+
+    def _add(self, entries, entry):
+        if entry not in entries:
+            entries.append(entry)
+            self._of.clear()
+
+    def of(self, tree) -> "Checks":
+        """One `Checks` of every check and output bound kept for ``tree`` (made once)."""
+        checks = self._of.get(tree)
+        if checks is None:
+            checks = self._of[tree] = _checks(
+                tuple(c for t, c in self.checks if t == tree),
+                tuple((i, b) for t, i, b in self.outputs if t == tree))
+        return checks
 
 
 class _TracedArguments(threading.local):
@@ -182,8 +205,8 @@ def traced_outputs(outputs) -> None:
     tree, found = _function_trace.tree, _function_trace.found
     for i, leaf in enumerate(jax.tree_util.tree_leaves(outputs, is_leaf=is_distributed)):
         bound = traced_bounds(leaf)
-        if bound is not None and (tree, i, bound) not in found.outputs:
-            found.outputs.append((tree, i, bound))
+        if bound is not None:
+            found.add_output(tree, i, bound)
 
 
 def hand_over_sum(value, copies: int) -> bool:
@@ -195,7 +218,7 @@ def hand_over_sum(value, copies: int) -> bool:
         return False
     total = int64_bounds.scale(bound.replica, value.num_replicas
                                if isinstance(value, PerReplica) else copies)
-    _found(_function_trace.found.checks, (_function_trace.tree, (REDUCE, total)))
+    _function_trace.found.add_check(_function_trace.tree, (REDUCE, total))
     return True
 
 
@@ -239,26 +262,22 @@ def function_checks(found: FunctionChecks, traced: core.ClosedJaxpr, arguments, 
     checks, bounds = int64_bounds.analyse(opened, inputs, int64_bounds.OUTSIDE)
     for kind, form in checks:
         if _keyed(form):  # An argument takes part: a call's numbers may make it wrap.
-            _found(found.checks, (tree, (kind, form)))
+            found.add_check(tree, (kind, form))
     returned = jax.tree_util.tree_leaves(outputs, is_leaf=is_distributed)
     at = [j for j, leaf in enumerate(returned) for _ in jax.tree_util.tree_leaves(leaf)]
     bounded = {index for t, index, _ in found.outputs if t == tree}
     for j, bound in zip(at, bounds):
         if j not in bounded and bound is not None and any(map(_keyed, bound)):
-            found.outputs.append((tree, j, bound))
+            found.add_output(tree, j, bound)
 
 
 def check_function(found: FunctionChecks, arguments, outputs) -> None:
     """`check` of a `dispatch.function` call's ``arguments`` against the checks its traces
     found (`function_trace`), then the bounds of its integer ``outputs`` recorded on them."""
     leaves, tree = jax.tree_util.tree_flatten(arguments, is_leaf=is_distributed)
-    for traced_tree, one in found.checks:
-        if traced_tree == tree:
-            check(_checks((one,), ()), leaves, what="a jdist.function")
-    returned = jax.tree_util.tree_leaves(outputs, is_leaf=is_distributed)
-    for traced_tree, index, bound in found.outputs:
-        if traced_tree == tree:
-            check(_checks((), ((index, bound),)), leaves, returned)
+    checks = found.of(tree)
+    if checks:
+        check(checks, leaves, outputs, what="a jdist.function")
 
 
 def check(checks: Checks, leaves, outputs=None, what: str = "strategy.run") -> None:
@@ -323,21 +342,25 @@ def _raise_where_it_may_wrap(kind, bound, keys, what):
 
 
 def _magnitudes(keyed):
+    """``magnitude(key)`` of a form's key on this call, each found once (a host array's is
+    summed on the host; many forms share keys)."""
+    known = {CONST: 1, OTHER: math.inf}
+
     def magnitude(key):
-        if key == CONST:
-            return 1
-        if key == OTHER:
-            return math.inf
-        kind, index = key
-        value = keyed[index]
-        if isinstance(value, (int, np.integer)):  # A number the call gives: its own.
-            return abs(int(value))
-        if not holds_tf_int64(value):
-            return math.inf  # An int32 array from elsewhere: nothing bounds its numbers here.
-        if kind == TOTAL:
-            return int64_sum_magnitude(value)
-        return int64_max_magnitude(value, per_replica=kind == SUM)
+        if key not in known:
+            known[key] = _magnitude(key[0], keyed[key[1]])
+        return known[key]
     return magnitude
+
+
+def _magnitude(kind, value):
+    if isinstance(value, (int, np.integer)):  # A number the call gives: its own.
+        return abs(int(value))
+    if not holds_tf_int64(value):
+        return math.inf  # An int32 array from elsewhere: nothing bounds its numbers here.
+    if kind == TOTAL:
+        return int64_sum_magnitude(value)
+    return int64_max_magnitude(value, per_replica=kind == SUM)
 
 
 def _evaluate(form, magnitude):
@@ -367,7 +390,7 @@ def _hand_over(checks, keyed, outputs):
     """``checks`` on the traced function's own argument leaves, and its ``outputs``' bounds
     recorded as forms in them (`function_trace`)."""
     for kind, form in checks.checks:
-        _found(_function_trace.found.checks, (_function_trace.tree, (kind, _outer(form, keyed))))
+        _function_trace.found.add_check(_function_trace.tree, (kind, _outer(form, keyed)))
     if checks.outputs and outputs is not None:  # Flat (`run`'s programs), or a nest.
         outputs = jax.tree_util.tree_leaves(outputs, is_leaf=is_distributed)
     for index, bound in checks.outputs if outputs is not None else ():
@@ -393,11 +416,6 @@ def _outer(form, keyed):
             outer[part] = (math.inf if part == OTHER
                            else outer.get(part, 0) + coefficient * factor)
     return outer
-
-
-def _found(found, entry):
-    if entry not in found:  # A retrace finds it again.
-        found.append(entry)
 
 
 def _traced(leaf):
