@@ -9,13 +9,14 @@ on simulated CPU devices:
   decoding) feeds ``experimental_distribute_dataset``; its background thread splits and
   transfers while the step runs. Target >= 0.8 (the slower of loading and step, not their sum).
 * ``numpy dataset / on-device``: ``experimental_make_numpy_dataset(...).batch(...)`` with default
-  options (full batches placed in blocks of up to 64, by the loop's own thread) feeds a
-  dispatch-bound step for epochs of 256 batches, against the same batches placed on the
-  devices beforehand, one array per leaf; also shown: the dataset's elements made beforehand
-  (what the step's ``(block, position)`` arguments cost alone), and the hand-written loop
-  (one ``jax.device_put`` per batch). Target >= 0.95: feeding costs the step nothing. For
-  reference, the same on 60-batch epochs (one block, placed before the first step: the
-  epoch's start weighs four times as much) and the start's cost in ms.
+  options (full batches placed in blocks of up to 64, by the loop's own thread, from the
+  dataset's own memory) feeds a dispatch-bound step for epochs of 256 batches, against the
+  same batches placed on the devices beforehand, one array per leaf; also shown: the
+  dataset's elements made beforehand (what the step's ``(block, position)`` arguments cost
+  alone), and the hand-written loop (one ``jax.device_put`` per batch). Target >= 0.95:
+  feeding costs the step nothing. For reference, the same on 60-batch epochs (one block,
+  placed before the first step: the epoch's start weighs four times as much) and the
+  start's cost in ms.
 * ``dataset alone / one device_put``: the per-batch cost of iterating the distributed dataset
   (global batch 1024, 8 replicas) against one ``jax.device_put`` of the same global batch with
   the replica sharding (what a hand-written loop does). Target <= 1.5.

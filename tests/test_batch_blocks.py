@@ -69,7 +69,7 @@ def test_large_blocks_hold_tf_split_of_each_batch(n, buffer):
     got = elements(s, s.experimental_make_numpy_dataset(d).batch(batch),
                    experimental_per_replica_buffer_size=buffer)
     assert batch_blocks.in_block(got[0]["x"])
-    assert got[0]["x"]._block.shape[1] == 3
+    assert got[0]["x"]._block.shape[0] == 3
     for element, host in zip(got, batches(d, batch), strict=True):
         for key in host:
             for value, chunk in zip(element[key].values, tf_split(host[key], n)):
@@ -92,6 +92,32 @@ def test_epochs_that_drop_their_elements_read_tf_split_of_each_batch(n):
         assert len(got) == len(want)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
+
+
+def buffers(element):
+    """The addresses of the device buffers holding ``element``'s block."""
+    return {shard.data.unsafe_buffer_pointer() for shard in element._block.addressable_shards}
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_consecutive_batches_are_placed_from_the_datasets_own_memory(n):
+    # On CPU devices each device's buffer of a full block of consecutive batches is the
+    # dataset's aligned read-only copy itself; shuffled rows and the padded last block are
+    # copied. Blocks of 64 batches of 4n rows (64n bytes each), then a last block of 3.
+    s, d = mirrored(n), data(4 * n * (2 * 64 + 3))
+    rows = s.experimental_make_numpy_dataset(d)
+    x = rows.arrays["x"]
+    assert not x.flags.writeable
+    got = elements(s, rows.batch(4 * n))
+    block_bytes = 64 * x[:4 * n].nbytes
+    assert buffers(got[0]["x"]) == {x.ctypes.data}
+    assert buffers(got[64]["x"]) == {x.ctypes.data + block_bytes}
+    own = range(x.ctypes.data, x.ctypes.data + x.nbytes)
+    assert not any(b in own for b in buffers(got[128]["x"]))
+    shuffled = elements(s, rows.shuffle(8, seed=1).batch(4 * n))
+    assert not any(b in own for b in buffers(shuffled[0]["x"]))
+    for element, host in zip(got, batches(d, 4 * n), strict=True):
+        np.testing.assert_array_equal(np.asarray(s.gather(element["x"], 0)), host["x"])
 
 
 @pytest.mark.parametrize("n", BLOCKED_REPLICAS)
@@ -155,18 +181,17 @@ def test_one_replica_blocks_are_cut_in_launches_that_divide_them(size, count):
 
 @pytest.mark.parametrize("n", (1, 4))
 def test_blocks_placed_by_a_prefetch_thread_as_on_accelerators_are_the_same(n, monkeypatch):
-    # Off CPU the host's cores are free: the prefetch thread places blocks ahead of the loop.
-    made = batch_blocks.BlockFeed.__init__
-
-    def accelerator_like(self, *args):
-        made(self, *args)
-        self.on_loop_thread = False
-    monkeypatch.setattr(batch_blocks.BlockFeed, "__init__", accelerator_like)
+    # Off CPU the host's cores are free: the prefetch thread places blocks ahead of the loop,
+    # each device receiving its replicas' rows of them.
+    monkeypatch.setattr(batch_blocks, "on_host_cores", lambda mesh: False)
     s, d = mirrored(n), data(41 * 4 * n + 3)
     dataset = s.experimental_make_numpy_dataset(d).batch(4 * n)
     it = iter(s.experimental_distribute_dataset(dataset))
     first = next(it)
     assert len(prefetch.live_threads()) == 1
+    if n > 1:
+        spec = jax.sharding.PartitionSpec(None, s.extended.replica_axis)
+        assert first["x"]._block.sharding.spec == spec
     for element, host in zip([first, *it], dataset, strict=True):
         got = s.experimental_local_results(element["x"])
         for value, chunk in zip(got, tf_split(host["x"], n), strict=True):

@@ -440,6 +440,26 @@ def test_numpy_dataset_batches_are_read_only_rows_of_the_data(make):
     assert x[0, 0] == 0 and x.flags.writeable
 
 
+@pytest.mark.parametrize("n", [1, 2, 8])
+@pytest.mark.parametrize("pipeline", [
+    lambda d: d.batch(4), lambda d: d.shuffle(16, 2, reshuffle_each_iteration=False).batch(4),
+    lambda d: d])
+def test_numpy_dataset_reads_the_data_as_it_was_made(n, pipeline):
+    # TF's from_tensor_slices copies its input: writing the arrays afterwards changes nothing.
+    s = mirrored(n)
+    x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+    y = np.arange(16)
+    want = [np.asarray(b).tolist() for b in pipeline(NumpyDataset(x.copy()))]
+    dataset = pipeline(s.experimental_make_numpy_dataset({"x": x, "y": y}))
+    x[:] = -1
+    y[:] = -1
+    assert [b["x"].tolist() for b in dataset] == want
+    if n > 1 and dataset.batch_rows:
+        got = [np.asarray(s.gather(e["x"], 0)).tolist()
+               for e in s.experimental_distribute_dataset(dataset)]
+        assert got == want
+
+
 @pytest.mark.parametrize("make", [
     lambda s, x: s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(x).batch(4)),
     lambda s, x: s.distribute_datasets_from_function(

@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 
+import jdist
 from jdist import errors
 from jdist._src.numpy_dataset import NumpyDataset
 
@@ -98,3 +99,20 @@ def test_a_global_seed_counts_as_in_tf_and_an_unseeded_shuffle_under_it_raises()
             NumpyDataset(np.arange(20)).shuffle(20)
     finally:
         tf.random.set_seed(None)
+
+
+@pytest.mark.parametrize("make", ["from_tensor_slices", "experimental_make_numpy_dataset"])
+def test_writes_to_the_input_after_the_dataset_is_made_change_nothing_as_in_tf(make):
+    def read(dataset):
+        return [np.asarray(b).tolist() for b in dataset.batch(3)]
+
+    def made(module_dataset, strategy):
+        x = np.arange(12, dtype=np.float32).reshape(6, 2)
+        dataset = (module_dataset.from_tensor_slices(x) if make == "from_tensor_slices"
+                   else strategy.experimental_make_numpy_dataset(x))
+        x *= -1
+        return read(dataset)
+    tf_strategy = tf.compat.v1.distribute.MirroredStrategy(["/cpu:0"])
+    got = made(NumpyDataset, jdist.get_strategy())
+    assert got == made(tf.data.Dataset, tf_strategy)
+    assert got[0] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]

@@ -2,11 +2,19 @@
 
 Placing a small batch on several devices costs mostly per-buffer work (one buffer per leaf and
 device: about 110 us for a 64 KiB batch of two leaves on 8 CPU devices), not its bytes. A block
-holds ``K`` consecutive full batches replica-major, ``(num_replicas, K, rows, *inner)`` sharded
-over the replica axis, and is placed in one call with as many buffers as ONE batch; each element
-then names its position in the block. Measured with a dispatch-bound step on 8 CPU devices
-(``docs/design.md``, "Batch blocks"): one placement per batch runs at 0.73-0.79 of the speed of
-batches already on the devices, blocks of 32 at 0.93-0.96, blocks of 64 at 0.95.
+holds ``K`` consecutive full batches, ``(K, num_replicas, rows, *inner)``, and is placed in one
+call with as many buffers as ONE batch; each element then names its position in the block.
+Measured with a dispatch-bound step on 8 CPU devices (``docs/design.md``, "Batch blocks"): one
+placement per batch runs at 0.73-0.79 of the speed of batches already on the devices, blocks of
+64 at 0.92-0.95.
+
+That layout is the dataset's own: ``K`` consecutive batches of its rows are those rows, so a
+block of them is a view of the dataset's arrays (a `NumpyDataset` holds an aligned, read-only
+copy). On CPU devices a block is placed replicated: every device's buffer is that host memory
+itself, with no copy and no transfer, and the step's program reads each replica's rows of a
+position in place. On several accelerators it is sharded over the replica axis (dimension 1),
+each device receiving its replicas' rows. Shuffled rows, the data's last block (padded) and
+int64 data are copied into the layout first.
 
 An element is a `BlockedPerReplica`: a `PerReplica` in every respect (``values``, ``stacked``,
 pytree utilities, pickling), whose array is taken out of the block by a small program the first
@@ -27,21 +35,19 @@ accelerators the prefetch thread places them ahead, beside the steps.
 
 import contextlib
 import functools
-import math
 import threading
 
 import jax
 from jax import lax
 import numpy as np
 
-from jdist._src.host_values import int64_magnitudes
+from jdist._src.host_values import aligned_empty, held_copy, int64_magnitudes, placed_as_is
 from jdist._src import int64_values
 from jdist._src.int64_values import record_int64_bounds
 from jdist._src.values import PerReplica
 
 BLOCK_BYTES = 4 << 20  # A block holds at most this many bytes of batches...
 MAX_BATCHES = 64  # ...and at most this many batches.
-ALIGNMENT = 64  # Bytes: what XLA's CPU buffers need to alias host memory.
 
 
 class _Reading(threading.local):
@@ -88,9 +94,25 @@ def replica_struct(value: PerReplica) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(value.stacked.shape[1:], value.stacked.dtype)
 
 
-@jax.jit
 def _take(block, position):
-    return lax.dynamic_index_in_dim(block, position, 1, keepdims=False)
+    return lax.dynamic_index_in_dim(block, position, keepdims=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _taker(per_replica):
+    """`_take` as a program whose batch is sharded ``per_replica``, as a `PerReplica`'s stacked
+    array is, whether its block is replicated or sharded."""
+    return jax.jit(_take, out_shardings=per_replica)
+
+
+def _row(block, position):
+    """The batch at ``position`` in ``block``. Inside a trace the program's ``shard_map`` then
+    reads each replica's rows of it in place (XLA fuses the two into one slice per device)."""
+    if isinstance(block, jax.core.Tracer):
+        return _take(block, position)
+    mesh = block.sharding.mesh  # A replica mesh: its one axis is the replica axis.
+    return _taker(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        *mesh.axis_names)))(block, position)
 
 
 class BlockedPerReplica(PerReplica):
@@ -110,12 +132,12 @@ class BlockedPerReplica(PerReplica):
     def _stacked(self):  # Read through `PerReplica.stacked`, `values`, flattening, ...
         if self._taken is None:
             with jax.ensure_compile_time_eval():  # Read inside a trace too: kept concrete.
-                self._taken = _take(self._block, self._position)
+                self._taken = _row(self._block, self._position)
         return self._taken
 
     @property
     def num_replicas(self):
-        return self._block.shape[0]
+        return self._block.shape[1]
 
     def __reduce__(self):  # Pickled and copied as the plain value it is.
         return PerReplica._from_stacked, (self._stacked,)
@@ -136,11 +158,17 @@ def _unflatten(aux, children):
         return rebuilt
     block, position = children
     if isinstance(block, jax.Array) and isinstance(position, jax.Array):  # Tracers included.
-        return PerReplica._from_stacked(_take(block, position))
+        return PerReplica._from_stacked(_row(block, position))
     return BlockedPerReplica._at(block, position)  # JAX's own placeholders: structure only.
 
 
 jax.tree_util.register_pytree_node(BlockedPerReplica, _flatten, _unflatten)
+
+
+def on_host_cores(mesh) -> bool:
+    """Whether ``mesh``'s devices are the host's CPU cores: its blocks are then placed by the
+    loop's thread and replicated, every device's buffer being the host memory itself."""
+    return mesh.devices.flat[0].platform == "cpu"
 
 
 class BlockFeed:
@@ -158,9 +186,13 @@ class BlockFeed:
         # Simulated CPU devices run on the host's cores: a thread's copy there stalls every
         # device's collective (`docs/design.md`, "Who places a block"). An accelerator's host
         # has them free, so a prefetch thread overlaps the copy and transfer with the steps.
-        self.on_loop_thread = mesh.devices.flat[0].platform == "cpu"
+        self.on_loop_thread = on_host_cores(mesh)
         spec = jax.sharding.PartitionSpec
-        self._sharding = jax.sharding.NamedSharding(mesh, spec(axis))
+        # A CPU device's buffer can be the host memory itself, and one device holds it all
+        # anyway; several accelerators each receive their replicas' rows.
+        replicated = self.on_loop_thread or mesh.devices.size == 1
+        self._sharding = jax.sharding.NamedSharding(mesh, spec() if replicated else spec(
+            None, axis))
         self._split = (mesh.devices.size, full_rows // mesh.devices.size)
         self.size = size
         self._positions = _positions(mesh, size)
@@ -192,19 +224,10 @@ class BlockFeed:
 
     def _place(self, leaves, tree, number, rows):
         """`Elements` of ``number`` full batches, the ``rows`` of ``leaves`` one after another,
-        placed as one block (padded to the block's size: positions nobody reads)."""
-        blocks, magnitudes = [], []
-        for leaf in leaves:
-            block = _aligned_empty(
-                (self._split[0], self.size, self._split[1]) + leaf.shape[1:], leaf.dtype)
-            batches = block[:, :number]
-            _read_rows(leaf, rows, batches)
-            block[:, number:] = 0  # The data's last block: positions nobody reads.
-            blocks.append(block)
-            # TF computes with int64 batches in int64: steps and reduces check what JAX's int32
-            # holds against these (`int64_values`).
-            magnitudes.append(int64_magnitudes(batches, number))
-        blocks = jax.device_put(blocks, self._sharding)
+        placed as one block (padded to the block's size: positions nobody reads, left as they
+        are: a short last block is as quick to place as its batches are to copy)."""
+        blocks, magnitudes = zip(*(self._laid_out(leaf, rows, number) for leaf in leaves))
+        blocks = jax.device_put(list(blocks), self._sharding)
         if self._cut is not None:
             batches = [batch for start in range(0, number, self._cut_count)
                        for batch in self._cut(blocks, self._positions[start])][:number]
@@ -217,18 +240,24 @@ class BlockFeed:
             BlockedPerReplica._at(b, self._positions[i], *([] if m is None else [m[i]]))
             for b, m in zip(blocks, magnitudes)]) for i in range(number))
 
-
-def _read_rows(leaf, rows, out):
-    """Copies ``leaf[rows]`` into ``out`` (``(replicas, batches, rows per replica, ...)``), each
-    batch's rows split over the replicas in order, in one pass: a shuffled block is gathered
-    straight into its layout (0.5 ms for 4 MiB here, where a gather then a copy took 1.4)."""
-    replicas, number, per_replica = out.shape[:3]
-    if isinstance(rows, slice):
-        batches = leaf[rows].reshape((number, replicas, per_replica) + leaf.shape[1:])
-        np.copyto(out, np.swapaxes(batches, 0, 1))
-    else:  # The dataset's own row indices, in range: "wrap" only spares numpy a buffer.
-        order = rows.reshape(number, replicas, per_replica).transpose(1, 0, 2)
-        np.take(leaf, order, axis=0, out=out, mode="wrap")
+    def _laid_out(self, leaf, rows, number):
+        """``(block, int64 magnitudes or None)``: ``leaf``'s ``rows`` as ``number`` full
+        batches in the block's layout; the dataset's own memory where they are consecutive,
+        fill the block and can be placed as they are (`placed_as_is`), else a copy."""
+        shape = (self.size,) + self._split + leaf.shape[1:]
+        if isinstance(rows, slice) and number == self.size:
+            batches = leaf[rows].reshape(shape)
+            if placed_as_is(batches):
+                return batches, None  # Its dtype is JAX's own: no int64 numbers.
+        block = aligned_empty(shape, leaf.dtype)
+        if isinstance(rows, slice):
+            np.copyto(block[:number], leaf[rows].reshape((number,) + shape[1:]))
+        else:  # The dataset's own row indices, in range: "wrap" only spares numpy a buffer.
+            np.take(leaf, rows.reshape((number,) + shape[1:3]), axis=0, out=block[:number],
+                    mode="wrap")
+        # TF computes with int64 batches in int64: steps and reduces check what JAX's int32
+        # holds against these (`int64_values`).
+        return held_copy(block), int64_magnitudes(block[:number])
 
 
 CUT = 8  # One replica: the batches one launch cuts out of a block (its compile grows with it).
@@ -248,8 +277,7 @@ def _cutter(replicated, count):
     blocks cut this way at 0.54-0.74. Eight per launch: all 64 at once compiled in 0.6-2.7 s
     on CPU (2 to 40 leaves), eight in 0.13-0.5 s, and cost no more per block."""
     def cut(blocks, start):
-        return [[lax.dynamic_index_in_dim(block[0], start + i, keepdims=False)
-                 for block in blocks] for i in range(count)]
+        return [[_take(block, start + i)[0] for block in blocks] for i in range(count)]
     return jax.jit(cut, out_shardings=replicated)
 
 
@@ -260,16 +288,6 @@ def _positions(mesh, size):
     a dataset made each epoch paid each epoch). They are never donated (`dispatch.function`)."""
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.device_put([np.int32(i) for i in range(size)], replicated)
-
-
-def _aligned_empty(shape, dtype):
-    """An uninitialised host array at an address ``ALIGNMENT`` divides: JAX's CPU client then
-    uses its memory as the device buffers (no copy), where an unaligned one is copied again."""
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 class Elements(tuple):

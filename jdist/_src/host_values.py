@@ -39,6 +39,73 @@ def _held_narrower(value):
     return None if held == value.dtype else held
 
 
+ALIGNMENT = 64  # Bytes: host memory at such an address is what XLA's CPU buffers can alias.
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised host array at an address `ALIGNMENT` divides: JAX's CPU client places
+    it without a copy (its device buffers use this memory), where an unaligned one is copied.
+
+    Example:
+      >>> aligned_empty((3, 5), np.float32).ctypes.data % ALIGNMENT
+      0
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def owned_copy(array: np.ndarray) -> np.ndarray:
+    """A read-only copy of ``array`` that later writes to ``array`` leave as it is (what TF's
+    ``from_tensor_slices`` keeps), aligned to `ALIGNMENT` where its dtype allows.
+
+    Example:
+      >>> x = np.ones(3); kept = owned_copy(x); x[:] = 7
+      >>> kept.tolist(), kept.flags.writeable
+      ([1.0, 1.0, 1.0], False)
+    """
+    if array.dtype.hasobject or not array.dtype.itemsize:  # Not viewable from raw bytes.
+        copy = np.array(array, copy=True)
+    else:
+        copy = aligned_empty(array.shape, array.dtype)
+        np.copyto(copy, array)
+    copy.flags.writeable = False
+    return copy
+
+
+def held_copy(array: np.ndarray) -> np.ndarray:
+    """``array`` in the dtype JAX holds it in (int64 as int32 without x64), in aligned memory,
+    so JAX's CPU client places it without another copy; ``array`` itself where JAX holds it as
+    it is. Its numbers must fit that dtype (`check_host_numbers` says whether they do).
+
+    Example:
+      >>> held_copy(np.arange(3)).dtype, held_copy(np.ones(2, np.float32)).dtype
+      (dtype('int32'), dtype('float32'))
+    """
+    held = _held_narrower(array)
+    if held is None or array.dtype.kind not in "iu":
+        return array
+    copy = aligned_empty(array.shape, held)
+    np.copyto(copy, array, casting="unsafe")
+    return copy
+
+
+def placed_as_is(array: np.ndarray) -> bool:
+    """Whether JAX's CPU client uses ``array``'s own memory as its device buffers, and nothing
+    can write to it while they do: C-contiguous, aligned, read-only, in a dtype JAX holds as it
+    is (an owned dataset's consecutive rows, `numpy_dataset`).
+
+    Example:
+      >>> x = aligned_empty((4, 2), np.float32); x.flags.writeable = False
+      >>> placed_as_is(x), placed_as_is(x[:, :1]), placed_as_is(np.zeros(2, np.float32))
+      (True, False, False)
+    """
+    return (array.flags.c_contiguous and not array.flags.writeable
+            and array.ctypes.data % ALIGNMENT == 0 and _held_narrower(array) is None)
+
+
 def check_host_numbers(value) -> None:
     """Raises `X64RequiredError` when JAX would hold host numbers as other numbers, or compute
     with them in a precision TF does not.
@@ -154,23 +221,23 @@ def held_as_int32(value) -> bool:
     return _held_narrower(value) is not None and value.dtype.kind in "iu"
 
 
-def int64_magnitudes(block, count: int):
-    """Per batch of a dataset block ``block`` (``(replicas, count, ...)``), the magnitudes of
-    its int64 numbers: ``(sum, largest, largest sum on one replica)``
-    (`int64_values.record_int64_bounds`), or None where JAX holds ``block``'s numbers as they are.
+def int64_magnitudes(batches):
+    """Per batch of a dataset block's ``batches`` (``(count, replicas, ...)``), the magnitudes
+    of its int64 numbers: ``(sum, largest, largest sum on one replica)``
+    (`int64_values.record_int64_bounds`), or None where JAX holds their numbers as they are.
 
     Example:
-      >>> int64_magnitudes(np.array([[[1, -2], [3, 4]], [[5, 0], [0, 0]]]), 2)
+      >>> int64_magnitudes(np.array([[[1, -2], [5, 0]], [[3, 4], [0, 0]]]))
       [(8, 5, 5), (7, 4, 7)]
-      >>> int64_magnitudes(np.ones((2, 2, 2), np.int32), 2) is None
+      >>> int64_magnitudes(np.ones((2, 2, 2), np.int32)) is None
       True
     """
-    if not held_as_int32(block):
+    if not held_as_int32(batches):
         return None
-    parts = np.abs(block.astype(np.int64)).reshape(block.shape[0], count, -1)
+    parts = np.abs(batches.astype(np.int64)).reshape(batches.shape[:2] + (-1,))
     sums = parts.sum(axis=2, dtype=np.int64)
-    return list(zip(sums.sum(axis=0).tolist(), parts.max(axis=(0, 2), initial=0).tolist(),
-                    sums.max(axis=0).tolist()))
+    return list(zip(sums.sum(axis=1).tolist(), parts.max(axis=(1, 2), initial=0).tolist(),
+                    sums.max(axis=1).tolist()))
 
 
 def python_numbers_as_tf(value) -> np.ndarray:

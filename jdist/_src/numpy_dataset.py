@@ -2,10 +2,11 @@
 
 ``strategy.experimental_make_numpy_dataset(x)`` returns one, as TF returns
 ``tf.data.Dataset.from_tensor_slices(x)``: an unbatched dataset of the rows of ``x`` (any nest of
-arrays with a common leading size). ``batch``, ``shuffle``, ``repeat``, ``take``, ``skip`` and
-``shard`` behave as their tf.data namesakes. Internally the pipeline moves row indices, and a
-batch is materialised by one gather per array (a view, without a copy, when its rows are
-consecutive; batches are read-only), so no per-row Python work is done for batched data.
+arrays with a common leading size), copied when it is made, as TF copies them. ``batch``,
+``shuffle``, ``repeat``, ``take``, ``skip`` and ``shard`` behave as their tf.data namesakes.
+Internally the pipeline moves row indices, and a batch is materialised by one gather per array
+(a view, without a copy, when its rows are consecutive; batches are read-only), so no per-row
+Python work is done for batched data.
 """
 
 import itertools
@@ -15,6 +16,7 @@ import numpy as np
 
 from jdist._src import errors
 from jdist._src import tf_shuffle
+from jdist._src.host_values import owned_copy
 
 INFINITE = -1  # tf.data.INFINITE_CARDINALITY
 UNKNOWN = -2  # tf.data.UNKNOWN_CARDINALITY
@@ -25,6 +27,7 @@ class NumpyDataset:
 
     Args:
       data: an array, or a nest (dict, tuple, list) of arrays sharing their leading size.
+        The dataset reads a copy made here: later writes to ``data`` do not change it.
 
     Example:
       >>> import numpy as np
@@ -47,7 +50,8 @@ class NumpyDataset:
             raise errors.InvalidArgumentError(
                 "the arrays of a numpy dataset must share their first dimension, got "
                 f"{sorted(sizes)}.")
-        self._data = data
+        # TF's from_tensor_slices copies its input: later writes to ``data`` change nothing.
+        self._data = jax.tree_util.tree_map(owned_copy, data)
         self._size = sizes.pop()
         self._ops = tuple(_ops)
 
@@ -103,7 +107,9 @@ class NumpyDataset:
 
     @property
     def arrays(self):
-        """The nest of arrays whose rows the dataset reads (shared, not copied: never write)."""
+        """The nest of arrays whose rows the dataset reads: its own read-only copy of the data
+        it was made from (as TF's ``from_tensor_slices`` copies), 64-byte aligned, so a block
+        of consecutive full batches is placed from it without another copy (`batch_blocks`)."""
         return self._data
 
     def blocks(self, count):
