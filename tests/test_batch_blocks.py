@@ -179,6 +179,24 @@ def test_one_replica_blocks_are_cut_in_launches_that_divide_them(size, count):
     assert batch_blocks._cut_count(size) == count
 
 
+@pytest.mark.parametrize("n", (2, 8))
+def test_a_function_compiled_ahead_of_time_takes_blocked_elements(n):
+    s, d = mirrored(n), data(8 * n * 3)
+    element = elements(s, s.experimental_make_numpy_dataset(d).batch(8 * n))[1]
+    host = batches(d, 8 * n)[1]
+
+    @jdist.function
+    def train(w, batch):
+        return s.run(lambda w, b: w + jnp.sum(b["x"]) + jnp.sum(b["y"]), args=(w, batch))
+    compiled = train.lower(jnp.float32(1), element).compile()
+    assert "dynamic-slice" in compiled.as_text()  # The block is indexed in the program.
+    want = [1 + np.sum(x) + np.sum(y)
+            for x, y in zip(tf_split(host["x"], n), tf_split(host["y"], n))]
+    for got in (compiled(jnp.float32(1), element), train(jnp.float32(1), element)):
+        np.testing.assert_allclose([np.asarray(v) for v in s.experimental_local_results(got)],
+                                   want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("n", (1, 4))
 def test_blocks_placed_by_a_prefetch_thread_as_on_accelerators_are_the_same(n, monkeypatch):
     # Off CPU the host's cores are free: the prefetch thread places blocks ahead of the loop,

@@ -144,8 +144,8 @@ class BlockedPerReplica(PerReplica):
 
 
 def _flatten(value):
-    if reading.active:
-        return (value._block, value._position), _IN_BLOCK
+    if reading.active or not isinstance(value._block, jax.Array):  # JAX's placeholders (an
+        return (value._block, value._position), _IN_BLOCK  # ArgInfo, ...) keep their form.
     if value._int64_bounds is not None:  # What the value rebuilt from its leaf inherits.
         int64_values.follow(value, (value._stacked,))
     return (value._stacked,), None

@@ -102,6 +102,36 @@ class DispatchGuard:
             self._in_flight = ()
 
 
+class _Lowered:
+    """``jax.jit(...).lower``'s result for a `function`: every attribute is JAX's, and
+    ``compile()`` gives a program called as the function calls its own, blocked dataset
+    elements entering as ``(block, position)`` (`batch_blocks`) as they were lowered."""
+
+    def __init__(self, lowered, blocks):
+        self._lowered, self._blocks = lowered, blocks
+
+    def compile(self, *args, **kwargs):
+        return _Compiled(self._lowered.compile(*args, **kwargs), self._blocks)
+
+    def __getattr__(self, name):
+        return getattr(self._lowered, name)
+
+
+class _Compiled:
+    """JAX's compiled program of a `_Lowered`, called on arguments flattened as they were
+    when it was lowered."""
+
+    def __init__(self, compiled, blocks):
+        self._compiled, self._blocks = compiled, blocks
+
+    def __call__(self, *args, **kwargs):
+        with batch_blocks.reading_blocks(self._blocks):
+            return self._compiled(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._compiled, name)
+
+
 def _launch_while_tracing(program, args, waited):
     """A launch from inside another one on this thread: code its program runs while it is traced
     (a merge_fn reducing a value of the cross-replica context, a `function` called in a replica
@@ -235,7 +265,8 @@ def function(fun=None, **jit_kwargs):
       **jit_kwargs: passed to ``jax.jit`` (``static_argnums``, ``donate_argnums``, ...).
 
     Returns:
-      The compiled function; ``.lower(*args)`` lowers it as ``jax.jit`` does, and the
+      The compiled function; ``.lower(*args)`` lowers it as ``jax.jit`` does (its
+      ``.compile()`` takes what the function takes, dataset elements included), and the
       ``jax.jit`` object stays reachable through ``.jitted``.
 
     Example:
@@ -311,7 +342,7 @@ def function(fun=None, **jit_kwargs):
         with _inside_function(), batch_blocks.reading_blocks(blocks):
             host_values.check_host_leaves((args, kwargs))
             try:
-                return jitted.lower(*args, **kwargs)
+                return _Lowered(jitted.lower(*args, **kwargs), blocks)
             except _RaggedArguments as ragged:
                 raise errors.UnevenValuesError(str(ragged)) from None
 
