@@ -511,6 +511,40 @@ def test_shuffle_order_follows_tf_buffer_rule():
     assert sorted(int(x) for x in huge) == list(range(10))
 
 
+def tf_ring_buffer_shuffle(items, buffer_size, seeds):
+    """tf.data's shuffle, written out one output at a time: fill the ring buffer, output the
+    item ``sample % count`` places after the oldest, move the oldest into its place."""
+    sample, buffer, items = tf_shuffle.Samples(*seeds), [], iter(items)
+    start = end = 0
+    while True:
+        for item in items if end - start < buffer_size else ():
+            if end < buffer_size:
+                buffer.append(item)
+            else:
+                buffer[end % buffer_size] = item
+            end += 1
+            if end - start == buffer_size:
+                break
+        if end == start:
+            return
+        index = (start + sample() % (end - start)) % buffer_size
+        yield buffer[index]
+        buffer[index] = buffer[start % buffer_size]
+        start += 1
+
+
+@pytest.mark.parametrize("size", [0, 1, 5, 1023, 1024, 1025, 3000])
+@pytest.mark.parametrize("buffer_size", [1, 2, 7, 1000, 1024, 1025, 2**40])
+@pytest.mark.parametrize("kind", ["ints", "objects"])
+def test_shuffle_order_is_the_ring_buffer_rule_output_by_output(size, buffer_size, kind):
+    # The order is computed a chunk at a time and the drain at once (`tf_shuffle.shuffled`).
+    items = list(range(size)) if kind == "ints" else [("row", i) for i in range(size)]
+    for seeds in [(1, 2), (87654321, 5), (0, 2**31 - 1)]:
+        want = list(tf_ring_buffer_shuffle(items, buffer_size, seeds))
+        assert list(tf_shuffle.shuffled(lambda: iter(items), buffer_size, seeds)) == want
+        assert sorted(want, key=str) == sorted(items, key=str)
+
+
 @pytest.mark.parametrize("seed", [5.5, "3", [1]])
 def test_a_shuffle_seed_that_is_not_an_int_is_refused(seed):
     with pytest.raises(errors.InvalidArgumentError, match="seed must be an int"):
