@@ -545,6 +545,19 @@ def test_shuffle_order_is_the_ring_buffer_rule_output_by_output(size, buffer_siz
         assert sorted(want, key=str) == sorted(items, key=str)
 
 
+@pytest.mark.parametrize("size", [0, 5, 1025, 3000])
+@pytest.mark.parametrize("buffer_size", [1, 7, 1000, 2**40])
+@pytest.mark.parametrize("batch,drop", [(1, False), (3, True), (256, False), (256, True)])
+def test_batches_of_a_shuffle_hold_its_order_in_consecutive_runs(size, buffer_size, batch, drop):
+    # A batch right after a shuffle cuts its runs of row indices as arrays (`_Batch`).
+    order = list(tf_ring_buffer_shuffle(range(size), buffer_size, tf_shuffle.op_seeds(3)))
+    cut = len(order) - len(order) % batch if drop else len(order)
+    want = [order[i:i + batch] for i in range(0, cut, batch)]
+    x = np.arange(size) * 10
+    dataset = NumpyDataset(x).shuffle(buffer_size, 3, reshuffle_each_iteration=False)
+    assert [b.tolist() for b in dataset.batch(batch, drop)] == [[10 * i for i in w] for w in want]
+
+
 @pytest.mark.parametrize("seed", [5.5, "3", [1]])
 def test_a_shuffle_seed_that_is_not_an_int_is_refused(seed):
     with pytest.raises(errors.InvalidArgumentError, match="seed must be an int"):

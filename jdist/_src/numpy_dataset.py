@@ -269,7 +269,29 @@ class _Batch:
                         for start in range(0, stop, self.size))
 
     def wrap(self, upstream):
+        if isinstance(upstream, _Shuffled):  # Its runs of row indices cut as arrays.
+            return lambda: self._batches_of_runs(upstream.runs())
         return lambda: self._batches(upstream())  # Its input made at once, as tf.data's.
+
+    def _batches_of_runs(self, runs):
+        """`_batches` of a shuffle's runs (`tf_shuffle.shuffled_runs`): row indices are cut
+        into batches as arrays, with no Python int per row."""
+        first = next(runs, None)
+        if first is None:
+            return
+        runs = itertools.chain((first,), runs)
+        if not isinstance(first, np.ndarray) and not isinstance(first[0], int):
+            yield from self._batches(itertools.chain.from_iterable(runs))
+            return
+        pending = np.zeros(0, np.intp)
+        for run in runs:
+            run = np.asarray(run, np.intp)
+            pending = np.concatenate([pending, run]) if len(pending) else run
+            while len(pending) >= self.size:
+                yield pending[:self.size]
+                pending = pending[self.size:]
+        if len(pending) and not self.drop:
+            yield pending
 
     def _batches(self, it):
         while True:
@@ -299,11 +321,25 @@ class _Shuffle:
         self.seeds = tf_shuffle.IterationSeeds(tf_shuffle.op_seeds(seed), reshuffle)
 
     def wrap(self, upstream):
-        # Seeds drawn as the iterator is made; its input made at its first element (tf.data's).
-        return lambda: tf_shuffle.shuffled(upstream, self.buffer_size, self.seeds.next())
+        return _Shuffled(upstream, self.buffer_size, self.seeds)
 
     def cardinality(self, count):
         return count
+
+
+class _Shuffled:
+    """A shuffle's iterators: called, its items one by one; `runs`, the same items in runs
+    (for a batch right after it, `_Batch`). Either draws its seeds as it is made, and makes
+    its input at its first element, as tf.data's does."""
+
+    def __init__(self, upstream, buffer_size, seeds):
+        self._upstream, self._buffer_size, self._seeds = upstream, buffer_size, seeds
+
+    def __call__(self):
+        return tf_shuffle.shuffled(self._upstream, self._buffer_size, self._seeds.next())
+
+    def runs(self):
+        return tf_shuffle.shuffled_runs(self._upstream, self._buffer_size, self._seeds.next())
 
 
 class _Repeat:
