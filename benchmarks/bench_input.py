@@ -13,7 +13,8 @@ on simulated CPU devices:
   dataset's own memory) feeds a dispatch-bound step for epochs of 256 batches, against the
   same batches placed on the devices beforehand, one array per leaf; also shown: the
   dataset's elements made beforehand (what the step's ``(block, position)`` arguments cost
-  alone), and the hand-written loop (one ``jax.device_put`` per batch). Target >= 0.95:
+  alone), the hand-written loop (one ``jax.device_put`` per batch) and the dataset shuffled
+  whole (tf.data's order; the shuffle's Python work is not hidden). Target >= 0.95:
   feeding costs the step nothing. For reference, the same on 60-batch epochs (one block,
   placed before the first step: the epoch's start weighs four times as much) and the
   start's cost in ms.
@@ -136,8 +137,10 @@ def bench_slow_loader(strategy):
 def numpy_dataset_loops(strategy, data, params, with_references):
     """The loops of `bench_numpy_dataset` over ``data``'s batches: on the devices beforehand,
     from the numpy dataset with default options and (``with_references``) its elements made
-    beforehand and one ``jax.device_put`` per batch, as a hand-written JAX loop feeds them."""
-    dataset = strategy.experimental_make_numpy_dataset(data).batch(GLOBAL_BATCH)
+    beforehand, one ``jax.device_put`` per batch, as a hand-written JAX loop feeds them, and
+    the dataset shuffled whole (``shuffle(len(x))``, as training reads it)."""
+    rows = strategy.experimental_make_numpy_dataset(data)
+    dataset = rows.batch(GLOBAL_BATCH)
     steps = len(data["y"]) // GLOBAL_BATCH
     sharding = jax.sharding.NamedSharding(strategy.extended.mesh, jax.sharding.PartitionSpec(
         strategy.extended.replica_axis))
@@ -156,6 +159,9 @@ def numpy_dataset_loops(strategy, data, params, with_references):
         loops["premade"] = lambda: timed_loop(strategy, params, premade)
         loops["device_put"] = lambda: timed_loop(strategy, params,
                                                  (batch(i) for i in range(steps)))
+        shuffled = rows.shuffle(len(data["y"]), seed=1).batch(GLOBAL_BATCH)
+        loops["shuffled"] = lambda: timed_loop(
+            strategy, params, strategy.experimental_distribute_dataset(shuffled))
     return loops
 
 
@@ -167,8 +173,8 @@ def bench_numpy_dataset(strategy):
     # The target's pair alone: after the references' loops (hundreds of buffers placed and
     # freed), the next loop ran 3-5% slower here, whichever it was.
     pair = interleaved({k: loops[k] for k in ("on_device", "dataset")}, NUMPY_ROUNDS)
-    refs = interleaved({k: loops[k] for k in ("on_device", "premade", "device_put")},
-                       REFERENCE_ROUNDS)
+    refs = interleaved({k: loops[k] for k in ("on_device", "premade", "device_put",
+                                              "shuffled")}, REFERENCE_ROUNDS)
     ratio = common.paired_ratio(pair, "on_device", "dataset")
     us = {k: f"{statistics.median(v) * 1e6:.0f}" for k, v in {**refs, **pair}.items()}
     report(f"numpy dataset / on-device steps/s (dispatch-bound step, {EPOCH_BATCHES}-batch "
@@ -177,7 +183,9 @@ def bench_numpy_dataset(strategy):
            f"{us['dataset']}; its elements made beforehand "
            f"{common.paired_ratio(refs, 'on_device', 'premade'):.2f} ({us['premade']} us), "
            f"hand-written device_put "
-           f"{common.paired_ratio(refs, 'on_device', 'device_put'):.2f} ({us['device_put']} us)")
+           f"{common.paired_ratio(refs, 'on_device', 'device_put'):.2f} ({us['device_put']} us), "
+           f"the dataset shuffled whole {common.paired_ratio(refs, 'on_device', 'shuffled'):.2f} "
+           f"({us['shuffled']} us)")
     bench_short_epochs(strategy, params)
 
 
