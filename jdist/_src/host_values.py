@@ -84,10 +84,9 @@ def held_copy(array: np.ndarray) -> np.ndarray:
       >>> held_copy(np.arange(3)).dtype, held_copy(np.ones(2, np.float32)).dtype
       (dtype('int32'), dtype('float32'))
     """
-    held = _held_narrower(array)
-    if held is None or array.dtype.kind not in "iu":
+    if not held_as_int32(array):  # Floats JAX would narrow are refused before this.
         return array
-    copy = aligned_empty(array.shape, held)
+    copy = aligned_empty(array.shape, _held_narrower(array))
     np.copyto(copy, array, casting="unsafe")
     return copy
 

@@ -168,7 +168,7 @@ def shuffled_runs(make_items, buffer_size, seeds):
             oldest = oldest + 1 if oldest + 1 < size else 0
         yield out
     if count:  # Drained: the count falls by one per output.
-        live = [buffer[(oldest + x) % size] for x in range(count)] if oldest else buffer[:count]
+        live = buffer[oldest:] + buffer[:oldest]  # Oldest first (the ring moved only if full).
         order = _drain_order(samples.take(count) % np.arange(count, 0, -1))
         if set(map(type, live)) == {int}:  # Row indices, the usual items: one gather.
             yield np.asarray(live, np.int64)[order]
