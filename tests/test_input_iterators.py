@@ -7,6 +7,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import given, settings, strategies as st
 import pytest
 
 import jdist
@@ -543,6 +544,27 @@ def test_shuffle_order_is_the_ring_buffer_rule_output_by_output(size, buffer_siz
         want = list(tf_ring_buffer_shuffle(items, buffer_size, seeds))
         assert list(tf_shuffle.shuffled(lambda: iter(items), buffer_size, seeds)) == want
         assert sorted(want, key=str) == sorted(items, key=str)
+
+
+@settings(max_examples=300, deadline=None)
+@given(size=st.integers(1, 12), oldest=st.integers(0, 11), data=st.data())
+def test_a_full_rings_steps_at_once_are_its_steps_one_by_one(size, oldest, data):
+    # Row indices go through a chunk of full-buffer steps as arrays (`_full_ring_steps`).
+    offsets = data.draw(st.lists(st.integers(0, size - 1), min_size=1, max_size=40))
+    oldest %= size
+    ring, incoming = list(range(100, 100 + size)), list(range(1000, 1000 + len(offsets)))
+    want = tf_shuffle._ring_steps(ring, oldest, offsets, incoming)
+    at_once = np.arange(100, 100 + size)
+    got = tf_shuffle._full_ring_steps(at_once, oldest, np.array(offsets), np.array(incoming))
+    assert got.tolist() == want and at_once.tolist() == ring
+
+
+@pytest.mark.parametrize("buffer_size", [1000, 50000])
+def test_a_long_shuffle_of_rows_is_the_ring_buffer_rule(buffer_size):
+    # 150 000 rows: chunks of full-buffer steps grow to their largest (2**16) and drain.
+    seeds = (87654321, 9)
+    want = list(tf_ring_buffer_shuffle(range(150_000), buffer_size, seeds))
+    assert list(tf_shuffle.shuffled(lambda: range(150_000), buffer_size, seeds)) == want
 
 
 @pytest.mark.parametrize("size", [0, 5, 1025, 3000])

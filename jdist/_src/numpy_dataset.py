@@ -159,7 +159,7 @@ class NumpyDataset:
         if ops and isinstance(ops[0], _Batch):  # Batches of the rows in order: no per-row work.
             factory, ops = ops[0].of_rows(self._size), ops[1:]
         else:
-            factory = lambda: iter(range(self._size))
+            factory = lambda: range(self._size)  # A shuffle reads it as arrays (`tf_shuffle`).
         previous = None
         for op in ops:
             factory = op.wrap(factory, fused=isinstance(previous, _Shuffle)) if isinstance(
@@ -271,7 +271,7 @@ class _Batch:
     def wrap(self, upstream):
         if isinstance(upstream, _Shuffled):  # Its runs of row indices cut as arrays.
             return lambda: self._batches_of_runs(upstream.runs())
-        return lambda: self._batches(upstream())  # Its input made at once, as tf.data's.
+        return lambda: self._batches(iter(upstream()))  # Its input made at once, as tf.data's.
 
     def _batches_of_runs(self, runs):
         """`_batches` of a shuffle's runs (`tf_shuffle.shuffled_runs`): row indices are cut
