@@ -216,9 +216,12 @@ def paired_overhead(differences, rounds=1000):
 def host_overhead(strategy, leaves):
     """Host-side cost ``strategy.run`` adds on the step of `run_overhead`: its Python work, timed
     with every launch replaying the program's first outputs (no device work), plus what the
-    compiled call's C++ dispatch spends on jdist's arguments beyond the raw call's (the
-    `Mirrored` nodes it flattens), timed on a program that does nothing. CPU work timed as
-    ``timeit`` times it: the fastest of several rounds, each the mean of many calls."""
+    compiled call's C++ dispatch spends on jdist's call beyond the raw call's: the `Mirrored`
+    nodes it flattens (timed on a program that does nothing), and the outputs it returns as
+    they come (a flat tuple, which ``run`` itself wraps and nests) where the raw call nests
+    them as the step returns them (each timed as JAX's dispatch builds it: the program's output
+    tree unflattened). CPU work timed as ``timeit`` times it: the fastest of several rounds,
+    each the mean of many calls."""
     params = strategy.run(lambda: {f"p{i}": jnp.zeros((2,)) for i in range(leaves)})
     x = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.ones((2,), np.float32))
@@ -228,17 +231,24 @@ def host_overhead(strategy, leaves):
     nothing = jax.jit(lambda *args: None)
     plain = jdist.unwrap_mirrored(params)
     stacked = replica_stacked(x)
+    outputs = jax.tree_util.tree_leaves((plain, stacked))  # As many as the step returns.
+    raw_nest = jax.tree_util.tree_structure((plain, stacked))  # The raw step's outputs.
     calls = {"jdist_dispatch": lambda: nothing((params, x), {}),
              "raw_dispatch": lambda: nothing(plain, stacked),
-             "python": lambda: strategy.run(step, args=(params, x))}
+             "python": lambda: strategy.run(step, args=(params, x)),
+             "raw_outputs": lambda: raw_nest.unflatten(outputs)}
     number = max(10, 20000 // leaves)
-    rounds = {name: [] for name in calls}
-    with common.replayed_launches(strategy):
+    with common.replayed_launches(strategy) as replayed:
+        strategy.run(step, args=(params, x))
+        direct = jax.tree_util.tree_structure(replayed[-1])  # What the jdist program returns.
+        calls["jdist_outputs"] = lambda: direct.unflatten(outputs)
+        rounds = {name: [] for name in calls}
         for _ in range(HOST_ROUNDS):
             for name, call in calls.items():
                 rounds[name].append(timeit.timeit(call, number=number) / number)
     best = {name: min(times) for name, times in rounds.items()}
-    return (best["python"] + best["jdist_dispatch"] - best["raw_dispatch"]) * 1e6
+    return (best["python"] + best["jdist_dispatch"] - best["raw_dispatch"]
+            + best["jdist_outputs"] - best["raw_outputs"]) * 1e6
 
 
 def report_overheads(name, overheads):

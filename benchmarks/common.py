@@ -87,16 +87,18 @@ def replayed_launches(strategy):
     """Inside, each compiled program ``strategy`` launches runs once; later launches of it return
     those first outputs at once. What a ``strategy.run`` call then costs is jdist's host-side
     work alone: flattening, checks, the guard, wrapping outputs (benchmarks only: it reaches
-    into the strategy's private dispatch guard)."""
+    into the strategy's private dispatch guard). Yields the list of the replayed outputs, in
+    the order their programs first ran (what each program returns, as JAX returned it)."""
     guard = strategy.extended._guard  # pylint: disable=protected-access
-    launch, first = guard.launch, {}
+    launch, first, replayed = guard.launch, {}, []
 
     def replay(program, args, waited):
         if id(program) not in first:
             first[id(program)] = program, jax.block_until_ready(launch(program, args, waited))
+            replayed.append(first[id(program)][1])
         return first[id(program)][1]
     guard.launch = replay
     try:
-        yield
+        yield replayed
     finally:
         del guard.launch  # The class's method again.
