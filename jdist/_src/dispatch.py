@@ -289,43 +289,53 @@ def function(fun=None, **jit_kwargs):
     if not callable(fun):
         raise errors.UnsupportedValueError(
             f"jdist.function expects a function, got {type(fun).__name__}.")
+    guarded = _GuardedFunction(fun, jit_kwargs)
 
-    sums = int64_sums.FunctionChecks()  # What its int64 numbers need, per argument tree.
-    new_trace = []  # Set by a trace: the next call reads its program's own integers.
+    def call(*args, **kwargs):  # A plain function: a method decorated with it binds.
+        return guarded(args, kwargs)
+    call.jitted, call.lower = guarded.jitted, guarded.lower
+    call.__wrapped__ = fun
+    call.__name__ = getattr(fun, "__name__", "function")
+    call.__doc__ = getattr(fun, "__doc__", None)
+    return call
 
-    @functools.wraps(fun)
-    def traced(*args, **kwargs):
+
+class _GuardedFunction:
+    """What `function` compiles: ``fun`` under ``jax.jit``, each call sent through the CPU
+    guard and held to the int64 checks its traces found; a call on values of different shapes
+    per replica runs ``fun`` as Python."""
+
+    def __init__(self, fun, jit_kwargs):
+        self._fun, self._jit_kwargs = fun, jit_kwargs
+        self._sums = int64_sums.FunctionChecks()  # What its int64 numbers need, per tree.
+        self._new_trace = False  # Set by a trace: the next call reads its program's integers.
+
+        def traced(*args, **kwargs):
+            return self._traced(args, kwargs)
+        self.jitted = jax.jit(functools.wraps(fun)(traced), **jit_kwargs)
+        self._guard = guard_for(jax.default_backend(), jax.local_device_count())
+        # Dataset elements held in blocks enter as (block, position), indexed inside the
+        # program; not when arguments are donated: a block and its positions serve others too.
+        self._blocks = not (jit_kwargs.get("donate_argnums") or jit_kwargs.get("donate_argnames"))
+
+    def _traced(self, args, kwargs):
         if _holds_ragged_values((args, kwargs)):
-            raise _RaggedArguments()  # Before ``fun`` is traced: `call` runs it as Python.
-        new_trace[:] = [True]
+            raise _RaggedArguments()  # Before ``fun`` is traced: the call runs it as Python.
+        self._new_trace = True
         batch_blocks.blocks_read()  # Arguments flattened: what ``fun`` captures reads plainly.
-        with int64_sums.function_trace((args, kwargs), sums):
-            outputs = _checked_outputs(fun(*args, **kwargs))
+        with int64_sums.function_trace((args, kwargs), self._sums):
+            outputs = _checked_outputs(self._fun(*args, **kwargs))
             int64_sums.traced_outputs(outputs)
             return outputs
-    jitted = jax.jit(traced, **jit_kwargs)
-    guard = guard_for(jax.default_backend(), jax.local_device_count())
-    # Dataset elements held in blocks enter as (block, position), indexed inside the program;
-    # not when arguments are donated: a block and its positions serve other elements too.
-    blocks = not (jit_kwargs.get("donate_argnums") or jit_kwargs.get("donate_argnames"))
 
-    def call(*args, **kwargs):
+    def __call__(self, args, kwargs):
         try:
-            with _inside_function(), batch_blocks.reading_blocks(blocks):
+            with _inside_function(), batch_blocks.reading_blocks(self._blocks):
                 # Every call: jax.jit would run a float64 array on a float32 one's program.
                 host_values.check_host_leaves((args, kwargs))
-                if guard.inside_launch():  # Traced by a launch: part of that launch's program.
-                    return jitted(*args, **kwargs)
-                outputs = guard.dispatch(lambda: jitted(*args, **kwargs), spans_all_devices=False)
-                if new_trace:  # Its program, as traced (JAX's cache: ``fun`` does not run).
-                    new_trace.clear()
-                    with batch_blocks.reading_blocks(blocks):  # The trace cleared it.
-                        int64_sums.function_checks(
-                            sums, jitted.trace(*args, **kwargs).jaxpr, (args, kwargs),
-                            outputs, _static_arguments(fun, jit_kwargs, len(args)))
-                if sums:  # Found by this call's trace or an earlier one.
-                    int64_sums.check_function(sums, (args, kwargs), outputs)
-                return outputs
+                if self._guard.inside_launch():  # Traced by a launch: part of its program.
+                    return self.jitted(*args, **kwargs)
+                return self._launch(args, kwargs)
         except (_RaggedArguments, TypeError):
             # Values of different shapes per replica (a partial batch): no program has them,
             # so ``fun`` runs as Python for this call and each ``run`` in it computes them
@@ -333,25 +343,33 @@ def function(fun=None, **jit_kwargs):
             # replicas, `jax.ShapeDtypeStruct`s, make jax.jit raise TypeError first.)
             if not _holds_ragged_values((args, kwargs)):
                 raise
-        outputs = _as_python(fun, args, kwargs)
-        if sums:  # Eager, so unread: what the programs of its even calls computed itself.
-            int64_sums.check_function(sums, (args, kwargs), outputs)
+        outputs = _as_python(self._fun, args, kwargs)
+        if self._sums:  # Eager, so unread: what the programs of its even calls computed itself.
+            int64_sums.check_function(self._sums, (args, kwargs), outputs)
         return outputs
 
-    def lower(*args, **kwargs):
-        with _inside_function(), batch_blocks.reading_blocks(blocks):
+    def _launch(self, args, kwargs):
+        outputs = self._guard.dispatch(lambda: self.jitted(*args, **kwargs),
+                                       spans_all_devices=False)
+        if self._new_trace:  # Its program, as traced (JAX's cache: ``fun`` does not run).
+            self._new_trace = False
+            with batch_blocks.reading_blocks(self._blocks):  # The trace cleared it.
+                int64_sums.function_checks(
+                    self._sums, self.jitted.trace(*args, **kwargs).jaxpr, (args, kwargs),
+                    outputs, _static_arguments(self._fun, self._jit_kwargs, len(args)))
+        if self._sums:  # Found by this call's trace or an earlier one.
+            int64_sums.check_function(self._sums, (args, kwargs), outputs)
+        return outputs
+
+    def lower(self, *args, **kwargs):
+        """``jax.jit``'s ``lower``; the lowered program's ``compile()`` takes what the function
+        takes, dataset elements included."""
+        with _inside_function(), batch_blocks.reading_blocks(self._blocks):
             host_values.check_host_leaves((args, kwargs))
             try:
-                return _Lowered(jitted.lower(*args, **kwargs), blocks)
+                return _Lowered(self.jitted.lower(*args, **kwargs), self._blocks)
             except _RaggedArguments as ragged:
                 raise errors.UnevenValuesError(str(ragged)) from None
-
-    call.jitted = jitted
-    call.lower = lower
-    call.__wrapped__ = fun
-    call.__name__ = getattr(fun, "__name__", "function")
-    call.__doc__ = getattr(fun, "__doc__", None)
-    return call
 
 
 def _static_arguments(fun, jit_kwargs, count):
