@@ -120,6 +120,23 @@ def test_consecutive_batches_are_placed_from_the_datasets_own_memory(n):
         np.testing.assert_array_equal(np.asarray(s.gather(element["x"], 0)), host["x"])
 
 
+def test_one_replicas_batches_on_cpu_are_the_datasets_own_memory():
+    # One replica's plain batches each hold their rows of the dataset's copy (rows of 16
+    # bytes, batches of 4 rows: 64-byte aligned), the last short block's a copy of them.
+    s, d = mirrored(1), data(4 * (64 + 3), features=4)
+    rows = s.experimental_make_numpy_dataset(d)
+    x = rows.arrays["x"]
+    got = elements(s, rows.batch(4))
+    assert [e["x"].unsafe_buffer_pointer() for e in got[:64]] == [
+        x.ctypes.data + 64 * i for i in range(64)]  # A block of 64 batches.
+    own = range(x.ctypes.data, x.ctypes.data + x.nbytes)
+    assert not any(e["x"].unsafe_buffer_pointer() in own for e in got[64:])
+    for element, host in zip(got, batches(d, 4), strict=True):
+        assert isinstance(element["x"], jax.Array)
+        np.testing.assert_array_equal(np.asarray(element["x"]), host["x"])
+        np.testing.assert_array_equal(np.asarray(element["y"]), host["y"])
+
+
 @pytest.mark.parametrize("n", BLOCKED_REPLICAS)
 def test_shuffled_elements_hold_the_shuffled_batches(n):
     s, d = mirrored(n), data(64)
@@ -137,7 +154,8 @@ def test_shuffled_elements_hold_the_shuffled_batches(n):
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_one_replica_elements_are_its_batches_as_plain_arrays_where_run_takes_them(
         rows, batch, features, size, shuffled):
-    # TF gives one replica plain tensors: cut from the block, placed replicated on the mesh.
+    # TF gives one replica plain tensors: the block's rows (on CPU, where they are aligned)
+    # or cut from it, placed replicated on the mesh; the feed hands over a block at a time.
     s, d = mirrored(1), data(rows, features)
     dataset = s.experimental_make_numpy_dataset(d)
     if shuffled:
@@ -145,10 +163,12 @@ def test_one_replica_elements_are_its_batches_as_plain_arrays_where_run_takes_th
     dataset = dataset.batch(batch)
     want = list(dataset)
     it = iter(s.experimental_distribute_dataset(dataset))
-    first = next(it)
-    assert len(it._ready) == min(size, rows // batch) - 1  # A block's elements, made at once.
+    handed, get = [], it._feed.get
+    it._feed.get = lambda: handed.append(1) or get()
+    got = list(it)
+    assert len(handed) == -(-(rows // batch) // size) + (rows % batch > 0) + 1  # And the end.
     replicated = jax.sharding.NamedSharding(s.extended.mesh, jax.sharding.PartitionSpec())
-    for element, host in zip([first, *it], want, strict=True):
+    for element, host in zip(got, want, strict=True):
         for key in host:
             assert isinstance(element[key], jax.Array) and element[key].sharding == replicated
             np.testing.assert_array_equal(np.asarray(element[key]), host[key])

@@ -7,8 +7,11 @@ as others. Both raise typed errors at the call that placed the value.
 """
 
 import functools
+from typing import Iterator
 
 import jax
+from jax._src import core as jax_core
+from jax._src.interpreters import pxla
 import numpy as np
 
 from jdist._src import errors
@@ -103,6 +106,28 @@ def placed_as_is(array: np.ndarray) -> bool:
     """
     return (array.flags.c_contiguous and not array.flags.writeable
             and array.ctypes.data % ALIGNMENT == 0 and _held_narrower(array) is None)
+
+
+def aliased(arrays: np.ndarray, sharding: jax.sharding.Sharding) -> Iterator[jax.Array]:
+    """Each of ``arrays`` (a stack of them: its first axis) on ``sharding``'s one CPU device,
+    placed as the result is iterated, held in the array's own memory where JAX's CPU client
+    can alias it (C-contiguous, `ALIGNMENT`-aligned; else it copies). Nothing may write to
+    that memory while they live.
+
+    JAX's public ``jax.device_put`` of a host array costs 36-75 us here, its Python work per
+    call; this is the batched placement it calls underneath (``jax._src``, pinned with the
+    JAX release, `jax_version`), at under 10 us an array.
+
+    Example:
+      >>> x = aligned_empty((4, 16), np.float32); x[:] = 1; x.flags.writeable = False
+      >>> cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+      >>> rows = list(aliased(x, cpu))  # Rows of 64 bytes: every row is aligned.
+      >>> float(rows[2].sum()), rows[2].unsafe_buffer_pointer() == x[2].ctypes.data
+      (16.0, True)
+    """
+    device, = sharding.device_set
+    aval = jax_core.ShapedArray(arrays.shape[1:], arrays.dtype)
+    return (pxla.batched_device_put(aval, sharding, [array], [device]) for array in arrays)
 
 
 def check_host_numbers(value) -> None:

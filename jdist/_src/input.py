@@ -22,7 +22,6 @@ work competes with the devices for the host's cores (``docs/design.md``, "Batch 
 accelerators the prefetch thread does, overlapping the copy and transfer with the steps.
 """
 
-import collections
 import math
 import weakref
 
@@ -360,7 +359,7 @@ class DistributedIterator:
         self._feed = None
         self._step = None  # A multi-worker PER_WORKER dataset's consumer-side step.
         self._finalizer = None
-        self._ready = collections.deque()  # A block's elements, handed over with its first.
+        self._ready = None  # A block's later elements (`batch_blocks.Elements`), in order.
         self._no_optional = None  # Worked out at the first get_next_as_optional.
         self._start()
 
@@ -392,15 +391,22 @@ class DistributedIterator:
                 "fetches a new one per call). Take the batches outside and pass them in: "
                 "train(w, next(iterator)), or train(w, [next(iterator) for _ in range(k)]) "
                 "for k steps per call.")
-        if self._ready:  # A block's later elements: the step's path, kept short.
-            return self._ready.popleft()
+        if self._ready is not None:  # A block's later elements: the step's path, kept short.
+            try:
+                element = next(self._ready, None)
+            except BaseException:
+                self._finish()
+                raise
+            if element is not None:
+                return element
+            self._ready = None
         if self._finished:
             raise StopIteration
         try:
             element = self._feed.get()
             if isinstance(element, batch_blocks.Elements):
-                self._ready.extend(element[1:])
-                element = element[0]
+                self._ready = iter(element.items)
+                element = next(self._ready)
             if self._step is not None and element is not prefetch.END:
                 element = self._step(element)
         except BaseException:
@@ -418,7 +424,7 @@ class DistributedIterator:
 
     def _finish(self):
         self._finished = True
-        self._ready.clear()
+        self._ready = None
         self._finalizer()  # Stops and joins the worker (at most once).
 
     def get_next(self):
