@@ -40,6 +40,7 @@ import timeit  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -53,6 +54,7 @@ DEPTHS = (3, 50, 200)
 LEAF_COUNTS = (10, 100, 1000)
 CALLS = {10: 4000, 100: 2000, 1000: 400}  # Per leaf count: about 5-12 s each.
 HOST_ROUNDS = 15
+ADAM = optax.adam(1e-3)  # `host_overhead` with an optimizer state, as training loops have.
 STEP_2_ROUNDS = 3
 OVERHEAD_AT_10_US, PER_LEAF_US = 20.0, 0.3
 
@@ -213,7 +215,7 @@ def paired_overhead(differences, rounds=1000):
     return float(np.median(differences)) * 1e6, float(low), float(high)
 
 
-def host_overhead(strategy, leaves):
+def host_overhead(strategy, leaves, adam=False):
     """Host-side cost ``strategy.run`` adds on the step of `run_overhead`: its Python work, timed
     with every launch replaying the program's first outputs (no device work), plus what the
     compiled call's C++ dispatch spends on jdist's call beyond the raw call's: the `Mirrored`
@@ -221,25 +223,30 @@ def host_overhead(strategy, leaves):
     they come (a flat tuple, which ``run`` itself wraps and nests) where the raw call nests
     them as the step returns them (each timed as JAX's dispatch builds it: the program's output
     tree unflattened). CPU work timed as ``timeit`` times it: the fastest of several rounds,
-    each the mean of many calls."""
+    each the mean of many calls. With ``adam``, the step also updates ``optax.adam``'s state
+    of the parameters (two more leaves each, and an int32 step count the int64 checks read)."""
     params = strategy.run(lambda: {f"p{i}": jnp.zeros((2,)) for i in range(leaves)})
     x = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.ones((2,), np.float32))
+    state = (strategy.run(lambda: ADAM.init(jdist.unwrap_mirrored(params))),) if adam else ()
 
-    def step(p, x):
-        return jax.tree_util.tree_map(lambda v: v + 1.0, p), x * 2
+    def step(p, *args):
+        *state, x = args
+        new = (ADAM.update(p, state[0], p)[1],) if state else ()
+        return (jax.tree_util.tree_map(lambda v: v + 1.0, p), *new, x * 2)
     nothing = jax.jit(lambda *args: None)
-    plain = jdist.unwrap_mirrored(params)
+    plain = jdist.unwrap_mirrored((params, *state))
     stacked = replica_stacked(x)
-    outputs = jax.tree_util.tree_leaves((plain, stacked))  # As many as the step returns.
-    raw_nest = jax.tree_util.tree_structure((plain, stacked))  # The raw step's outputs.
-    calls = {"jdist_dispatch": lambda: nothing((params, x), {}),
-             "raw_dispatch": lambda: nothing(plain, stacked),
-             "python": lambda: strategy.run(step, args=(params, x)),
+    outputs = jax.tree_util.tree_leaves((*plain, stacked))  # As many as the step returns.
+    raw_nest = jax.tree_util.tree_structure((*plain, stacked))  # The raw step's outputs.
+    args = (params, *state, x)
+    calls = {"jdist_dispatch": lambda: nothing(args, {}),
+             "raw_dispatch": lambda: nothing(*plain, stacked),
+             "python": lambda: strategy.run(step, args=args),
              "raw_outputs": lambda: raw_nest.unflatten(outputs)}
-    number = max(10, 20000 // leaves)
+    number = max(10, 20000 // leaves // (3 if adam else 1))
     with common.replayed_launches(strategy) as replayed:
-        strategy.run(step, args=(params, x))
+        strategy.run(step, args=args)
         direct = jax.tree_util.tree_structure(replayed[-1])  # What the jdist program returns.
         calls["jdist_outputs"] = lambda: direct.unflatten(outputs)
         rounds = {name: [] for name in calls}
@@ -288,6 +295,14 @@ def main():
                   "leaves", above, "us", detail="what jdist adds to the least any wrapper does")
     report_overheads("run overhead, host side",
                      {n: host_overhead(strategy, n) for n in LEAF_COUNTS})
+    with_adam = {n: host_overhead(strategy, n, adam=True) for n in LEAF_COUNTS}
+    per_leaf = (with_adam[LEAF_COUNTS[-1]] - with_adam[LEAF_COUNTS[0]]) / (
+        3 * (LEAF_COUNTS[-1] - LEAF_COUNTS[0]))
+    detail = ", ".join(f"{n} parameters +{o:.1f} us" for n, o in with_adam.items())
+    print(f"run overhead, host side, with optax.adam's state (reference): {detail}; "
+          f"{per_leaf:.2f} us per leaf (3 leaves per parameter)")
+    common.record("compile", "run overhead, host side, with optax.adam's state (reference): "
+                  "growth per leaf", per_leaf, "us", detail=detail)
 
 
 if __name__ == "__main__":

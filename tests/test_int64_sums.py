@@ -6,6 +6,8 @@ raises `X64RequiredError` at the call where it may wrap. Counts, indices and flo
 them are never bounded by them and never raise.
 """
 
+import typing
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -80,6 +82,28 @@ def test_the_check_reads_every_calls_numbers(n):
                 s.run(body, args=(values,))
         else:
             assert run(s, body, values) == sum(np.sum(v) for v in values.values)
+
+
+class State(typing.NamedTuple):  # As an optax optimizer's state holds its step count.
+    count: object
+    labels: object
+
+
+@pytest.mark.parametrize("n", (2, 4))
+def test_numbers_inside_namedtuples_are_read_by_path_every_call(n):
+    # The checked leaf sits in a namedtuple among float leaves: read by its path each call.
+    s = mirrored(n)
+    body = lambda w, state: (w * 2, all_reduce(jnp.sum(state[1].labels)))  # noqa: E731
+    floats = jdist.PerReplica([np.ones(3, np.float32)] * n)
+    for value, raises in ((1000, False), (2**31 // n, True), (7, False)):
+        state = (floats, State(jnp.int32(0), per_replica(n, value)))
+        if raises:
+            with pytest.raises(errors.X64RequiredError):
+                s.run(body, args=(floats, state))
+            continue
+        _, total = s.run(body, args=(floats, state))
+        assert np.asarray(s.experimental_local_results(total)[0]) == sum(
+            np.sum(v) for v in state[1].labels.values)
 
 
 @pytest.mark.parametrize("step,want", [

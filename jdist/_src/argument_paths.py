@@ -3,9 +3,10 @@
 A path is a tuple of dict keys and list or tuple indices from the top of a nest. `run` records
 the paths of the arrays it placed in one call (a batch given as a host array every step) and, on
 the next call, reads and replaces only those, so a call with hundreds of parameters costs no
-Python work per parameter (`spmd.ReplicatedRunner._placed_as_before`). Only plain dicts, lists
-and tuples are walked: other pytree nodes (a namedtuple, a dataclass, a custom node) have no
-path here, and such calls are made canonical leaf by leaf as before.
+Python work per parameter (`spmd.ReplicatedRunner._placed_as_before`); the int64 checks read
+the leaves they bound the same way (`int64_sums`). Only plain dicts, lists and tuples and
+namedtuples (an optax optimizer's state) are walked: other pytree nodes (a dataclass, a custom
+node) have no path here, and such calls are flattened whole as before.
 """
 
 from typing import Any, Optional, Tuple
@@ -22,23 +23,37 @@ def paths_of(tree: Any, positions, is_leaf=None) -> Optional[Tuple[Path, ...]]:
     None if one of them sits inside a node other than a dict, a list or a tuple.
 
     Example:
-      >>> paths_of(((1, {"x": 2}), {}), [1])
-      ((0, 1, 'x'),)
+      >>> import collections
+      >>> State = collections.namedtuple("State", "count mu")
+      >>> paths_of(((1, {"x": 2}), {}), [1]), paths_of((State(1, [2, 3]),), [2])
+      (((0, 1, 'x'),), ((0, 1, 1),))
     """
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
     paths = []
     for i in positions:
         path, node = [], tree
         for key in flat[i][0]:
-            if type(node) not in _CONTAINERS:
-                return None
-            k = key.key if isinstance(key, jax.tree_util.DictKey) else getattr(key, "idx", None)
+            k = _index(node, key)
             if k is None:
                 return None
             path.append(k)
             node = node[k]
         paths.append(tuple(path))
     return tuple(paths)
+
+
+def _index(node, key):
+    """What indexes ``node`` at JAX's path entry ``key``, or None where it is no container
+    walked here."""
+    if type(node) in _CONTAINERS:
+        return key.key if isinstance(key, jax.tree_util.DictKey) else getattr(key, "idx", None)
+    if _is_namedtuple(node) and isinstance(key, jax.tree_util.GetAttrKey):
+        return node._fields.index(key.name) if key.name in node._fields else None
+    return None
+
+
+def _is_namedtuple(node):
+    return isinstance(node, tuple) and isinstance(getattr(type(node), "_fields", None), tuple)
 
 
 def leaf_at(tree: Any, path: Path) -> Any:
@@ -49,7 +64,7 @@ def leaf_at(tree: Any, path: Path) -> Any:
       (2, True)
     """
     for k in path:
-        if type(tree) not in _CONTAINERS:
+        if type(tree) not in _CONTAINERS and not _is_namedtuple(tree):
             return MISSING
         try:
             tree = tree[k]
@@ -62,8 +77,10 @@ def with_leaf(tree: Any, path: Path, leaf: Any) -> Any:
     """``tree`` with ``leaf`` at ``path``: the containers along the path copied, the rest shared.
 
     Example:
-      >>> with_leaf(((1, {"x": 2}), {}), (0, 1, "x"), 5)
-      ((1, {'x': 5}), {})
+      >>> import collections
+      >>> State = collections.namedtuple("State", "count mu")
+      >>> with_leaf(((1, {"x": 2}), {}), (0, 1, "x"), 5), with_leaf(State(1, 2), (1,), 5)
+      (((1, {'x': 5}), {}), State(count=1, mu=5))
     """
     if not path:
         return leaf
@@ -72,4 +89,6 @@ def with_leaf(tree: Any, path: Path, leaf: Any) -> Any:
         return {**tree, k: child}
     if isinstance(tree, list):
         return tree[:k] + [child] + tree[k + 1:]
+    if _is_namedtuple(tree):
+        return type(tree)._make(tree[:k] + (child,) + tree[k + 1:])
     return tree[:k] + (child,) + tree[k + 1:]
