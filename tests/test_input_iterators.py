@@ -1,6 +1,7 @@
 """How distributed datasets and iterators end, replay and describe themselves; options and the
 TF1 names (SEMANTICS.md, Datasets)."""
 
+import itertools
 import subprocess
 import sys
 
@@ -565,6 +566,19 @@ def test_a_long_shuffle_of_rows_is_the_ring_buffer_rule(buffer_size):
     seeds = (87654321, 9)
     want = list(tf_ring_buffer_shuffle(range(150_000), buffer_size, seeds))
     assert list(tf_shuffle.shuffled(lambda: range(150_000), buffer_size, seeds)) == want
+
+
+@pytest.mark.parametrize("rows,times", [(3000, 2), (3000, 3), (3000, None), (0, None), (1, 5)])
+def test_a_shuffle_of_repeated_rows_is_the_ring_buffer_rule(rows, times):
+    # repeat() before shuffle: the rows reach the shuffle as arrays (`tf_shuffle.Rows`); an
+    # endless repeat's outputs are those of a long finite one until that one drains.
+    seeds, buffer_size = (87654321, 4), 1000
+    items = list(range(rows)) * (times or 4)
+    want = list(tf_ring_buffer_shuffle(items, buffer_size, seeds))
+    count = len(want) if times else max(0, len(items) - buffer_size)
+    got = tf_shuffle.shuffled(lambda: tf_shuffle.Rows(range(rows), times), buffer_size, seeds)
+    assert list(itertools.islice(got, count)) == want[:count]
+    assert list(tf_shuffle.Rows(range(rows), times or 4)) == items
 
 
 @pytest.mark.parametrize("size", [0, 5, 1025, 3000])

@@ -355,7 +355,13 @@ class _Repeat:
     def wrap(self, upstream, fused=False):
         if self.count == 0:
             return lambda: iter(())
-        return lambda: self._epochs(upstream(), upstream, not fused)
+
+        def epochs():
+            first = upstream()
+            if isinstance(first, range):  # The rows in order: their input has no effects.
+                return tf_shuffle.Rows(first, self.count)  # A shuffle reads them as arrays.
+            return self._epochs(first, upstream, not fused)
+        return epochs
 
     def _epochs(self, it, upstream, one_more):
         epoch = 0

@@ -182,19 +182,53 @@ def shuffled_runs(make_items, buffer_size, seeds):
             yield [live[k] for k in order.tolist()]
 
 
+class Rows:
+    """Row indices in order: ``rows`` repeated ``times`` times (None: forever), what a numpy
+    dataset's rows and their ``repeat`` hand on. Iterated, the ints; a shuffle reads them as
+    int64 arrays instead (`take`), with no Python int each.
+
+    Example:
+      >>> rows = Rows(range(3), 2)
+      >>> list(Rows(range(3), 2)), rows.take(4).tolist(), rows.take(4).tolist()
+      ([0, 1, 2, 0, 1, 2], [0, 1, 2, 0], [1, 2])
+    """
+
+    def __init__(self, rows: range, times=1):
+        self._rows, self._times = rows, times
+        self._epochs_left, self._next = times, 0  # What `take` has still to read.
+
+    def __iter__(self):
+        if not len(self._rows):
+            return iter(())
+        epochs = itertools.repeat(self._rows, *(() if self._times is None else (self._times,)))
+        return itertools.chain.from_iterable(epochs)
+
+    def take(self, count: int) -> np.ndarray:
+        """The next ``count`` rows (fewer at the end), continuing where the last call ended."""
+        parts = [np.zeros(0, np.int64)]
+        while count and len(self._rows) and self._epochs_left != 0:
+            part = self._rows[self._next:self._next + count]
+            parts.append(np.arange(part.start, part.stop, part.step, dtype=np.int64))
+            self._next, count = self._next + len(part), count - len(part)
+            if self._next == len(self._rows):  # An epoch read: the next one, if any.
+                self._next = 0
+                self._epochs_left = None if self._epochs_left is None else self._epochs_left - 1
+        return parts[-1] if len(parts) == 2 else np.concatenate(parts)
+
+
 class _Items:
-    """A shuffle's input, read ``count`` items at a time: the rows in order (a ``range``) as
-    int64 arrays, with no Python int each; any other iterable as lists."""
+    """A shuffle's input, read ``count`` items at a time: rows in order (a ``range`` or `Rows`)
+    as int64 arrays; any other iterable as lists."""
 
     def __init__(self, source):
-        self._rows = source if isinstance(source, range) else None
+        source = Rows(source) if isinstance(source, range) else source
+        self._rows = source if isinstance(source, Rows) else None
         self._items = None if self._rows is not None else iter(source)
 
     def take(self, count):
         if self._rows is None:
             return list(itertools.islice(self._items, count))
-        part, self._rows = self._rows[:count], self._rows[count:]
-        return np.arange(part.start, part.stop, part.step, dtype=np.int64)
+        return self._rows.take(count)
 
 
 def _are_rows(items):
