@@ -54,7 +54,7 @@ DEPTHS = (3, 50, 200)
 LEAF_COUNTS = (10, 100, 1000)
 CALLS = {10: 4000, 100: 2000, 1000: 400}  # Per leaf count: about 5-12 s each.
 HOST_ROUNDS = 15
-ADAM = optax.adam(1e-3)  # `host_overhead` with an optimizer state, as training loops have.
+ADAM = optax.adam(1e-3)  # `host_overheads` with an optimizer state, as training has.
 STEP_2_ROUNDS = 3
 OVERHEAD_AT_10_US, PER_LEAF_US = 20.0, 0.3
 
@@ -215,16 +215,33 @@ def paired_overhead(differences, rounds=1000):
     return float(np.median(differences)) * 1e6, float(low), float(high)
 
 
-def host_overhead(strategy, leaves, adam=False):
-    """Host-side cost ``strategy.run`` adds on the step of `run_overhead`: its Python work, timed
-    with every launch replaying the program's first outputs (no device work), plus what the
-    compiled call's C++ dispatch spends on jdist's call beyond the raw call's: the `Mirrored`
-    nodes it flattens (timed on a program that does nothing), and the outputs it returns as
-    they come (a flat tuple, which ``run`` itself wraps and nests) where the raw call nests
-    them as the step returns them (each timed as JAX's dispatch builds it: the program's output
-    tree unflattened). CPU work timed as ``timeit`` times it: the fastest of several rounds,
-    each the mean of many calls. With ``adam``, the step also updates ``optax.adam``'s state
-    of the parameters (two more leaves each, and an int32 step count the int64 checks read)."""
+def host_overheads(strategy, adam=False):
+    """Host-side cost ``strategy.run`` adds on the step of `run_overhead`, per leaf count: its
+    Python work, timed with every launch replaying the program's first outputs (no device
+    work), plus what the compiled call's C++ dispatch spends on jdist's call beyond the raw
+    call's: the `Mirrored` nodes it flattens (timed on a program that does nothing), and the
+    outputs it returns as they come (a flat tuple, which ``run`` itself wraps and nests) where
+    the raw call nests them as the step returns them (each timed as JAX's dispatch builds it:
+    the program's output tree unflattened). CPU work timed as ``timeit`` times it: the fastest
+    of several rounds, each the mean of many calls; the leaf counts take turns in every round,
+    so the machine's slow spells (this one's speed drifts by a third over minutes) reach all of
+    them alike. With ``adam``, the step also updates ``optax.adam``'s state of the parameters
+    (two more leaves each, and an int32 step count the int64 checks read)."""
+    with common.replayed_launches(strategy) as replayed:
+        calls = {n: _host_calls(strategy, n, adam, replayed) for n in LEAF_COUNTS}
+        rounds = {n: {name: [] for name in calls[n]} for n in LEAF_COUNTS}
+        for _ in range(HOST_ROUNDS):
+            for n in LEAF_COUNTS:
+                number = max(10, 20000 // n // (3 if adam else 1))
+                for name, call in calls[n].items():
+                    rounds[n][name].append(timeit.timeit(call, number=number) / number)
+    best = {n: {name: min(times) for name, times in r.items()} for n, r in rounds.items()}
+    return {n: (b["python"] + b["jdist_dispatch"] - b["raw_dispatch"] + b["jdist_outputs"]
+                - b["raw_outputs"]) * 1e6 for n, b in best.items()}
+
+
+def _host_calls(strategy, leaves, adam, replayed):
+    """`host_overheads`' calls over ``leaves`` parameters (inside its replayed launches)."""
     params = strategy.run(lambda: {f"p{i}": jnp.zeros((2,)) for i in range(leaves)})
     x = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.ones((2,), np.float32))
@@ -240,22 +257,13 @@ def host_overhead(strategy, leaves, adam=False):
     outputs = jax.tree_util.tree_leaves((*plain, stacked))  # As many as the step returns.
     raw_nest = jax.tree_util.tree_structure((*plain, stacked))  # The raw step's outputs.
     args = (params, *state, x)
-    calls = {"jdist_dispatch": lambda: nothing(args, {}),
-             "raw_dispatch": lambda: nothing(*plain, stacked),
-             "python": lambda: strategy.run(step, args=args),
-             "raw_outputs": lambda: raw_nest.unflatten(outputs)}
-    number = max(10, 20000 // leaves // (3 if adam else 1))
-    with common.replayed_launches(strategy) as replayed:
-        strategy.run(step, args=args)
-        direct = jax.tree_util.tree_structure(replayed[-1])  # What the jdist program returns.
-        calls["jdist_outputs"] = lambda: direct.unflatten(outputs)
-        rounds = {name: [] for name in calls}
-        for _ in range(HOST_ROUNDS):
-            for name, call in calls.items():
-                rounds[name].append(timeit.timeit(call, number=number) / number)
-    best = {name: min(times) for name, times in rounds.items()}
-    return (best["python"] + best["jdist_dispatch"] - best["raw_dispatch"]
-            + best["jdist_outputs"] - best["raw_outputs"]) * 1e6
+    strategy.run(step, args=args)
+    direct = jax.tree_util.tree_structure(replayed[-1])  # What the jdist program returns.
+    return {"jdist_dispatch": lambda: nothing(args, {}),
+            "raw_dispatch": lambda: nothing(*plain, stacked),
+            "python": lambda: strategy.run(step, args=args),
+            "raw_outputs": lambda: raw_nest.unflatten(outputs),
+            "jdist_outputs": lambda: direct.unflatten(outputs)}
 
 
 def report_overheads(name, overheads):
@@ -293,9 +301,8 @@ def main():
     above = end_to_end[LEAF_COUNTS[0]]["jdist"][0] - end_to_end[LEAF_COUNTS[0]]["floor"][0]
     common.record("compile", f"run overhead over the floor, end to end, at {LEAF_COUNTS[0]} "
                   "leaves", above, "us", detail="what jdist adds to the least any wrapper does")
-    report_overheads("run overhead, host side",
-                     {n: host_overhead(strategy, n) for n in LEAF_COUNTS})
-    with_adam = {n: host_overhead(strategy, n, adam=True) for n in LEAF_COUNTS}
+    report_overheads("run overhead, host side", host_overheads(strategy))
+    with_adam = host_overheads(strategy, adam=True)
     per_leaf = (with_adam[LEAF_COUNTS[-1]] - with_adam[LEAF_COUNTS[0]]) / (
         3 * (LEAF_COUNTS[-1] - LEAF_COUNTS[0]))
     detail = ", ".join(f"{n} parameters +{o:.1f} us" for n, o in with_adam.items())
