@@ -15,9 +15,9 @@ on simulated CPU devices:
   dataset's elements made beforehand (what the step's ``(block, position)`` arguments cost
   alone), the hand-written loop (one ``jax.device_put`` per batch) and the dataset shuffled
   whole and with a buffer of 1024 (tf.data's order; the shuffle's work is not hidden).
-  Target >= 0.95: feeding costs the step nothing. For reference, the same on 60-batch epochs (one block,
-  placed before the first step: the epoch's start weighs four times as much) and the
-  start's cost in ms.
+  Target >= 0.95: feeding costs the step nothing. For reference, the same on 60-batch
+  epochs (one block, placed before the first step: the epoch's start weighs four times as
+  much) and the start's cost in ms.
 * ``dataset alone / one device_put``: the per-batch cost of iterating the distributed dataset
   (global batch 1024, 8 replicas) against one ``jax.device_put`` of the same global batch with
   the replica sharding (what a hand-written loop does). Target <= 1.5.

@@ -101,9 +101,11 @@ def buffers(element):
 
 @pytest.mark.parametrize("n", [2, 8])
 def test_consecutive_batches_are_placed_from_the_datasets_own_memory(n):
-    # On CPU devices each device's buffer of a full block of consecutive batches is the
-    # dataset's aligned read-only copy itself; shuffled rows and the padded last block are
-    # copied. Blocks of 64 batches of 4n rows (64n bytes each), then a last block of 3.
+    # On CPU devices each device's buffer of a block of consecutive batches is the dataset's
+    # aligned read-only copy itself; the short last block's is the 64 batches ending with its
+    # 3 where that is aligned too (every leaf's batch a multiple of 64 bytes: x's 48n bytes
+    # on n = 8, not n = 2), else a copy; shuffled rows are copied. Blocks of 64 batches of 4n
+    # rows, then a last block of 3.
     s, d = mirrored(n), data(4 * n * (2 * 64 + 3))
     rows = s.experimental_make_numpy_dataset(d)
     x = rows.arrays["x"]
@@ -113,7 +115,10 @@ def test_consecutive_batches_are_placed_from_the_datasets_own_memory(n):
     assert buffers(got[0]["x"]) == {x.ctypes.data}
     assert buffers(got[64]["x"]) == {x.ctypes.data + block_bytes}
     own = range(x.ctypes.data, x.ctypes.data + x.nbytes)
-    assert not any(b in own for b in buffers(got[128]["x"]))
+    if n == 8:
+        assert buffers(got[128]["x"]) == {x.ctypes.data + x.nbytes - block_bytes}
+    else:
+        assert not any(b in own for b in buffers(got[128]["x"]))
     shuffled = elements(s, rows.shuffle(8, seed=1).batch(4 * n))
     assert not any(b in own for b in buffers(shuffled[0]["x"]))
     for element, host in zip(got, batches(d, 4 * n), strict=True):
@@ -121,17 +126,20 @@ def test_consecutive_batches_are_placed_from_the_datasets_own_memory(n):
 
 
 def test_one_replicas_batches_on_cpu_are_the_datasets_own_memory():
-    # One replica's plain batches each hold their rows of the dataset's copy (rows of 16
-    # bytes, batches of 4 rows: 64-byte aligned), the last short block's a copy of them.
-    s, d = mirrored(1), data(4 * (64 + 3), features=4)
+    # One replica's plain batches each hold their rows of the dataset's copy (batches of 16
+    # rows: 256 and 64 bytes, aligned), in blocks of 64 batches and a last of 3; data shorter
+    # than a block is copied.
+    s, d = mirrored(1), data(16 * (64 + 3), features=4)
     rows = s.experimental_make_numpy_dataset(d)
     x = rows.arrays["x"]
-    got = elements(s, rows.batch(4))
-    assert [e["x"].unsafe_buffer_pointer() for e in got[:64]] == [
-        x.ctypes.data + 64 * i for i in range(64)]  # A block of 64 batches.
-    own = range(x.ctypes.data, x.ctypes.data + x.nbytes)
-    assert not any(e["x"].unsafe_buffer_pointer() in own for e in got[64:])
-    for element, host in zip(got, batches(d, 4), strict=True):
+    got = elements(s, rows.batch(16))
+    assert [e["x"].unsafe_buffer_pointer() for e in got] == [
+        x.ctypes.data + 256 * i for i in range(67)]
+    short = s.experimental_make_numpy_dataset(data(16 * 3, features=4))
+    x = short.arrays["x"]
+    assert elements(s, short.batch(16))[0]["x"].unsafe_buffer_pointer() not in range(
+        x.ctypes.data, x.ctypes.data + x.nbytes)
+    for element, host in zip(got, batches(d, 16), strict=True):
         assert isinstance(element["x"], jax.Array)
         np.testing.assert_array_equal(np.asarray(element["x"]), host["x"])
         np.testing.assert_array_equal(np.asarray(element["y"]), host["y"])
@@ -215,6 +223,20 @@ def test_a_function_compiled_ahead_of_time_takes_blocked_elements(n):
     for got in (compiled(jnp.float32(1), element), train(jnp.float32(1), element)):
         np.testing.assert_allclose([np.asarray(v) for v in s.experimental_local_results(got)],
                                    want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", (1, 4))
+def test_a_short_last_block_read_in_place_gives_its_batches_as_on_accelerators(n, monkeypatch):
+    # 69 aligned batches: a block of 64, then the 64 ending with the last 5 read in place,
+    # its batches at positions 59-63 (cut out eight at a time on one replica).
+    monkeypatch.setattr(batch_blocks, "on_host_cores", lambda mesh: False)
+    s, d = mirrored(n), data(16 * n * 69, features=16)
+    dataset = s.experimental_make_numpy_dataset(d).batch(16 * n)
+    for element, host in zip(elements(s, dataset), dataset, strict=True):
+        for key in host:
+            got = s.experimental_local_results(element[key])
+            for value, chunk in zip(got, tf_split(host[key], n), strict=True):
+                np.testing.assert_array_equal(np.asarray(value), chunk)
 
 
 @pytest.mark.parametrize("n", (1, 4))

@@ -13,8 +13,9 @@ block of them is a view of the dataset's arrays (a `NumpyDataset` holds an align
 copy). On CPU devices a block is placed replicated: every device's buffer is that host memory
 itself, with no copy and no transfer, and the step's program reads each replica's rows of a
 position in place. On several accelerators it is sharded over the replica axis (dimension 1),
-each device receiving its replicas' rows. Shuffled rows, the data's last block (padded) and
-int64 data are copied into the layout first.
+each device receiving its replicas' rows. A short last block is the block's worth of rows
+ending with it, its batches at the last positions. Shuffled rows, data shorter than a block
+(padded) and int64 data are copied into the layout first.
 
 An element is a `BlockedPerReplica`: a `PerReplica` in every respect (``values``, ``stacked``,
 pytree utilities, pickling), whose array is taken out of the block by a small program the first
@@ -228,40 +229,54 @@ class BlockFeed:
 
     def _place(self, leaves, tree, number, rows):
         """`Elements` of ``number`` full batches, the ``rows`` of ``leaves`` one after another,
-        placed as one block (padded to the block's size: positions nobody reads, left as they
-        are: a short last block is as quick to place as its batches are to copy)."""
-        blocks, magnitudes = zip(*(self._laid_out(leaf, rows, number) for leaf in leaves))
+        placed as one block: the dataset's own memory where it can be (`_as_is`), else a
+        copy (padded to the block's size: positions nobody reads, left as they are)."""
+        first, blocks = self._as_is(leaves, rows, number)
+        magnitudes = (None,) * len(leaves)  # Placed as is: dtypes JAX holds as they are.
+        if blocks is None:
+            blocks, magnitudes = zip(*(self._copied(leaf, rows, number) for leaf in leaves))
         if self._plain is not None:
-            return Elements(_plain_elements(tree, self._plain(blocks, number), magnitudes))
+            return Elements(_plain_elements(tree, self._plain(blocks, first, number),
+                                            magnitudes))
         blocks = jax.device_put(list(blocks), self._sharding)
         return Elements(tuple(jax.tree_util.tree_unflatten(tree, [
-            BlockedPerReplica._at(b, self._positions[i], *([] if m is None else [m[i]]))
+            BlockedPerReplica._at(b, self._positions[first + i], *([] if m is None else [m[i]]))
             for b, m in zip(blocks, magnitudes)]) for i in range(number)))
 
-    def _cut_batches(self, blocks, number):
+    def _cut_batches(self, blocks, first, number):
         """One replica on an accelerator: the block placed in one transfer, its batches cut
-        out of it on the device (`_cutter`)."""
+        out of it on the device (`_cutter`; a launch reading past the block's end reads its
+        last position again, and that batch is dropped)."""
         blocks = jax.device_put(list(blocks), self._sharding)
-        return [batch for start in range(0, number, self._cut_count)
+        return [batch for start in range(first, first + number, self._cut_count)
                 for batch in self._cut(blocks, self._positions[start])][:number]
 
-    def _aliased_batches(self, blocks, number):
+    def _aliased_batches(self, blocks, first, number):
         """One replica on a CPU device: each batch's buffer is its rows in the block's host
         memory (`host_values.aliased`), with no copy and no program, made as the loop asks
         for it (a few microseconds of C++ per leaf, beside the running step). Measured with
         a dispatch-bound step (``make bench``): 0.86 of on-device speed, where cutting them
         out of a placed block ran at 0.65-0.72."""
-        return zip(*(aliased(block[:number, 0], self._sharding) for block in blocks))
+        return zip(*(aliased(block[first:first + number, 0], self._sharding)
+                     for block in blocks))
 
-    def _laid_out(self, leaf, rows, number):
-        """``(block, int64 magnitudes or None)``: ``leaf``'s ``rows`` as ``number`` full
-        batches in the block's layout; the dataset's own memory where they are consecutive,
-        fill the block and can be placed as they are (`placed_as_is`), else a copy."""
+    def _as_is(self, leaves, rows, number):
+        """``(first, blocks)``: where ``rows`` are consecutive, every leaf's block's worth of
+        rows that ends with them, when all can be placed as they are (`placed_as_is`), the
+        batches at positions ``first`` on (a short last block's first positions hold rows
+        the block before it read: no copy, no padding); else ``(0, None)``."""
+        start = rows.stop - self.size * self._split[0] * self._split[1] if isinstance(
+            rows, slice) else -1
+        if start < 0:
+            return 0, None
+        blocks = [leaf[start:rows.stop].reshape((self.size,) + self._split + leaf.shape[1:])
+                  for leaf in leaves]
+        return (self.size - number, blocks) if all(map(placed_as_is, blocks)) else (0, None)
+
+    def _copied(self, leaf, rows, number):
+        """``(block, int64 magnitudes)``: ``leaf``'s ``rows`` as ``number`` full batches copied
+        into the block's layout (int64 numbers as JAX holds them, their magnitudes kept)."""
         shape = (self.size,) + self._split + leaf.shape[1:]
-        if isinstance(rows, slice) and number == self.size:
-            batches = leaf[rows].reshape(shape)
-            if placed_as_is(batches):
-                return batches, None  # Its dtype is JAX's own: no int64 numbers.
         block = aligned_empty(shape, leaf.dtype)
         if isinstance(rows, slice):
             np.copyto(block[:number], leaf[rows].reshape((number,) + shape[1:]))
