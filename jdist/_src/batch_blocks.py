@@ -198,12 +198,12 @@ class BlockFeed:
         self._split = (mesh.devices.size, full_rows // mesh.devices.size)
         self.size = size
         self._positions = _positions(mesh, size)
-        self._cut, self._cut_count = None, _cut_count(size)
         self._plain = None  # One replica: how a block's batches become plain arrays, as in TF.
         if mesh.devices.size == 1 and self.on_loop_thread:
             self._plain = self._aliased_batches
         elif mesh.devices.size == 1:
-            self._cut, self._plain = _cutter(self._sharding, self._cut_count), self._cut_batches
+            self._plain, self._cut_count = self._cut_batches, _cut_count(size)
+            self._cut = _cutter(self._sharding, self._cut_count)
 
     def __call__(self, arrays, blocks, split):
         """Yields the elements of ``blocks`` (`NumpyDataset.blocks`' pairs, over the rows of

@@ -159,7 +159,7 @@ class NumpyDataset:
         if ops and isinstance(ops[0], _Batch):  # Batches of the rows in order: no per-row work.
             factory, ops = ops[0].of_rows(self._size), ops[1:]
         else:
-            factory = lambda: range(self._size)  # A shuffle reads it as arrays (`tf_shuffle`).
+            factory = lambda: tf_shuffle.Rows(range(self._size))  # A shuffle reads arrays.
         previous = None
         for op in ops:
             factory = op.wrap(factory, fused=isinstance(previous, _Shuffle)) if isinstance(
@@ -358,8 +358,8 @@ class _Repeat:
 
         def epochs():
             first = upstream()
-            if isinstance(first, range):  # The rows in order: their input has no effects.
-                return tf_shuffle.Rows(first, self.count)  # A shuffle reads them as arrays.
+            if isinstance(first, tf_shuffle.Rows):  # Rows in order: their input has no effects.
+                return first.repeated(self.count)
             return self._epochs(first, upstream, not fused)
         return epochs
 

@@ -146,7 +146,7 @@ def shuffled(make_items, buffer_size, seeds):
 
 def shuffled_runs(make_items, buffer_size, seeds):
     """`shuffled`'s items in runs: lists, or int64 arrays where the items are row indices
-    (ints; ``make_items()`` may return the rows in order as a ``range``), so a batch right
+    (ints; ``make_items()`` may return the rows in order as `Rows`), so a batch right
     after the shuffle cuts them without a Python int each.
 
     TF fills its ring buffer before every output, then outputs the item ``sample % count``
@@ -191,11 +191,18 @@ class Rows:
       >>> rows = Rows(range(3), 2)
       >>> list(Rows(range(3), 2)), rows.take(4).tolist(), rows.take(4).tolist()
       ([0, 1, 2, 0, 1, 2], [0, 1, 2, 0], [1, 2])
+      >>> list(Rows(range(2), 2).repeated(3))
+      [0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1]
     """
 
     def __init__(self, rows: range, times=1):
         self._rows, self._times = rows, times
         self._epochs_left, self._next = times, 0  # What `take` has still to read.
+
+    def repeated(self, times) -> "Rows":
+        """These rows ``times`` times over (None: forever), as a ``repeat`` of them reads."""
+        total = None if times is None or self._times is None else self._times * times
+        return Rows(self._rows, total)
 
     def __iter__(self):
         if not len(self._rows):
@@ -217,11 +224,10 @@ class Rows:
 
 
 class _Items:
-    """A shuffle's input, read ``count`` items at a time: rows in order (a ``range`` or `Rows`)
-    as int64 arrays; any other iterable as lists."""
+    """A shuffle's input, read ``count`` items at a time: rows in order (`Rows`) as int64
+    arrays; any other iterable as lists."""
 
     def __init__(self, source):
-        source = Rows(source) if isinstance(source, range) else source
         self._rows = source if isinstance(source, Rows) else None
         self._items = None if self._rows is not None else iter(source)
 
@@ -342,10 +348,6 @@ def _drain_order(offsets: np.ndarray) -> np.ndarray:
     last[grouped[ends]] = order[ends]
     # What a position held at its own step came from the last EARLIER step to target it.
     before_own = np.where(last == steps, earlier, last)
-    root = np.where(before_own < 0, steps, before_own)
-    while True:  # Follow each chain to the item never moved (``root[k] == k``).
-        jumped = root[root]
-        if np.array_equal(jumped, root):
-            break
-        root = jumped
+    root = steps.copy()
+    _follow(root, before_own)  # Each chain followed to the item never moved.
     return np.where(earlier < 0, targets, root[np.maximum(earlier, 0)])
