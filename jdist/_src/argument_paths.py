@@ -9,6 +9,8 @@ namedtuples (an optax optimizer's state) are walked: other pytree nodes (a datac
 node) have no path here, and such calls are flattened whole as before.
 """
 
+import functools
+import operator
 from typing import Any, Optional, Tuple
 
 import jax
@@ -71,6 +73,18 @@ def leaf_at(tree: Any, path: Path) -> Any:
         except (KeyError, IndexError, TypeError):
             return MISSING
     return tree
+
+
+def known_leaf_at(tree: Any, path: Path) -> Any:
+    """What sits at ``path`` in ``tree``, whose containers along it are known to be those
+    `paths_of` walked (a call whose program's signature fixed its structure): indexed in C,
+    with no check per step.
+
+    Example:
+      >>> known_leaf_at(((1, {"x": 2}), {}), (0, 1, "x"))
+      2
+    """
+    return functools.reduce(operator.getitem, path, tree)
 
 
 def with_leaf(tree: Any, path: Path, leaf: Any) -> Any:

@@ -383,7 +383,7 @@ def _keyed_leaves(checks, leaves):
         at = checks.lookup["at"] = False if paths is None else tuple(zip(checks.keys, paths))
     if at is False:
         return _keyed_leaves(checks, jax.tree_util.tree_flatten(leaves, is_distributed)[0])
-    return {k: argument_paths.leaf_at(leaves, path) for k, path in at}
+    return {k: argument_paths.known_leaf_at(leaves, path) for k, path in at}
 
 
 def _hand_over(checks, keyed, outputs):

@@ -192,4 +192,6 @@ def holds_tf_int64(value) -> bool:
       >>> holds_tf_int64(np.zeros(2, np.int64)), holds_tf_int64(np.zeros(2, np.int32))
       (True, False)
     """
+    if hasattr(type(value), "_int64_per_copy"):  # A `PerReplica` or `Mirrored`: its record.
+        return type(getattr(value, "_int64_bounds", None)) is tuple
     return _recorded(value) is not None or held_as_int32(value)
