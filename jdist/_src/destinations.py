@@ -10,6 +10,7 @@ works on global arrays (`cross_host`), and a worker holding none of the target d
 """
 
 import dataclasses
+import functools
 from typing import Optional, Tuple
 
 import jax
@@ -54,7 +55,12 @@ class Target:
 
 def mirrored_on(devices) -> Target:
     """The target "`Mirrored` on ``devices``" (a strategy's own devices, for instance)."""
-    mesh = replica_mesh.for_devices(devices)
+    return _mirrored_on_mesh(replica_mesh.for_devices(devices))
+
+
+@functools.lru_cache(maxsize=None)
+def _mirrored_on_mesh(mesh: ReplicaMesh) -> Target:
+    # One per mesh (meshes are kept for good): a batch of values resolves each destination.
     return Target(mesh.num_replicas, True, mesh.devices, mesh)
 
 
@@ -77,8 +83,7 @@ def resolve(destinations: Destinations) -> Target:
     if isinstance(destinations, Target):
         return destinations
     if isinstance(destinations, DistributedValues):
-        mesh = replica_mesh.of_value(destinations)
-        return Target(mesh.num_replicas, True, mesh.devices, mesh)
+        return _mirrored_on_mesh(replica_mesh.of_value(destinations))
     destinations = cross_host.unwrap(destinations)
     if isinstance(destinations, jax.Array) and not isinstance(destinations, jax.core.Tracer):
         devices = replica_mesh.array_devices(destinations)

@@ -26,6 +26,18 @@ _KINDS = (("bool", np.bool_), ("signed integer", np.signedinteger),
 def dtype_kind(dtype):
     """The kind of ``dtype`` a per-replica value may hold ("bool", "signed integer", ...), or
     None for a dtype no device holds (strings, objects)."""
+    try:
+        return _known_dtype_kind(dtype)
+    except TypeError:  # An unhashable dtype-like.
+        return _dtype_kind(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _known_dtype_kind(dtype):
+    return _dtype_kind(dtype)  # Cached: jnp.issubdtype costs microseconds, read per value.
+
+
+def _dtype_kind(dtype):
     return next((name for name, category in _KINDS if jax.numpy.issubdtype(dtype, category)),
                 None)
 

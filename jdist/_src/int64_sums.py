@@ -228,6 +228,8 @@ def check_reduce(op, value, copies: int) -> None:
     JAX holds them in (a plain value is added ``copies`` times); inside a `jdist.function`,
     hands the check over instead (`hand_over_sum`)."""
     for v in value if isinstance(value, (list, tuple)) else (value,):
+        if isinstance(v, (PerReplica, Mirrored)) and getattr(v, "_int64_bounds", None) is None:
+            continue  # Made from no int64 host numbers, and not traced from them: adds none.
         if hand_over_sum(v, copies):
             continue
         magnitude = int64_sum_magnitude(v, copies)

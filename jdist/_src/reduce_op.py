@@ -77,11 +77,14 @@ def check_reducible(op, value, adds: bool = True, places: bool = True, copies: i
     if adds and op is ReduceOp.SUM:
         int64_sums.check_reduce(op, value, copies)
     for leaf in jax.tree_util.tree_leaves(value):  # One walk of the nest: reduce is per step.
-        host_values.check_array(leaf, str(op))
-        dtype = getattr(leaf, "dtype", None)
-        kind = host_values.dtype_kind(np.asarray(leaf).dtype if dtype is None else dtype)
-        if places:  # TF reduces them in 64 bits.
-            host_values.check_host_numbers(leaf)
+        if isinstance(leaf, jax.Array):  # On a device: only its dtype can be refused.
+            kind = host_values.dtype_kind(leaf.dtype)
+        else:
+            host_values.check_array(leaf, str(op))
+            dtype = getattr(leaf, "dtype", None)
+            kind = host_values.dtype_kind(np.asarray(leaf).dtype if dtype is None else dtype)
+            if places:  # TF reduces them in 64 bits.
+                host_values.check_host_numbers(leaf)
         if kind == "bool" and adds:
             raise errors.UnsupportedValueError(
                 f"{op} of bool values is not defined (TF raises too: it adds the values); cast "

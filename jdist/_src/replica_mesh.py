@@ -314,8 +314,9 @@ def as_per_replica(value) -> Optional[PerReplica]:
       UnsupportedValueError: another kind of `DistributedValues`.
     """
     if isinstance(value, PerReplica):
-        on = of_array(value.stacked, value.num_replicas)
-        return PerReplica._from_stacked(on.place_per_replica(value.stacked), value.lengths)
+        stacked = value.stacked
+        placed = of_array(stacked, value.num_replicas).place_per_replica(stacked)
+        return value if placed is stacked else PerReplica._from_stacked(placed, value.lengths)
     if isinstance(value, Mirrored):
         return PerReplica._from_stacked(of_array(value.value, value.num_replicas).tile(value.value))
     if isinstance(value, DistributedValues):

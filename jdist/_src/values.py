@@ -240,6 +240,7 @@ class Mirrored(DistributedValues):
         return object.__new__(cls)
 
     def __init__(self, values=None, *, _value=_UNSET):
+        self._int64_bounds = None
         if _value is not _UNSET:  # JAX unflattening the node (see `_mirrored_class`).
             self._value = _value
             int64_values.inherit(self, (_value,))
@@ -264,7 +265,7 @@ class Mirrored(DistributedValues):
     @classmethod
     def _from_value(cls, value, num_replicas, step_output=False):
         self = object.__new__(_mirrored_class(num_replicas, step_output))
-        self._value = value
+        self._value, self._int64_bounds = value, None
         return self
 
     def __reduce__(self):
@@ -521,7 +522,7 @@ def mirror_at(leaves, indices, num_replicas):
     new, cls = object.__new__, _mirrored_class(num_replicas, True)
     for i in indices:
         m = new(cls)
-        m._value = leaves[i]
+        m._value, m._int64_bounds = leaves[i], None  # Both set: reading an unset slot raises.
         leaves[i] = m
 
 
