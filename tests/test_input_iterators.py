@@ -595,6 +595,42 @@ def test_batches_of_a_shuffle_hold_its_order_in_consecutive_runs(size, buffer_si
     assert [b.tolist() for b in dataset.batch(batch, drop)] == [[10 * i for i in w] for w in want]
 
 
+CUTS = {"take": (lambda d: d.take(1500), slice(1500)),
+        "skip": (lambda d: d.skip(700), slice(700, None)),
+        "shard": (lambda d: d.shard(3, 2), slice(2, None, 3)),
+        "shard, then take": (lambda d: d.shard(4, 1).take(300), slice(1, 1201, 4))}
+
+
+@pytest.mark.parametrize("cut", CUTS)
+@pytest.mark.parametrize("buffer_size", [1, 100, 5000])
+def test_a_shuffle_after_a_take_skip_or_shard_is_the_ring_buffer_rule(cut, buffer_size):
+    # The rows they leave reach the shuffle as arrays (`tf_shuffle.Rows.sliced`).
+    verb, rows = CUTS[cut]
+    want = list(tf_ring_buffer_shuffle(range(3000)[rows], buffer_size, tf_shuffle.op_seeds(8)))
+    x = np.arange(3000) * 10
+    shuffled = verb(NumpyDataset(x)).shuffle(buffer_size, 8, reshuffle_each_iteration=False)
+    assert [int(v) for v in shuffled] == [10 * i for i in want]
+    assert isinstance(verb(NumpyDataset(x))._indices()(), tf_shuffle.Rows)
+
+
+@pytest.mark.parametrize("cut", CUTS)
+@pytest.mark.parametrize("batch,drop", [(1, False), (7, False), (7, True), (4096, False)])
+def test_batches_after_a_take_skip_or_shard_are_its_rows_in_order(cut, batch, drop):
+    verb, rows = CUTS[cut]
+    kept = list(range(3000)[rows])
+    stop = len(kept) - len(kept) % batch if drop else len(kept)
+    want = [[10 * i for i in kept[i:i + batch]] for i in range(0, stop, batch)]
+    got = verb(NumpyDataset(np.arange(3000) * 10)).batch(batch, drop)
+    assert [b.tolist() for b in got] == want
+
+
+def test_a_take_of_repeated_rows_keeps_every_epochs_rows():
+    # Rows read twice are no one range: the take counts them as they come.
+    dataset = NumpyDataset(np.arange(5)).repeat(2).take(7).shuffle(3, 1, False)
+    want = list(tf_ring_buffer_shuffle([0, 1, 2, 3, 4, 0, 1], 3, tf_shuffle.op_seeds(1)))
+    assert [int(v) for v in dataset] == want
+
+
 @pytest.mark.parametrize("seed", [5.5, "3", [1]])
 def test_a_shuffle_seed_that_is_not_an_int_is_refused(seed):
     with pytest.raises(errors.InvalidArgumentError, match="seed must be an int"):

@@ -203,6 +203,26 @@ class NumpyDataset:
         return f"NumpyDataset(rows={self._size}, element_spec={self.element_spec})"
 
 
+def _sliced(items, rows: slice):
+    """``items`` cut by ``rows`` (a take, skip or shard): rows in order read once stay rows in
+    order (`tf_shuffle.Rows.sliced`), which a later shuffle reads as arrays; other items are
+    cut as they come."""
+    if isinstance(items, tf_shuffle.Rows):
+        sliced = items.sliced(rows)
+        if sliced is not None:
+            return sliced
+    return itertools.islice(items, rows.start, rows.stop, rows.step)
+
+
+def _runs_of(rows, size):
+    """``rows`` (`tf_shuffle.Rows`) read ``size`` at a time, as arrays."""
+    while True:
+        run = rows.take(size)
+        if not len(run):
+            return
+        yield run
+
+
 def _rows(item):
     """An index for ``array[index]``: consecutive rows as a slice (a view, no copy)."""
     if isinstance(item, slice):
@@ -271,7 +291,12 @@ class _Batch:
     def wrap(self, upstream):
         if isinstance(upstream, _Shuffled):  # Its runs of row indices cut as arrays.
             return lambda: self._batches_of_runs(upstream.runs())
-        return lambda: self._batches(iter(upstream()))  # Its input made at once, as tf.data's.
+        return lambda: self._batches_of(upstream())  # Its input made at once, as tf.data's.
+
+    def _batches_of(self, items):
+        if isinstance(items, tf_shuffle.Rows):  # Row indices in order: cut as arrays.
+            return self._batches_of_runs(_runs_of(items, self.size))
+        return self._batches(iter(items))
 
     def _batches_of_runs(self, runs):
         """`_batches` of a shuffle's runs (`tf_shuffle.shuffled_runs`): row indices are cut
@@ -408,7 +433,7 @@ class _Take:
     def wrap(self, upstream):
         if self.count == 0:
             return lambda: iter(())  # tf.data makes no input for it.
-        return lambda: itertools.islice(upstream(), self.count)
+        return lambda: _sliced(upstream(), slice(self.count))
 
     def cardinality(self, count):
         if self.count < 0:
@@ -425,7 +450,7 @@ class _Skip:
     def wrap(self, upstream):
         if self.count < 0:  # Everything skipped: the input is made (as tf.data does), not read.
             return lambda: (upstream(), iter(()))[1]
-        return lambda: itertools.islice(upstream(), self.count, None)
+        return lambda: _sliced(upstream(), slice(self.count, None))
 
     def cardinality(self, count):
         if self.count < 0:
@@ -440,7 +465,7 @@ class _Shard:
         self.is_noop = num_shards == 1
 
     def wrap(self, upstream):
-        return lambda: itertools.islice(upstream(), self.index, None, self.num)
+        return lambda: _sliced(upstream(), slice(self.index, None, self.num))
 
     def cardinality(self, count):
         if count < 0:

@@ -16,6 +16,7 @@ Checked against TF 2.21 element by element (``tests/test_numpy_dataset_tf.py``).
 
 import itertools
 import sys
+from typing import Optional
 
 import numpy as np
 
@@ -203,6 +204,16 @@ class Rows:
         """These rows ``times`` times over (None: forever), as a ``repeat`` of them reads."""
         total = None if times is None or self._times is None else self._times * times
         return Rows(self._rows, total)
+
+    def sliced(self, rows: slice) -> Optional["Rows"]:
+        """These rows read once, cut by ``rows`` (a ``take``, ``skip`` or ``shard`` of them);
+        None for rows read several times, which no one range holds.
+
+        Example:
+          >>> list(Rows(range(10)).sliced(slice(2, None, 3))), Rows(range(3), 2).sliced(slice(1))
+          ([2, 5, 8], None)
+        """
+        return Rows(self._rows[rows]) if self._times == 1 else None
 
     def __iter__(self):
         if not len(self._rows):
