@@ -121,6 +121,11 @@ def test_consecutive_batches_are_placed_from_the_datasets_own_memory(n):
         assert not any(b in own for b in buffers(got[128]["x"]))
     shuffled = elements(s, rows.shuffle(8, seed=1).batch(4 * n))
     assert not any(b in own for b in buffers(shuffled[0]["x"]))
+    # Data shorter than a block: one block of its own 5 full batches, read in place in every
+    # epoch (the second epoch's second batch is element 7, after a partial batch).
+    short = s.experimental_make_numpy_dataset(data(4 * n * 5 + 1))
+    x = short.arrays["x"]
+    assert buffers(elements(s, short.batch(4 * n).repeat(2))[7]["x"]) == {x.ctypes.data}
     for element, host in zip(got, batches(d, 4 * n), strict=True):
         np.testing.assert_array_equal(np.asarray(s.gather(element["x"], 0)), host["x"])
 
@@ -128,7 +133,7 @@ def test_consecutive_batches_are_placed_from_the_datasets_own_memory(n):
 def test_one_replicas_batches_on_cpu_are_the_datasets_own_memory():
     # One replica's plain batches each hold their rows of the dataset's copy (batches of 16
     # rows: 256 and 64 bytes, aligned), in blocks of 64 batches and a last of 3; data shorter
-    # than a block is copied.
+    # than a block too, as a block of its own full batches.
     s, d = mirrored(1), data(16 * (64 + 3), features=4)
     rows = s.experimental_make_numpy_dataset(d)
     x = rows.arrays["x"]
@@ -137,8 +142,8 @@ def test_one_replicas_batches_on_cpu_are_the_datasets_own_memory():
         x.ctypes.data + 256 * i for i in range(67)]
     short = s.experimental_make_numpy_dataset(data(16 * 3, features=4))
     x = short.arrays["x"]
-    assert elements(s, short.batch(16))[0]["x"].unsafe_buffer_pointer() not in range(
-        x.ctypes.data, x.ctypes.data + x.nbytes)
+    assert [e["x"].unsafe_buffer_pointer() for e in elements(s, short.batch(16))] == [
+        x.ctypes.data + 256 * i for i in range(3)]
     for element, host in zip(got, batches(d, 16), strict=True):
         assert isinstance(element["x"], jax.Array)
         np.testing.assert_array_equal(np.asarray(element["x"]), host["x"])

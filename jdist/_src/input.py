@@ -574,6 +574,9 @@ def _block_feed(strategy, source, placer):
     spec = jax.tree_util.tree_leaves(source.first())
     size = batch_blocks.block_size(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
                                        for s in spec))
+    # No bigger than a pass's full batches: a block then holds the dataset's own rows, read
+    # in place, where a bigger one is a padded copy made every epoch.
+    size = min(size, source.dataset.full_batches_in_order() or size)
     if size < 2:
         return None
     extended = strategy.extended

@@ -10,6 +10,7 @@ Python work is done for batched data.
 """
 
 import itertools
+from typing import Optional
 
 import jax
 import numpy as np
@@ -185,6 +186,22 @@ class NumpyDataset:
         """The leading size of a full element (the outermost batch size), None if unbatched."""
         sizes = [op.size for op in self._ops if isinstance(op, _Batch)]
         return sizes[-1] if sizes else None
+
+    def full_batches_in_order(self) -> Optional[int]:
+        """How many full batches of consecutive rows one pass over the data gives, where the
+        pipeline is a batch of the rows in order, repeated or not; None for any other.
+
+        Example:
+          >>> import numpy as np
+          >>> NumpyDataset(np.arange(10)).batch(3).repeat().full_batches_in_order()
+          3
+          >>> NumpyDataset(np.arange(10)).shuffle(4).batch(3).full_batches_in_order() is None
+          True
+        """
+        ops = [op for op in self._ops if not op.is_noop and not isinstance(op, _Prefetch)]
+        if ops and isinstance(ops[0], _Batch) and all(isinstance(op, _Repeat) for op in ops[1:]):
+            return self._size // ops[0].size
+        return None
 
     @property
     def fixed_shapes(self) -> bool:
