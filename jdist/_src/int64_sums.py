@@ -44,6 +44,7 @@ from jdist._src.run_arguments import STATIC
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
+from jdist._src.int64_values import adds_no_int64
 from jdist._src.int64_values import holds_tf_int64
 from jdist._src.int64_values import int64_max_magnitude
 from jdist._src.int64_values import int64_sum_magnitude
@@ -228,8 +229,8 @@ def check_reduce(op, value, copies: int) -> None:
     JAX holds them in (a plain value is added ``copies`` times); inside a `jdist.function`,
     hands the check over instead (`hand_over_sum`)."""
     for v in value if isinstance(value, (list, tuple)) else (value,):
-        if isinstance(v, (PerReplica, Mirrored)) and getattr(v, "_int64_bounds", None) is None:
-            continue  # Made from no int64 host numbers, and not traced from them: adds none.
+        if adds_no_int64(v):
+            continue
         if hand_over_sum(v, copies):
             continue
         magnitude = int64_sum_magnitude(v, copies)

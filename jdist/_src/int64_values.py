@@ -192,6 +192,16 @@ def holds_tf_int64(value) -> bool:
       >>> holds_tf_int64(np.zeros(2, np.int64)), holds_tf_int64(np.zeros(2, np.int32))
       (True, False)
     """
-    if hasattr(type(value), "_int64_per_copy"):  # A `PerReplica` or `Mirrored`: its record.
-        return type(getattr(value, "_int64_bounds", None)) is tuple
     return _recorded(value) is not None or held_as_int32(value)
+
+
+def adds_no_int64(value) -> bool:
+    """Whether a SUM of ``value`` adds no int64 host numbers, known without reading them: a
+    `PerReplica` or `Mirrored` with no record (nor traced bounds).
+
+    Example:
+      >>> import jdist
+      >>> adds_no_int64(jdist.PerReplica([np.ones(2, np.int32)])), adds_no_int64(np.ones(2))
+      (True, False)
+    """
+    return hasattr(type(value), "_int64_per_copy") and _stored(value) is None
