@@ -43,7 +43,7 @@ from jax import lax
 import numpy as np
 
 from jdist._src.host_values import (aliased, aligned_empty, held_copy, int64_magnitudes,
-                                    placed_as_is)
+                                    placed_as_is, placed_replicated)
 from jdist._src import int64_values
 from jdist._src.int64_values import record_int64_bounds
 from jdist._src.values import PerReplica
@@ -238,10 +238,12 @@ class BlockFeed:
         if self._plain is not None:
             return Elements(_plain_elements(tree, self._plain(blocks, first, number),
                                             magnitudes))
-        blocks = jax.device_put(list(blocks), self._sharding)
-        return Elements(tuple(jax.tree_util.tree_unflatten(tree, [
-            BlockedPerReplica._at(b, self._positions[first + i], *([] if m is None else [m[i]]))
-            for b, m in zip(blocks, magnitudes)]) for i in range(number)))
+        blocks = (placed_replicated(blocks, self._sharding) if self.on_loop_thread
+                  else jax.device_put(list(blocks), self._sharding))
+        at, positions = BlockedPerReplica._at, self._positions[first:first + number]
+        leaves = [(b, (None,) * number if m is None else m) for b, m in zip(blocks, magnitudes)]
+        return Elements(tuple(tree.unflatten([at(b, p, m[i]) for b, m in leaves])
+                              for i, p in enumerate(positions)))
 
     def _cut_batches(self, blocks, first, number):
         """One replica on an accelerator: the block placed in one transfer, its batches cut

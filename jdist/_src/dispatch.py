@@ -235,7 +235,7 @@ def under_a_staging_trace():
     ``lax.scan``, at any depth), which runs it once and replays the program: an eager
     ``jax.grad`` or ``jax.vmap`` alone runs it again on every call."""
     trace = core.find_top_trace(())
-    while trace is not None:
+    while trace is not None and type(trace).__name__ != "EvalTrace":  # Eager: the bottom one.
         if type(trace).__name__ == "DynamicJaxprTrace":
             return True
         trace = getattr(trace, "parent_trace", None)

@@ -142,6 +142,27 @@ def aliased(arrays: np.ndarray, sharding: jax.sharding.Sharding) -> Iterator[jax
     return (pxla.batched_device_put(aval, sharding, [array], [device]) for array in arrays)
 
 
+def placed_replicated(arrays, sharding: jax.sharding.Sharding) -> list:
+    """Each of ``arrays`` (host arrays) whole on every device of ``sharding`` (replicated), as
+    ``jax.device_put`` places them (held in the array's own memory where JAX's CPU client can
+    alias it), by the batched placement it calls underneath without its Python: 20 us an array
+    on 8 CPU devices here, against 65. Arrays whose dtype JAX narrows go through
+    ``jax.device_put``.
+
+    Example:
+      >>> x = aligned_empty((2, 16), np.float32); x[:] = 1; x.flags.writeable = False
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("r",))
+      >>> both = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      >>> on_both, = placed_replicated([x], both)
+      >>> {s.data.unsafe_buffer_pointer() == x.ctypes.data for s in on_both.addressable_shards}
+      {True}
+    """
+    devices = list(sharding._addressable_device_assignment)
+    return [jax.device_put(a, sharding) if _held_narrower(a) is not None else
+            pxla.batched_device_put(jax_core.ShapedArray(a.shape, a.dtype), sharding,
+                                    [a] * len(devices), devices) for a in arrays]
+
+
 def check_host_numbers(value) -> None:
     """Raises `X64RequiredError` when JAX would hold host numbers as other numbers, or compute
     with them in a precision TF does not.
