@@ -13,9 +13,10 @@ block of them is a view of the dataset's arrays (a `NumpyDataset` holds an align
 copy). On CPU devices a block is placed replicated: every device's buffer is that host memory
 itself, with no copy and no transfer, and the step's program reads each replica's rows of a
 position in place. On several accelerators it is sharded over the replica axis (dimension 1),
-each device receiving its replicas' rows. A short last block is the block's worth of rows
-ending with it, its batches at the last positions. Shuffled rows, data shorter than a block
-(padded) and int64 data are copied into the layout first.
+each device receiving its replicas' rows. A block holds no more batches than one pass over
+the data gives, and a short last block is the block's worth of rows ending with it, its
+batches at the last positions. Shuffled rows, int64 data and rows that are not a block's worth
+in order (padded) are copied into the layout first.
 
 An element is a `BlockedPerReplica`: a `PerReplica` in every respect (``values``, ``stacked``,
 pytree utilities, pickling), whose array is taken out of the block by a small program the first
@@ -241,8 +242,8 @@ class BlockFeed:
         blocks = (placed_replicated(blocks, self._sharding) if self.on_loop_thread
                   else jax.device_put(list(blocks), self._sharding))
         at, positions = BlockedPerReplica._at, self._positions[first:first + number]
-        leaves = [(b, (None,) * number if m is None else m) for b, m in zip(blocks, magnitudes)]
-        return Elements(tuple(tree.unflatten([at(b, p, m[i]) for b, m in leaves])
+        per_leaf = [(b, (None,) * number if m is None else m) for b, m in zip(blocks, magnitudes)]
+        return Elements(tuple(tree.unflatten([at(b, p, m[i]) for b, m in per_leaf])
                               for i, p in enumerate(positions)))
 
     def _cut_batches(self, blocks, first, number):
@@ -327,7 +328,7 @@ def _plain_elements(tree, batches, magnitudes):
         for array, m in zip(batch, magnitudes):
             if m is not None:
                 record_int64_bounds(array, *m[i])
-        yield jax.tree_util.tree_unflatten(tree, batch)
+        yield tree.unflatten(batch)
 
 
 class Elements:

@@ -231,15 +231,6 @@ def _sliced(items, rows: slice):
     return itertools.islice(items, rows.start, rows.stop, rows.step)
 
 
-def _runs_of(rows, size):
-    """``rows`` (`tf_shuffle.Rows`) read ``size`` at a time, as arrays."""
-    while True:
-        run = rows.take(size)
-        if not len(run):
-            return
-        yield run
-
-
 def _rows(item):
     """An index for ``array[index]``: consecutive rows as a slice (a view, no copy)."""
     if isinstance(item, slice):
@@ -312,7 +303,7 @@ class _Batch:
 
     def _batches_of(self, items):
         if isinstance(items, tf_shuffle.Rows):  # Row indices in order: cut as arrays.
-            return self._batches_of_runs(_runs_of(items, self.size))
+            return self._batches_of_runs(items.runs(self.size))
         return self._batches(iter(items))
 
     def _batches_of_runs(self, runs):

@@ -221,6 +221,19 @@ class Rows:
         epochs = itertools.repeat(self._rows, *(() if self._times is None else (self._times,)))
         return itertools.chain.from_iterable(epochs)
 
+    def runs(self, size: int):
+        """The rows as int64 arrays of ``size`` (the last one shorter), as a batch reads them.
+
+        Example:
+          >>> [run.tolist() for run in Rows(range(5)).runs(2)]
+          [[0, 1], [2, 3], [4]]
+        """
+        while True:
+            run = self.take(size)
+            if not len(run):
+                return
+            yield run
+
     def take(self, count: int) -> np.ndarray:
         """The next ``count`` rows (fewer at the end), continuing where the last call ended."""
         parts = [np.zeros(0, np.int64)]
