@@ -9,15 +9,15 @@ on simulated CPU devices:
   decoding) feeds ``experimental_distribute_dataset``; its background thread splits and
   transfers while the step runs. Target >= 0.8 (the slower of loading and step, not their sum).
 * ``numpy dataset / on-device``: ``experimental_make_numpy_dataset(...).batch(...)`` with default
-  options (full batches placed in blocks of up to 64, by the loop's own thread, from the
-  dataset's own memory) feeds a dispatch-bound step for epochs of 256 batches, against the
-  same batches placed on the devices beforehand, one array per leaf; also shown: the
-  dataset's elements made beforehand (what the step's ``(block, position)`` arguments cost
-  alone), the hand-written loop (one ``jax.device_put`` per batch) and the dataset shuffled
-  whole and with a buffer of 1024 (tf.data's order; the shuffle's work is not hidden).
-  Target >= 0.95: feeding costs the step nothing. For reference, the same on 60-batch
-  epochs (one block, placed before the first step: the epoch's start weighs four times as
-  much) and the start's cost in ms.
+  options feeds a dispatch-bound step for epochs of 256 batches (one distributed dataset
+  iterated once per round, as a TF loop does), against the same batches placed on the devices
+  beforehand, one array per leaf. Its batches are read in place: arrays over the dataset's own
+  rows, made by the loop's own thread at the first epoch and kept (`in_place_batches`). Also
+  shown: the dataset's elements made beforehand, a new distributed dataset's first epoch (its
+  arrays made as it goes), the hand-written loop (one ``jax.device_put`` per batch) and the
+  dataset shuffled whole and with a buffer of 1024 (tf.data's order, in blocks of 64 batches
+  copied each epoch; the shuffle's work is not hidden). Target >= 0.95: feeding costs the step
+  nothing. For reference, the same on 60-batch epochs and an epoch's extra cost in ms.
 * ``dataset alone / one device_put``: the per-batch cost of iterating the distributed dataset
   (global batch 1024, 8 replicas) against one ``jax.device_put`` of the same global batch with
   the replica sharding (what a hand-written loop does). Target <= 1.5.
@@ -151,18 +151,21 @@ def numpy_dataset_loops(strategy, data, params, with_references):
                                 for k, v in rows.items()}, sharding)
         return {k: jdist.PerReplica._from_stacked(v) for k, v in placed.items()}
     on_device = [batch(i) for i in range(steps)]  # Placed beforehand, one by one.
+    # One distributed dataset, iterated once per loop (an epoch), as a TF loop iterates it.
+    distributed = strategy.experimental_distribute_dataset(dataset)
     loops = {"on_device": lambda: timed_loop(strategy, params, on_device),
-             "dataset": lambda: timed_loop(
-                 strategy, params, strategy.experimental_distribute_dataset(dataset))}
+             "dataset": lambda: timed_loop(strategy, params, distributed)}
     if with_references:
         premade = list(strategy.experimental_distribute_dataset(dataset))
         loops["premade"] = lambda: timed_loop(strategy, params, premade)
+        loops["first_epoch"] = lambda: timed_loop(  # A new distributed dataset's first pass.
+            strategy, params, strategy.experimental_distribute_dataset(dataset))
         loops["device_put"] = lambda: timed_loop(strategy, params,
                                                  (batch(i) for i in range(steps)))
         for name, buffer in (("shuffled", len(data["y"])), ("shuffled_1024", 1024)):
-            shuffled = rows.shuffle(buffer, seed=1).batch(GLOBAL_BATCH)
-            loops[name] = lambda shuffled=shuffled: timed_loop(
-                strategy, params, strategy.experimental_distribute_dataset(shuffled))
+            shuffled = strategy.experimental_distribute_dataset(
+                rows.shuffle(buffer, seed=1).batch(GLOBAL_BATCH))
+            loops[name] = lambda shuffled=shuffled: timed_loop(strategy, params, shuffled)
     return loops
 
 
@@ -174,7 +177,7 @@ def bench_numpy_dataset(strategy):
     # The target's pair alone: after the references' loops (hundreds of buffers placed and
     # freed), the next loop ran 3-5% slower here, whichever it was.
     pair = interleaved({k: loops[k] for k in ("on_device", "dataset")}, NUMPY_ROUNDS)
-    refs = interleaved({k: loops[k] for k in ("on_device", "premade", "device_put",
+    refs = interleaved({k: loops[k] for k in ("on_device", "premade", "first_epoch", "device_put",
                                               "shuffled", "shuffled_1024")}, REFERENCE_ROUNDS)
     ratio = common.paired_ratio(pair, "on_device", "dataset")
     us = {k: f"{statistics.median(v) * 1e6:.0f}" for k, v in {**refs, **pair}.items()}
@@ -183,6 +186,8 @@ def bench_numpy_dataset(strategy):
            f"{REPLICAS} replicas, us per step: on device {us['on_device']}, dataset "
            f"{us['dataset']}; its elements made beforehand "
            f"{common.paired_ratio(refs, 'on_device', 'premade'):.2f} ({us['premade']} us), "
+           f"a new distributed dataset's first epoch "
+           f"{common.paired_ratio(refs, 'on_device', 'first_epoch'):.2f} ({us['first_epoch']} us), "
            f"hand-written device_put "
            f"{common.paired_ratio(refs, 'on_device', 'device_put'):.2f} ({us['device_put']} us), "
            f"the dataset shuffled whole {common.paired_ratio(refs, 'on_device', 'shuffled'):.2f} "
@@ -193,8 +198,8 @@ def bench_numpy_dataset(strategy):
 
 
 def bench_short_epochs(strategy, params):
-    """The numpy dataset on 60-batch epochs (reference): one block, placed before the first
-    step, so the epoch's start weighs four times as much as on 256-batch epochs."""
+    """The numpy dataset on 60-batch epochs (reference): one block of elements, made before
+    the first step, so the epoch's start weighs four times as much as on 256-batch epochs."""
     loops = numpy_dataset_loops(strategy, make_data(STEPS, GLOBAL_BATCH, SMALL_LAYERS[0]),
                                 params, with_references=False)
     times = interleaved(loops, SHORT_EPOCH_ROUNDS)
@@ -203,7 +208,7 @@ def bench_short_epochs(strategy, params):
                 - statistics.median(times["on_device"])) * STEPS * 1e3
     common.record("input", f"the same, {STEPS}-batch epochs (reference)", ratio, "x",
                   detail=f"an epoch costs about {extra_ms:.1f} ms more than on-device batches "
-                  "(its one block placed, its elements made, each step's take)")
+                  "(its elements made; their arrays were made at the first epoch)")
     print(f"input: the same on {STEPS}-batch epochs = {ratio:.2f} (reference): an epoch costs "
           f"about {extra_ms:.1f} ms more")
 
@@ -259,9 +264,10 @@ def bench_one_replica():
 
 
 def bench_one_replica_dataset():
-    """The numpy dataset on one replica (reference): full batches placed in blocks and cut out
-    on the device as plain arrays, against the same arrays placed beforehand, and the
-    hand-written loop's `device_put` per batch."""
+    """The numpy dataset on one replica (reference): full batches as plain arrays, each one's
+    buffer its rows of the dataset's memory (`host_values.aliased`), made as the loop asks for
+    them, against the same arrays placed beforehand, and the hand-written loop's `device_put`
+    per batch."""
     strategy = jdist.MirroredStrategy(jax.devices()[:1])
     params = strategy.run(lambda: common.init_mlp(jax.random.key(0), SMALL_LAYERS))
     data = make_data(EPOCH_BATCHES, GLOBAL_BATCH, SMALL_LAYERS[0])
@@ -272,9 +278,9 @@ def bench_one_replica_dataset():
         return jax.device_put({k: v[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
                                for k, v in data.items()}, replicated)
     on_device = [batch(i) for i in range(EPOCH_BATCHES)]
+    distributed = strategy.experimental_distribute_dataset(dataset)
     loops = {"on_device": lambda: timed_loop(strategy, params, on_device),
-             "dataset": lambda: timed_loop(strategy, params,
-                                           strategy.experimental_distribute_dataset(dataset)),
+             "dataset": lambda: timed_loop(strategy, params, distributed),
              "device_put": lambda: timed_loop(strategy, params,
                                               (batch(i) for i in range(EPOCH_BATCHES)))}
     interleaved(loops, 1)

@@ -14,6 +14,7 @@ import pytest
 
 import jdist
 from jdist._src import batch_blocks
+from jdist._src import in_place_batches
 from jdist._src import prefetch
 from jdist.testing import count_compiles, mirrored
 
@@ -128,6 +129,54 @@ def test_consecutive_batches_are_placed_from_the_datasets_own_memory(n):
     assert buffers(elements(s, short.batch(4 * n).repeat(2))[7]["x"]) == {x.ctypes.data}
     for element, host in zip(got, batches(d, 4 * n), strict=True):
         np.testing.assert_array_equal(np.asarray(s.gather(element["x"], 0)), host["x"])
+
+
+def counting_placements(monkeypatch):
+    """A list that grows by one at each block `batch_blocks` places replicated."""
+    placed, place = [], batch_blocks.placed_replicated
+    monkeypatch.setattr(batch_blocks, "placed_replicated",
+                        lambda *a: placed.append(1) or place(*a))
+    return placed
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_blocks_read_in_place_are_placed_once_and_kept_for_later_epochs(n, monkeypatch):
+    # Every epoch of one distributed dataset reads the same placed blocks, the dataset's own
+    # memory, so keeping them holds nothing more; a block deleted meanwhile (donated, or by
+    # hand) is placed again; shuffled rows are copied into new blocks every epoch. (Replicas'
+    # parts of 48 bytes: not aligned, so read in blocks, not as batches in place.)
+    placed = counting_placements(monkeypatch)
+    s, d = mirrored(n), data(4 * n * (2 * 64 + 3) + 1)
+    rows = s.experimental_make_numpy_dataset(d)
+    dist = s.experimental_distribute_dataset(rows.batch(4 * n))
+    epochs = [list(dist) for _ in range(3)]
+    assert len(placed) == 3  # Blocks of 64, 64 and the last 3 batches, once each.
+    for got in epochs:
+        assert all(a["x"]._block is b["x"]._block for a, b in zip(got[:-1], epochs[0]))
+        for element, host in zip(got, batches(d, 4 * n), strict=True):
+            for key in host:
+                np.testing.assert_array_equal(np.asarray(s.gather(element[key], 0)), host[key])
+    epochs[0][64]["x"]._block.delete()
+    again = list(dist)
+    assert len(placed) == 4
+    want = batches(d, 4 * n)[70]["x"]
+    np.testing.assert_array_equal(np.asarray(s.gather(again[70]["x"], 0)), want)
+    shuffled = s.experimental_distribute_dataset(rows.shuffle(64, seed=1).batch(4 * n))
+    first, second = list(shuffled), list(shuffled)
+    assert first[0]["x"]._block is not second[0]["x"]._block
+
+
+def test_a_feed_keeps_blocks_of_at_most_its_count_of_buffers(monkeypatch):
+    # Blocks of 16 buffers (two leaves on 8 devices), at most 16 kept: the first block only,
+    # so each later pass places the two others again.
+    monkeypatch.setattr(in_place_batches, "KEPT_BUFFERS", 16)
+    placed = counting_placements(monkeypatch)
+    s, d = mirrored(8), data(32 * (2 * 64 + 3))
+    dist = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(32))
+    for passes in (1, 2, 3):
+        got = list(dist)
+        assert len(placed) == 3 + 2 * (passes - 1)
+        np.testing.assert_array_equal(np.asarray(s.gather(got[-1]["y"], 0)), d["y"][-32:])
 
 
 def test_one_replicas_batches_on_cpu_are_the_datasets_own_memory():

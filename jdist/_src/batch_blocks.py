@@ -31,8 +31,10 @@ out of it on the device, `CUT` per launch: one transfer per block still replaces
 Blocks are used where a dataset's data is already in memory and its full batches share one shape
 (a batched `NumpyDataset`), so waiting for ``K`` batches costs no loading latency. On CPU devices
 the loop's own thread places each block when its first batch is asked for: a prefetch thread's
-work would only compete with the devices for the host's cores (``docs/design.md``). On
-accelerators the prefetch thread places them ahead, beside the steps.
+work would only compete with the devices for the host's cores (``docs/design.md``), and a
+block read in place is placed once and kept for the later epochs. On accelerators the
+prefetch thread places them ahead, beside the steps. Where the rows are in order and every
+replica's part is aligned, CPU devices skip blocks altogether: `in_place_batches`.
 """
 
 import contextlib
@@ -46,6 +48,7 @@ import numpy as np
 from jdist._src.host_values import (aliased, aligned_empty, held_copy, int64_magnitudes,
                                     placed_as_is, placed_replicated)
 from jdist._src import int64_values
+from jdist._src import in_place_batches
 from jdist._src.int64_values import record_int64_bounds
 from jdist._src.values import PerReplica
 
@@ -182,9 +185,11 @@ class BlockFeed:
       full_rows: the leading size of a full global batch (a multiple of the replica count).
       size: how many batches a block holds (at least 2).
       guard: the `dispatch.DispatchGuard` of the mesh's devices.
+      batches_per_pass: how many full batches one pass over the data gives where they are its
+        rows in order (`NumpyDataset.full_batches_in_order`), else None.
     """
 
-    def __init__(self, mesh, axis, full_rows, size, guard):
+    def __init__(self, mesh, axis, full_rows, size, guard, batches_per_pass=None):
         self._guard = guard
         # Simulated CPU devices run on the host's cores: a thread's copy there stalls every
         # device's collective (`docs/design.md`, "Who places a block"). An accelerator's host
@@ -200,6 +205,9 @@ class BlockFeed:
         self.size = size
         self._positions = _positions(mesh, size)
         self._plain = None  # One replica: how a block's batches become plain arrays, as in TF.
+        self._kept, self._kept_buffers = {}, 0  # By first row (`_kept_placement`).
+        self._in_place = in_place_batches.InPlaceBatches(mesh, axis, full_rows, batches_per_pass, guard) if (
+            self.on_loop_thread and batches_per_pass) else None
         if mesh.devices.size == 1 and self.on_loop_thread:
             self._plain = self._aliased_batches
         elif mesh.devices.size == 1:
@@ -217,14 +225,20 @@ class BlockFeed:
         as long, and the next step waited for it all the same. Elsewhere the prefetch thread
         runs this generator ahead of the loop (the wait is then a no-op)."""
         leaves, tree = jax.tree_util.tree_flatten(arrays)
+        in_place = self._in_place if self._in_place and self._in_place.readable(leaves) else None
         try:
             while True:
-                self._guard.wait()
                 item = next(blocks, None)
                 if item is None:
                     return
                 number, rows = item
-                yield split(rows) if number is None else self._place(leaves, tree, number, rows)
+                if number is None:
+                    self._guard.wait()
+                    yield split(rows)
+                elif in_place is not None:
+                    yield Elements(in_place.elements(leaves, tree, rows))
+                else:
+                    yield self._place(leaves, tree, number, rows)
         finally:
             blocks.close()
 
@@ -232,19 +246,47 @@ class BlockFeed:
         """`Elements` of ``number`` full batches, the ``rows`` of ``leaves`` one after another,
         placed as one block: the dataset's own memory where it can be (`_as_is`), else a
         copy (padded to the block's size: positions nobody reads, left as they are)."""
-        first, blocks = self._as_is(leaves, rows, number)
+        start, first, blocks = self._as_is(leaves, rows, number)
+        if blocks is not None and self.on_loop_thread and self._plain is None:
+            placed = self._kept_placement(leaves, start, blocks)  # At the first epoch only.
+            return self._blocked_elements(tree, placed, first, number, (None,) * len(leaves))
         magnitudes = (None,) * len(leaves)  # Placed as is: dtypes JAX holds as they are.
         if blocks is None:
+            self._guard.wait()  # The copy then has the cores to itself (`__call__`).
             blocks, magnitudes = zip(*(self._copied(leaf, rows, number) for leaf in leaves))
         if self._plain is not None:
             return Elements(_plain_elements(tree, self._plain(blocks, first, number),
                                             magnitudes))
         blocks = (placed_replicated(blocks, self._sharding) if self.on_loop_thread
                   else jax.device_put(list(blocks), self._sharding))
+        return self._blocked_elements(tree, blocks, first, number, magnitudes)
+
+    def _blocked_elements(self, tree, blocks, first, number, magnitudes):
+        """The `BlockedPerReplica` elements of ``number`` batches of placed ``blocks`` (one per
+        leaf), from position ``first``, with their int64 ``magnitudes`` (None per leaf)."""
         at, positions = BlockedPerReplica._at, self._positions[first:first + number]
         per_leaf = [(b, (None,) * number if m is None else m) for b, m in zip(blocks, magnitudes)]
         return Elements(tuple(tree.unflatten([at(b, p, m[i]) for b, m in per_leaf])
                               for i, p in enumerate(positions)))
+
+    def _kept_placement(self, leaves, start, blocks):
+        """``blocks`` (the rows of ``leaves`` from row ``start``, read in place) placed
+        replicated once and kept for the next epochs, while the kept blocks hold at most
+        `in_place_batches.KEPT_BUFFERS` device buffers. Keeping them holds no memory the
+        dataset does not hold already; placing them again cost every epoch 0.3-0.5 ms per
+        block while the devices waited (``docs/design.md``, "Batch blocks")."""
+        kept = self._kept.get(start)
+        if kept is not None and all(a is b for a, b in zip(kept[0], leaves)) and not any(
+                a.is_deleted() for a in kept[1]):  # Else another pass's arrays, or donated.
+            return kept[1]
+        self._guard.wait()  # Placed with the cores to themselves (`__call__`).
+        placed = placed_replicated(blocks, self._sharding)
+        buffers = len(placed) * self._split[0]
+        self._kept_buffers -= buffers if self._kept.pop(start, None) else 0
+        if self._kept_buffers + buffers <= in_place_batches.KEPT_BUFFERS:
+            self._kept[start] = tuple(leaves), placed
+            self._kept_buffers += buffers
+        return placed
 
     def _cut_batches(self, blocks, first, number):
         """One replica on an accelerator: the block placed in one transfer, its batches cut
@@ -255,26 +297,29 @@ class BlockFeed:
                 for batch in self._cut(blocks, self._positions[start])][:number]
 
     def _aliased_batches(self, blocks, first, number):
-        """One replica on a CPU device: each batch's buffer is its rows in the block's host
-        memory (`host_values.aliased`), with no copy and no program, made as the loop asks
-        for it (a few microseconds of C++ per leaf, beside the running step). Measured with
-        a dispatch-bound step (``make bench``): 0.86 of on-device speed, where cutting them
-        out of a placed block ran at 0.65-0.72."""
+        """One replica on a CPU device, batches not read in place (`in_place_batches`): each
+        batch's buffer is its rows in the block's host memory (`host_values.aliased`), with no
+        copy and no program, made as the loop asks for it (a few microseconds of C++ per
+        leaf, beside the running step). Measured with a dispatch-bound step (``make bench``):
+        0.86 of on-device speed, where cutting them out of a placed block ran at 0.65-0.72."""
         return zip(*(aliased(block[first:first + number, 0], self._sharding)
                      for block in blocks))
 
     def _as_is(self, leaves, rows, number):
-        """``(first, blocks)``: where ``rows`` are consecutive, every leaf's block's worth of
-        rows that ends with them, when all can be placed as they are (`placed_as_is`), the
-        batches at positions ``first`` on (a short last block's first positions hold rows
-        the block before it read: no copy, no padding); else ``(0, None)``."""
+        """``(start, first, blocks)``: where ``rows`` are consecutive, every leaf's block's
+        worth of rows from row ``start`` to the end of ``rows``, when all can be placed as they
+        are (`placed_as_is`), the batches at positions ``first`` on (a short last block's first
+        positions hold rows the block before it read: no copy, no padding); else
+        ``(None, 0, None)``."""
         start = rows.stop - self.size * self._split[0] * self._split[1] if isinstance(
             rows, slice) else -1
         if start < 0:
-            return 0, None
+            return None, 0, None
         blocks = [leaf[start:rows.stop].reshape((self.size,) + self._split + leaf.shape[1:])
                   for leaf in leaves]
-        return (self.size - number, blocks) if all(map(placed_as_is, blocks)) else (0, None)
+        if not all(map(placed_as_is, blocks)):
+            return None, 0, None
+        return start, self.size - number, blocks
 
     def _copied(self, leaf, rows, number):
         """``(block, int64 magnitudes)``: ``leaf``'s ``rows`` as ``number`` full batches copied

@@ -159,6 +159,32 @@ def placed_replicated(arrays, sharding: jax.sharding.Sharding) -> list:
     return [_placed(array, sharding, devices) for array in arrays]
 
 
+def placed_split(arrays, sharding: jax.sharding.Sharding) -> list:
+    """Each of ``arrays`` (host arrays in dtypes JAX holds as they are) split along its first
+    axis into equal parts, one per device of ``sharding`` in its order (whole on a single
+    device), each device's buffer its part's own memory where JAX's CPU client can alias it
+    (every part `ALIGNMENT`-aligned), as `aliased` places its arrays: about 3.4 us a buffer
+    on CPU devices here.
+
+    Example:
+      >>> x = aligned_empty((2, 16), np.float32); x[:] = 1; x.flags.writeable = False
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("r",))
+      >>> split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("r"))
+      >>> rows, = placed_split([x], split)
+      >>> [s.data.unsafe_buffer_pointer() == x[i].ctypes.data
+      ...  for i, s in enumerate(rows.addressable_shards)]
+      [True, True]
+    """
+    devices = list(sharding._addressable_device_assignment)
+    placed = []
+    for array in arrays:
+        part = array.shape[0] // len(devices)
+        aval = jax_core.ShapedArray(array.shape, array.dtype)
+        placed.append(pxla.batched_device_put(aval, sharding, [
+            array[i * part:(i + 1) * part] for i in range(len(devices))], devices))
+    return placed
+
+
 def _placed(array, sharding, devices):
     """``array`` whole on each of ``devices`` (``sharding``'s), by the batched placement
     ``jax.device_put`` calls underneath (``jax._src``, pinned with the JAX release)."""

@@ -576,12 +576,14 @@ def _block_feed(strategy, source, placer):
                                        for s in spec))
     # No bigger than a pass's full batches: a block then holds the dataset's own rows, read
     # in place, where a bigger one is a padded copy made every epoch.
-    size = min(size, source.dataset.full_batches_in_order() or size)
+    in_order = source.dataset.full_batches_in_order()
+    size = min(size, in_order or size)
     if size < 2:
         return None
     extended = strategy.extended
     return batch_blocks.BlockFeed(extended.mesh, extended.replica_axis, rows, size,
-                                  replica_mesh.guard_for(tuple(extended.mesh.devices.flat)))
+                                  replica_mesh.guard_for(tuple(extended.mesh.devices.flat)),
+                                  in_order)
 
 
 def _unchanged(element):

@@ -1,0 +1,175 @@
+"""Batches read in place: on CPU devices, a numpy dataset's full batches in order are arrays over
+its own rows, made at the first epoch and kept (`in_place_batches`).
+
+Such an element must be, for every reader, the batch TF's split gives, held where the dataset
+holds it, made once per dataset, and run by the program a batch placed by hand runs.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdist
+from jdist._src import batch_blocks
+from jdist._src import host_values
+from jdist._src import in_place_batches
+from jdist.testing import count_compiles, mirrored
+
+REPLICAS = (1, 2, 3, 4, 8)
+
+
+def tf_split(batch, n):
+    """TF's rule for a full batch: n consecutive chunks of equal size."""
+    return np.split(batch, n)
+
+
+def data(rows, inner=(16,)):
+    """Rows whose every replica's part of a 16 * n-row batch is a multiple of 64 bytes."""
+    x = np.arange(rows * np.prod(inner), dtype=np.float32).reshape((rows,) + inner)
+    return {"x": x, "y": np.arange(rows, dtype=np.int32) % 7}
+
+
+def parts(value):
+    """Each replica's value of an element's leaf (one replica's is the plain array)."""
+    return [value] if isinstance(value, jax.Array) else list(value.values)
+
+
+def addresses(value):
+    """The addresses of the device buffers holding an element's leaf, replica by replica."""
+    array = value if isinstance(value, jax.Array) else value.stacked
+    return [s.data.unsafe_buffer_pointer() for s in sorted(
+        array.addressable_shards, key=lambda s: s.index[0].start or 0)]
+
+
+def counting_placements(monkeypatch):
+    """A list that grows by the number of arrays each placement of batches in place makes."""
+    placed, place = [], in_place_batches.placed_split
+    monkeypatch.setattr(in_place_batches, "placed_split",
+                        lambda arrays, sharding: placed.append(len(arrays)) or place(
+                            arrays, sharding))
+    return placed
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+@pytest.mark.parametrize("inner", [(16,), (4, 4)])
+def test_each_replicas_rows_are_the_datasets_own_memory_and_tf_split(n, inner):
+    s, d = mirrored(n), data(16 * n * 70 + 5, inner)  # Blocks of 64 and 6, a partial batch.
+    rows = s.experimental_make_numpy_dataset(d)
+    got = list(s.experimental_distribute_dataset(rows.batch(16 * n)))
+    assert len(got) == 71
+    x, part = rows.arrays["x"], rows.arrays["x"][:16].nbytes
+    for i, element in enumerate(got[:70]):
+        assert not batch_blocks.in_block(element["x"])
+        assert isinstance(element["x"], jax.Array) == (n == 1)  # TF's one-replica batches.
+        assert addresses(element["x"]) == [x.ctypes.data + (i * n + r) * part for r in range(n)]
+        for key in d:
+            want = tf_split(d[key][i * 16 * n:(i + 1) * 16 * n], n)
+            for value, chunk in zip(parts(element[key]), want, strict=True):
+                np.testing.assert_array_equal(np.asarray(value), chunk)
+    np.testing.assert_array_equal(np.asarray(s.gather(got[70]["y"], 0)), d["y"][-5:])
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+def test_batches_are_made_once_and_kept_for_later_epochs(n, monkeypatch):
+    # Three epochs of one distributed dataset (repeated twice: a block spans the repeat) read
+    # the same arrays; an array deleted meanwhile (donated, or by hand) is made again.
+    placed = counting_placements(monkeypatch)
+    s, d = mirrored(n), data(16 * n * 100)
+    rows = s.experimental_make_numpy_dataset(d).batch(16 * n).repeat(2)
+    dist = s.experimental_distribute_dataset(rows)
+    epochs = [list(dist) for _ in range(3)]
+    assert sum(placed) == 2 * 100  # Two leaves' 100 batches, made at the first epoch only.
+    stacked = lambda v: v if isinstance(v, jax.Array) else v.stacked  # noqa: E731
+    for got in epochs:
+        assert all(stacked(a["x"]) is stacked(b["x"]) for a, b in zip(got, epochs[0]))
+        assert all(stacked(a["x"]) is stacked(b["x"]) for a, b in zip(got[100:], got))
+        for i, element in enumerate(got):
+            np.testing.assert_array_equal(np.asarray(s.gather(element["y"], 0)),
+                                          d["y"][i % 100 * 16 * n:(i % 100 + 1) * 16 * n])
+    stacked(epochs[0][70]["x"]).delete()
+    again = list(dist)
+    assert sum(placed) == 2 * 100 + 2  # That batch's two leaves, made again.
+    np.testing.assert_array_equal(np.asarray(s.gather(again[70]["x"], 0)),
+                                  d["x"][70 * 16 * n:71 * 16 * n])
+
+
+@pytest.mark.parametrize("make", [
+    lambda n: (data(16 * n * 8, (3,)), 16 * n, None),  # A replica's part: 48 * 16 bytes...
+    lambda n: (data(4 * n * 8, (3,)), 4 * n, None),  # ...aligned; here 48 bytes: not.
+    lambda n: ({"y": np.arange(16 * n * 8)}, 16 * n, None),  # int64: copied to int32.
+    lambda n: (data(16 * n * 8), 16 * n, 8),  # Shuffled rows: copied.
+], ids=["aligned", "unaligned", "int64", "shuffled"])
+def test_batches_are_read_in_place_only_where_every_part_is_aligned_and_in_order(make):
+    s = mirrored(4)
+    d, batch, shuffle = make(4)
+    rows = s.experimental_make_numpy_dataset(d)
+    rows = (rows if shuffle is None else rows.shuffle(
+        shuffle, seed=1, reshuffle_each_iteration=False)).batch(batch)
+    got = list(s.experimental_distribute_dataset(rows))
+    in_place = not any(batch_blocks.in_block(v) for e in got for v in jax.tree.leaves(
+        e, is_leaf=lambda v: isinstance(v, jdist.PerReplica)))
+    assert in_place == (batch == 64 and shuffle is None and "x" in d)
+    for element, host in zip(got, list(rows), strict=True):
+        for key in host:
+            np.testing.assert_array_equal(np.asarray(s.gather(element[key], 0)),
+                                          np.asarray(host[key]))
+
+
+def test_a_dataset_of_more_buffers_than_kept_is_read_in_blocks(monkeypatch):
+    monkeypatch.setattr(in_place_batches, "KEPT_BUFFERS", 2 * 4 * 10 - 1)  # 10 batches: one over.
+    s, d = mirrored(4), data(64 * 10)
+    got = list(s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(64)))
+    assert batch_blocks.in_block(got[0]["x"])
+    monkeypatch.setattr(in_place_batches, "KEPT_BUFFERS", 2 * 4 * 10)
+    got = list(s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(64)))
+    assert not batch_blocks.in_block(got[0]["x"])
+
+
+@pytest.mark.parametrize("n", (2, 3, 8))
+def test_a_training_loop_runs_the_program_of_batches_placed_by_hand_and_tf_numbers(n):
+    # Three epochs with a partial last batch: the full batches run the program a batch
+    # placed by hand compiled, the partial one the exact plan's; nothing compiles after.
+    s, d = mirrored(n), data(16 * n * 10 + n + 1)
+    d["x"] = d["x"] % 13 / 8  # Sums float32 holds exactly.
+    dist = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(16 * n))
+
+    def step(w, batch):
+        local = jnp.sum(batch["x"] * w) + jnp.sum(batch["y"])
+        return w + jdist.get_replica_context().all_reduce("sum", local) * 1e-6, local
+    by_hand = {k: jdist.PerReplica([v[r * 16:(r + 1) * 16] for r in range(n)])
+               for k, v in d.items()}
+    w, w_ref = s.run(step, args=(jnp.float32(1), by_hand))[0], None
+    w_ref = np.asarray(s.experimental_local_results(w)[0])
+    with count_compiles() as first:
+        jax.block_until_ready(s.run(step, args=(w, next(iter(dist)))))
+    assert not first  # The program of the batch placed by hand.
+    compiles = []
+    for _ in range(3):
+        with count_compiles() as epoch:
+            for i, element in enumerate(dist):
+                host = {k: v[i * 16 * n:(i + 1) * 16 * n] for k, v in d.items()}
+                per = -(-len(host["y"]) // n)
+                want = [np.sum(host["x"][r * per:(r + 1) * per] * w_ref)
+                        + np.sum(host["y"][r * per:(r + 1) * per]) for r in range(n)]
+                w, local = s.run(step, args=(w, element))
+                w_ref = np.float32(w_ref + np.float32(np.sum(want)) * np.float32(1e-6))
+                np.testing.assert_allclose(
+                    [np.asarray(v) for v in s.experimental_local_results(local)], want,
+                    rtol=1e-5)  # Float32 sums of products, in XLA's order.
+            jax.block_until_ready(w)
+        compiles.append(len(epoch))
+    assert compiles[1:] == [0, 0]
+    np.testing.assert_allclose(np.asarray(s.experimental_local_results(w)[0]), w_ref, rtol=1e-5)
+
+
+def test_placed_split_parts_are_the_arrays_own_memory():
+    x = host_values.aligned_empty((4, 16), np.float32)
+    x[:] = np.arange(64, dtype=np.float32).reshape(4, 16)
+    x.flags.writeable = False
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("r",))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("r"))
+    placed, = host_values.placed_split([x], split)
+    np.testing.assert_array_equal(np.asarray(placed), x)
+    assert addresses(jdist.PerReplica._from_stacked(placed)) == [
+        x[i].ctypes.data for i in range(4)]
