@@ -76,7 +76,8 @@ def test_batches_are_made_once_and_kept_for_later_epochs(n, monkeypatch):
     # the same arrays; an array deleted meanwhile (donated, or by hand) is made again.
     placed = counting_placements(monkeypatch)
     s, d = mirrored(n), data(16 * n * 100)
-    rows = s.experimental_make_numpy_dataset(d).batch(16 * n).repeat(2)
+    root = s.experimental_make_numpy_dataset(d)
+    rows = root.batch(16 * n).repeat(2)
     dist = s.experimental_distribute_dataset(rows)
     epochs = [list(dist) for _ in range(3)]
     assert sum(placed) == 2 * 100  # Two leaves' 100 batches, made at the first epoch only.
@@ -92,6 +93,16 @@ def test_batches_are_made_once_and_kept_for_later_epochs(n, monkeypatch):
     assert sum(placed) == 2 * 100 + 2  # That batch's two leaves, made again.
     np.testing.assert_array_equal(np.asarray(s.gather(again[70]["x"], 0)),
                                   d["x"][70 * 16 * n:71 * 16 * n])
+    # Kept with the data: another distributed dataset over it, or over a dataset made from
+    # it, reads the same arrays; another batch size makes its own.
+    for other in (rows, root.batch(16 * n).prefetch(2), root.batch(16 * n)):
+        got = list(s.experimental_distribute_dataset(other))
+        assert stacked(got[0]["x"]) is stacked(again[0]["x"])
+    assert sum(placed) == 2 * 100 + 2
+    list(s.experimental_distribute_dataset(root.batch(32 * n)))
+    assert sum(placed) == 2 * 100 + 2 + 2 * 50  # Another batch size: its own arrays.
+    list(s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(16 * n)))
+    assert sum(placed) == 2 * 100 + 2 + 2 * 50 + 2 * 100  # Another dataset: its own copy.
 
 
 @pytest.mark.parametrize("make", [

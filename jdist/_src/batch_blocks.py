@@ -49,6 +49,7 @@ from jdist._src.host_values import (aliased, aligned_empty, held_copy, int64_mag
                                     placed_as_is, placed_replicated)
 from jdist._src import int64_values
 from jdist._src import in_place_batches
+from jdist._src.in_place_batches import deleted as _deleted
 from jdist._src.int64_values import record_int64_bounds
 from jdist._src.values import PerReplica
 
@@ -205,7 +206,6 @@ class BlockFeed:
         self.size = size
         self._positions = _positions(mesh, size)
         self._plain = None  # One replica: how a block's batches become plain arrays, as in TF.
-        self._kept, self._kept_buffers = {}, 0  # By first row (`_kept_placement`).
         self._in_place = in_place_batches.InPlaceBatches(mesh, axis, full_rows, batches_per_pass, guard) if (
             self.on_loop_thread and batches_per_pass) else None
         if mesh.devices.size == 1 and self.on_loop_thread:
@@ -214,10 +214,11 @@ class BlockFeed:
             self._plain, self._cut_count = self._cut_batches, _cut_count(size)
             self._cut = _cutter(self._sharding, self._cut_count)
 
-    def __call__(self, arrays, blocks, split):
+    def __call__(self, arrays, blocks, split, placements):
         """Yields the elements of ``blocks`` (`NumpyDataset.blocks`' pairs, over the rows of
         ``arrays``) in order: `Elements` of a block of full batches, or one element made by
-        ``split`` (a batch that is not full); closes ``blocks`` at the end.
+        ``split`` (a batch that is not full); closes ``blocks`` at the end. Arrays made over
+        the data's own memory are kept in ``placements`` (`NumpyDataset.placements`).
 
         On CPU (`on_loop_thread`) each block is read and placed when its first element is asked
         for, once the guarded program in flight has finished (`DispatchGuard.wait`): the copy
@@ -226,6 +227,8 @@ class BlockFeed:
         runs this generator ahead of the loop (the wait is then a no-op)."""
         leaves, tree = jax.tree_util.tree_flatten(arrays)
         in_place = self._in_place if self._in_place and self._in_place.readable(leaves) else None
+        kept = placements.setdefault(in_place.key if in_place else (
+            "blocks", self._sharding, self.size, self._split), {})
         try:
             while True:
                 item = next(blocks, None)
@@ -236,19 +239,19 @@ class BlockFeed:
                     self._guard.wait()
                     yield split(rows)
                 elif in_place is not None:
-                    yield Elements(in_place.elements(leaves, tree, rows))
+                    yield Elements(in_place.elements(leaves, tree, rows, kept))
                 else:
-                    yield self._place(leaves, tree, number, rows)
+                    yield self._place(leaves, tree, number, rows, kept)
         finally:
             blocks.close()
 
-    def _place(self, leaves, tree, number, rows):
+    def _place(self, leaves, tree, number, rows, kept):
         """`Elements` of ``number`` full batches, the ``rows`` of ``leaves`` one after another,
         placed as one block: the dataset's own memory where it can be (`_as_is`), else a
         copy (padded to the block's size: positions nobody reads, left as they are)."""
         start, first, blocks = self._as_is(leaves, rows, number)
         if blocks is not None and self.on_loop_thread and self._plain is None:
-            placed = self._kept_placement(leaves, start, blocks)  # At the first epoch only.
+            placed = self._kept_placement(kept, start, blocks)  # At the first epoch only.
             return self._blocked_elements(tree, placed, first, number, (None,) * len(leaves))
         magnitudes = (None,) * len(leaves)  # Placed as is: dtypes JAX holds as they are.
         if blocks is None:
@@ -269,23 +272,20 @@ class BlockFeed:
         return Elements(tuple(tree.unflatten([at(b, p, m[i]) for b, m in per_leaf])
                               for i, p in enumerate(positions)))
 
-    def _kept_placement(self, leaves, start, blocks):
-        """``blocks`` (the rows of ``leaves`` from row ``start``, read in place) placed
-        replicated once and kept for the next epochs, while the kept blocks hold at most
+    def _kept_placement(self, kept, start, blocks):
+        """``blocks`` (the data's rows from row ``start``, read in place) placed replicated
+        once and ``kept`` for the next epochs, while the kept blocks hold at most
         `in_place_batches.KEPT_BUFFERS` device buffers. Keeping them holds no memory the
         dataset does not hold already; placing them again cost every epoch 0.3-0.5 ms per
         block while the devices waited (``docs/design.md``, "Batch blocks")."""
-        kept = self._kept.get(start)
-        if kept is not None and all(a is b for a, b in zip(kept[0], leaves)) and not any(
-                a.is_deleted() for a in kept[1]):  # Else another pass's arrays, or donated.
-            return kept[1]
+        placed = kept.get(start)
+        if placed is not None and not any(map(_deleted, placed)):  # Else donated, or deleted.
+            return placed
         self._guard.wait()  # Placed with the cores to themselves (`__call__`).
         placed = placed_replicated(blocks, self._sharding)
-        buffers = len(placed) * self._split[0]
-        self._kept_buffers -= buffers if self._kept.pop(start, None) else 0
-        if self._kept_buffers + buffers <= in_place_batches.KEPT_BUFFERS:
-            self._kept[start] = tuple(leaves), placed
-            self._kept_buffers += buffers
+        kept.pop(start, None)
+        if (len(kept) + 1) * len(placed) * self._split[0] <= in_place_batches.KEPT_BUFFERS:
+            kept[start] = placed
         return placed
 
     def _cut_batches(self, blocks, first, number):

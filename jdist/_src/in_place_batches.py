@@ -5,14 +5,14 @@ JAX's CPU client uses aligned host memory as a device buffer without copying it,
 `NumpyDataset` holds an aligned, read-only copy of its data (`host_values.owned_copy`). So where
 its full batches are its rows in order and every replica's part of a batch starts at an aligned
 address, each batch's array can be its rows themselves, split over the devices
-(`host_values.placed_split`): the step then receives exactly what a batch placed by hand gives it
-(the same program, no index into a block). Making such an array costs about 3.4 us per device
+(`host_values.placed_split`): the step then receives exactly what a batch placed by hand gives
+it (the same program, no index into a block). Making such an array costs about 3.4 us per device
 buffer (54 us for a batch of two leaves on 8 CPU devices), more than placing a block of 64
 batches at once, so the arrays are made once, a block's batches at a time while the devices are
-idle, and kept: they hold no memory the dataset does not hold already, and every later epoch
-reads them as they are. A dataset whose arrays would be more than `KEPT_BUFFERS` device buffers
-is read in blocks instead (`batch_blocks`), as are shuffled rows, int64 data and parts that are
-not aligned.
+idle, and kept with the data (`NumpyDataset.placements`): they hold no memory the dataset does
+not hold already, and every later epoch, of any distributed dataset over it, reads them. A
+dataset whose arrays would be more than `KEPT_BUFFERS` device buffers is read in blocks instead
+(`batch_blocks`), as are shuffled rows, int64 data and parts that are not aligned.
 
 Measured with the benchmark's dispatch-bound step (``docs/design.md``, "Batches read in place").
 """
@@ -27,7 +27,7 @@ from jdist._src.host_values import ALIGNMENT, placed_as_is, placed_split
 from jdist._src.values import PerReplica
 
 KEPT_BUFFERS = 1 << 15  # The most device buffers a dataset's kept batches may hold.
-_deleted = operator.methodcaller("is_deleted")  # Of a jax.Array: donated, or by hand.
+deleted = operator.methodcaller("is_deleted")  # Of a jax.Array: donated, or by hand.
 
 
 class InPlaceBatches:
@@ -49,8 +49,7 @@ class InPlaceBatches:
         self._shape, self._wrap = ((n, full_rows // n), PerReplica._from_stacked) if n > 1 \
             else ((full_rows,), None)
         self._rows, self._buffers, self._guard = full_rows, batches_per_pass * n, guard
-        self._leaves = ()
-        self._kept = {}  # Each batch's arrays and their values, by its first row.
+        self.key = ("in place", self._sharding, full_rows)  # Its arrays' place in a store.
 
     def readable(self, leaves) -> bool:
         """Whether the batches of ``leaves`` (the dataset's arrays) can be read in place: every
@@ -60,17 +59,15 @@ class InPlaceBatches:
         return self._buffers * len(leaves) <= KEPT_BUFFERS and all(
             placed_as_is(leaf) and leaf[:part].nbytes % ALIGNMENT == 0 for leaf in leaves)
 
-    def elements(self, leaves, tree, rows):
+    def elements(self, leaves, tree, rows, kept: dict):
         """The elements of the full batches whose rows of ``leaves`` are ``rows`` (a slice, or
-        an index of consecutive rows per batch), in order: over the arrays an
-        earlier epoch made where they are still alive, else over new ones (`_make`)."""
+        an index of consecutive rows per batch), in order: over the arrays ``kept`` holds
+        (each batch's arrays and values by its first row, `NumpyDataset.placements`) where
+        they are still alive, else over new ones (`_make`)."""
         starts = range(rows.start, rows.stop, self._rows) if isinstance(rows, slice) else \
             rows[::self._rows].tolist()
-        if any(a is not b for a, b in zip(self._leaves, leaves)):
-            self._kept = {}  # Another dataset's arrays: nothing kept is theirs.
-        self._leaves, kept = tuple(leaves), self._kept
         held = list(map(kept.get, starts))
-        if None in held or any(map(_deleted, itertools.chain.from_iterable(
+        if None in held or any(map(deleted, itertools.chain.from_iterable(
                 arrays for arrays, _ in held))):
             self._make(leaves, kept, starts)  # The first epoch, or an array deleted since.
             held = list(map(kept.get, starts))
@@ -80,7 +77,7 @@ class InPlaceBatches:
         """Places the batches from rows ``starts`` not in ``kept`` or with an array deleted
         (donated, or by hand), once the program in flight has finished
         (`DispatchGuard.wait`): the cores are then the placement's alone."""
-        missing = [r for r in starts if r not in kept or any(map(_deleted, kept[r][0]))]
+        missing = [r for r in starts if r not in kept or any(map(deleted, kept[r][0]))]
         self._guard.wait()
         made = [placed_split([self._rows_of(leaf, r) for r in missing], self._sharding)
                 for leaf in leaves]

@@ -125,8 +125,8 @@ class _GlobalPlan:
     def open(self):
         splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows, self.order)
         if self.blocks is not None:
-            arrays, blocks = self.source.open_blocks(self.blocks.size)
-            return self.blocks(arrays, blocks, splitter), _unchanged, None
+            arrays, blocks, placements = self.source.open_blocks(self.blocks.size)
+            return self.blocks(arrays, blocks, splitter, placements), _unchanged, None
         return self.source.open(), splitter, None
 
     def spec(self):

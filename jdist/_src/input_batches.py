@@ -104,10 +104,11 @@ class Source:
         return _host_batches(iter(self._obj), ())
 
     def open_blocks(self, count):
-        """A batched `NumpyDataset`'s ``(arrays, blocks)``: `NumpyDataset.arrays` and
-        `NumpyDataset.blocks`, the rows of ``arrays`` each block reads."""
+        """A batched `NumpyDataset`'s ``(arrays, blocks, placements)``: `NumpyDataset.arrays`,
+        `NumpyDataset.blocks` (the rows of ``arrays`` each block reads) and
+        `NumpyDataset.placements`."""
         dataset = self._checked_numpy()
-        return dataset.arrays, dataset.blocks(count)
+        return dataset.arrays, dataset.blocks(count), dataset.placements
 
     def _checked_numpy(self):
         """The `NumpyDataset`, its arrays' dtypes and numbers checked once per pass (its batches
