@@ -181,8 +181,9 @@ def bench_numpy_dataset(strategy):
     # The target's pair alone: after the references' loops (hundreds of buffers placed and
     # freed), the next loop ran 3-5% slower here, whichever it was.
     pair = interleaved({k: loops[k] for k in ("on_device", "dataset")}, NUMPY_ROUNDS)
-    refs = interleaved({k: loops[k] for k in ("on_device", "premade", "first_epoch", "device_put",
-                                              "shuffled", "shuffled_1024")}, REFERENCE_ROUNDS)
+    refs = interleaved({k: loops[k] for k in ("on_device", "premade", "first_epoch",
+                                              "device_put", "shuffled", "shuffled_1024")},
+                       REFERENCE_ROUNDS)
     ratio = common.paired_ratio(pair, "on_device", "dataset")
     us = {k: f"{statistics.median(v) * 1e6:.0f}" for k, v in {**refs, **pair}.items()}
     report(f"numpy dataset / on-device steps/s (dispatch-bound step, {EPOCH_BATCHES}-batch "
@@ -191,7 +192,8 @@ def bench_numpy_dataset(strategy):
            f"{us['dataset']}; its elements made beforehand "
            f"{common.paired_ratio(refs, 'on_device', 'premade'):.2f} ({us['premade']} us), "
            f"a numpy dataset's first epoch "
-           f"{common.paired_ratio(refs, 'on_device', 'first_epoch'):.2f} ({us['first_epoch']} us), "
+           f"{common.paired_ratio(refs, 'on_device', 'first_epoch'):.2f} "
+           f"({us['first_epoch']} us), "
            f"hand-written device_put "
            f"{common.paired_ratio(refs, 'on_device', 'device_put'):.2f} ({us['device_put']} us), "
            f"the dataset shuffled whole {common.paired_ratio(refs, 'on_device', 'shuffled'):.2f} "

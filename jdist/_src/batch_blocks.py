@@ -49,7 +49,6 @@ from jdist._src.host_values import (aliased, aligned_empty, held_copy, int64_mag
                                     placed_as_is, placed_replicated)
 from jdist._src import int64_values
 from jdist._src import in_place_batches
-from jdist._src.in_place_batches import deleted as _deleted
 from jdist._src.int64_values import record_int64_bounds
 from jdist._src.values import PerReplica
 
@@ -206,8 +205,9 @@ class BlockFeed:
         self.size = size
         self._positions = _positions(mesh, size)
         self._plain = None  # One replica: how a block's batches become plain arrays, as in TF.
-        self._in_place = in_place_batches.InPlaceBatches(mesh, axis, full_rows, batches_per_pass, guard) if (
-            self.on_loop_thread and batches_per_pass) else None
+        self._in_place = in_place_batches.InPlaceBatches(
+            mesh, axis, full_rows, batches_per_pass, guard) if (
+                self.on_loop_thread and batches_per_pass) else None
         if mesh.devices.size == 1 and self.on_loop_thread:
             self._plain = self._aliased_batches
         elif mesh.devices.size == 1:
@@ -221,9 +221,10 @@ class BlockFeed:
         the data's own memory are kept in ``placements`` (`NumpyDataset.placements`).
 
         On CPU (`on_loop_thread`) each block is read and placed when its first element is asked
-        for, once the guarded program in flight has finished (`DispatchGuard.wait`): the copy
-        then has the cores to itself, where beside a running step it took two to three times
-        as long, and the next step waited for it all the same. Elsewhere the prefetch thread
+        for; a copy or a placement waits for the guarded program in flight to finish first
+        (`DispatchGuard.wait`): it then has the cores to itself, where beside a running step it
+        took two to three times as long, and the next step waited for it all the same. Blocks
+        and batches kept from an earlier epoch need neither. Elsewhere the prefetch thread
         runs this generator ahead of the loop (the wait is then a no-op)."""
         leaves, tree = jax.tree_util.tree_flatten(arrays)
         in_place = self._in_place if self._in_place and self._in_place.readable(leaves) else None
@@ -279,8 +280,8 @@ class BlockFeed:
         dataset does not hold already; placing them again cost every epoch 0.3-0.5 ms per
         block while the devices waited (``docs/design.md``, "Batch blocks")."""
         placed = kept.get(start)
-        if placed is not None and not any(map(_deleted, placed)):  # Else donated, or deleted.
-            return placed
+        if placed is not None and not any(map(in_place_batches.deleted, placed)):
+            return placed  # Else never placed, or one of them donated or deleted since.
         self._guard.wait()  # Placed with the cores to themselves (`__call__`).
         placed = placed_replicated(blocks, self._sharding)
         kept.pop(start, None)
