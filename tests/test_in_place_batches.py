@@ -5,6 +5,9 @@ Such an element must be, for every reader, the batch TF's split gives, held wher
 holds it, made once per dataset, and run by the program a batch placed by hand runs.
 """
 
+import copy
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,3 +187,21 @@ def test_placed_split_parts_are_the_arrays_own_memory():
     np.testing.assert_array_equal(np.asarray(placed), x)
     assert addresses(jdist.PerReplica._from_stacked(placed)) == [
         x[i].ctypes.data for i in range(4)]
+
+
+@pytest.mark.parametrize("clone", [lambda d: pickle.loads(pickle.dumps(d)), copy.deepcopy],
+                         ids=["pickle", "deepcopy"])
+def test_a_copied_dataset_reads_its_own_copy_in_place(clone):
+    # The kept arrays are a cache over the original's memory: a copy has none, and its own
+    # aligned read-only data, read in place in turn.
+    s, d = mirrored(2), data(32 * 8)
+    rows = s.experimental_make_numpy_dataset(d).batch(32)
+    first = list(s.experimental_distribute_dataset(rows))
+    other = clone(rows)
+    assert not any(other.placements.values())
+    got = list(s.experimental_distribute_dataset(other))
+    x = other.arrays["x"]
+    assert not x.flags.writeable and addresses(got[1]["x"]) == [
+        x.ctypes.data + (2 + r) * x[:16].nbytes for r in range(2)]
+    for a, b in zip(first, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(b["x"].stacked), np.asarray(a["x"].stacked))

@@ -115,6 +115,15 @@ class NumpyDataset:
         of consecutive full batches is placed from it without another copy (`batch_blocks`)."""
         return self._data
 
+    def __getstate__(self):  # Pickled and deep-copied without them: a cache of this
+        state = dict(self.__dict__)  # process's device arrays over this copy's memory.
+        state["_placements"] = {}
+        return state
+
+    def __setstate__(self, state):  # Its own aligned read-only copy again, as when made.
+        self.__dict__.update(state)
+        self._data = jax.tree_util.tree_map(owned_copy, self._data)
+
     @property
     def placements(self) -> dict:
         """Where the distributed input keeps the device arrays it made over `arrays` (their
