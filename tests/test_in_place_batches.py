@@ -205,3 +205,24 @@ def test_a_copied_dataset_reads_its_own_copy_in_place(clone):
         x.ctypes.data + (2 + r) * x[:16].nbytes for r in range(2)]
     for a, b in zip(first, got, strict=True):
         np.testing.assert_array_equal(np.asarray(b["x"].stacked), np.asarray(a["x"].stacked))
+
+
+@pytest.mark.parametrize("n", (1, 2, 4))
+def test_batches_donated_to_a_function_are_made_again_and_the_data_left_as_it_was(n):
+    # The TF idiom with JAX's donation: each epoch's batches are donated; the next epoch
+    # makes them again, and no program ever writes into the dataset's memory.
+    s, d = mirrored(n), data(16 * n * 4)
+    rows = s.experimental_make_numpy_dataset(d)
+    dist = s.experimental_distribute_dataset(rows.batch(16 * n))
+
+    @jdist.function(donate_argnums=(0,))
+    def overwrite(batch):
+        return s.run(lambda b: jax.tree.map(lambda v: v * 0 - 7, b), args=(batch,))
+    for _ in range(2):
+        for i, element in enumerate(dist):
+            want = d["y"][i * 16 * n:(i + 1) * 16 * n]
+            np.testing.assert_array_equal(np.asarray(s.gather(element["y"], 0)), want)
+            out = overwrite(element)
+            assert np.all(np.asarray(s.gather(out["y"], 0)) == -7)
+    np.testing.assert_array_equal(rows.arrays["x"], d["x"])
+    np.testing.assert_array_equal(rows.arrays["y"], d["y"])
