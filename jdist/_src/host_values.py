@@ -176,20 +176,19 @@ def placed_split(arrays, sharding: jax.sharding.Sharding) -> list:
       [True, True]
     """
     devices = list(sharding._addressable_device_assignment)
-    placed = []
-    for array in arrays:
-        part = array.shape[0] // len(devices)
-        aval = jax_core.ShapedArray(array.shape, array.dtype)
-        placed.append(pxla.batched_device_put(aval, sharding, [
-            array[i * part:(i + 1) * part] for i in range(len(devices))], devices))
-    return placed
+
+    def parts(array):
+        size = array.shape[0] // len(devices)
+        return [array[i * size:(i + 1) * size] for i in range(len(devices))]
+    return [_placed(array, sharding, devices, parts(array)) for array in arrays]
 
 
-def _placed(array, sharding, devices):
-    """``array`` whole on each of ``devices`` (``sharding``'s), by the batched placement
-    ``jax.device_put`` calls underneath (``jax._src``, pinned with the JAX release)."""
+def _placed(array, sharding, devices, parts=None):
+    """``array`` on ``devices`` (``sharding``'s): whole on each, or each device's one of
+    ``parts``, by the batched placement ``jax.device_put`` calls underneath (``jax._src``,
+    pinned with the JAX release)."""
     aval = jax_core.ShapedArray(array.shape, array.dtype)
-    return pxla.batched_device_put(aval, sharding, [array] * len(devices), devices)
+    return pxla.batched_device_put(aval, sharding, parts or [array] * len(devices), devices)
 
 
 def check_host_numbers(value) -> None:
