@@ -213,10 +213,10 @@ def bench_short_epochs(strategy, params):
     extra_ms = (statistics.median(times["dataset"])
                 - statistics.median(times["on_device"])) * STEPS * 1e3
     common.record("input", f"the same, {STEPS}-batch epochs (reference)", ratio, "x",
-                  detail=f"an epoch costs about {extra_ms:.1f} ms more than on-device batches "
-                  "(its elements made; their arrays were made at the first epoch)")
-    print(f"input: the same on {STEPS}-batch epochs = {ratio:.2f} (reference): an epoch costs "
-          f"about {extra_ms:.1f} ms more")
+                  detail=f"an epoch takes {extra_ms:+.1f} ms against on-device batches "
+                  "(medians; its elements are made, their arrays were at the first epoch)")
+    print(f"input: the same on {STEPS}-batch epochs = {ratio:.2f} (reference): an epoch takes "
+          f"{extra_ms:+.1f} ms against on-device batches")
 
 
 def bench_dataset_alone(strategy, global_batch=1024):
