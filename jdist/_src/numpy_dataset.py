@@ -129,7 +129,7 @@ class NumpyDataset:
         """Where the distributed input keeps the device arrays it made over `arrays` (their
         own memory, on CPU devices), by how they were placed: kept with the data, so every
         distributed dataset over it reads them again, epoch after epoch, where making them
-        cost a first epoch 8% of a dispatch-bound step's speed (`in_place_batches`,
+        cost a first epoch 8-16% of a dispatch-bound step's speed (`in_place_batches`,
         `batch_blocks`)."""
         return self._placements
 
