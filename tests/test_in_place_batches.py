@@ -15,8 +15,10 @@ import pytest
 
 import jdist
 from jdist._src import batch_blocks
+from jdist._src import errors
 from jdist._src import host_values
 from jdist._src import in_place_batches
+from jdist._src import int64_values
 from jdist.testing import count_compiles, mirrored
 
 REPLICAS = (1, 2, 3, 4, 8)
@@ -108,22 +110,22 @@ def test_batches_are_made_once_and_kept_for_later_epochs(n, monkeypatch):
     assert sum(placed) == 2 * 100 + 2 + 2 * 50 + 2 * 100  # Another dataset: its own copy.
 
 
-@pytest.mark.parametrize("make", [
-    lambda n: (data(16 * n * 8, (3,)), 16 * n, None),  # A replica's part: 48 * 16 bytes...
-    lambda n: (data(4 * n * 8, (3,)), 4 * n, None),  # ...aligned; here 48 bytes: not.
-    lambda n: ({"y": np.arange(16 * n * 8)}, 16 * n, None),  # int64: copied to int32.
-    lambda n: (data(16 * n * 8), 16 * n, 8),  # Shuffled rows: copied.
-], ids=["aligned", "unaligned", "int64", "shuffled"])
-def test_batches_are_read_in_place_only_where_every_part_is_aligned_and_in_order(make):
+@pytest.mark.parametrize("make,in_place", [
+    (lambda n: (data(16 * n * 8, (3,)), 16 * n, None), True),  # A part: 48 * 16 bytes...
+    (lambda n: (data(4 * n * 8, (3,)), 4 * n, None), False),  # ...aligned; 48 bytes: not.
+    (lambda n: ({"y": np.arange(16 * n * 8)}, 16 * n, None), True),  # int64, held as int32...
+    (lambda n: ({"y": np.arange(8 * n * 8)}, 8 * n, None), False),  # ...in 32 bytes: not.
+    (lambda n: (data(16 * n * 8), 16 * n, 8), False),  # Shuffled rows: copied.
+], ids=["aligned", "unaligned", "int64", "int64-unaligned", "shuffled"])
+def test_batches_are_read_in_place_only_where_every_part_is_aligned_and_in_order(make, in_place):
     s = mirrored(4)
     d, batch, shuffle = make(4)
     rows = s.experimental_make_numpy_dataset(d)
     rows = (rows if shuffle is None else rows.shuffle(
         shuffle, seed=1, reshuffle_each_iteration=False)).batch(batch)
     got = list(s.experimental_distribute_dataset(rows))
-    in_place = not any(batch_blocks.in_block(v) for e in got for v in jax.tree.leaves(
-        e, is_leaf=lambda v: isinstance(v, jdist.PerReplica)))
-    assert in_place == (batch == 64 and shuffle is None and "x" in d)
+    assert in_place == (not any(batch_blocks.in_block(v) for e in got for v in jax.tree.leaves(
+        e, is_leaf=lambda v: isinstance(v, jdist.PerReplica))))
     for element, host in zip(got, list(rows), strict=True):
         for key in host:
             np.testing.assert_array_equal(np.asarray(s.gather(element[key], 0)),
@@ -226,3 +228,30 @@ def test_batches_donated_to_a_function_are_made_again_and_the_data_left_as_it_wa
             assert np.all(np.asarray(s.gather(out["y"], 0)) == -7)
     np.testing.assert_array_equal(rows.arrays["x"], d["x"])
     np.testing.assert_array_equal(rows.arrays["y"], d["y"])
+
+
+@pytest.mark.parametrize("n", (1, 2, 4))
+def test_int64_batches_read_in_place_carry_their_numbers_magnitudes(n):
+    # TF computes with int64 labels in int64: JAX holds them as int32, so each batch records
+    # the magnitudes of its numbers (sum, largest, largest sum on one replica), and a step
+    # whose int32 sum could wrap raises, as with blocks; small ones compute TF's numbers.
+    s = mirrored(n)
+    y = (np.arange(16 * n * 6, dtype=np.int64) * 7919) % 1000 - 500
+    rows = s.experimental_make_numpy_dataset({"y": y}).batch(16 * n)
+    dist = s.experimental_distribute_dataset(rows)
+    for _ in range(2):  # The second epoch reads the kept values, records and all.
+        for i, element in enumerate(dist):
+            assert not batch_blocks.in_block(element["y"])
+            batch = y[i * 16 * n:(i + 1) * 16 * n]
+            parts = np.abs(batch).reshape(n, -1).sum(axis=1)
+            assert int64_values._stored(element["y"]) == (
+                parts.sum(), np.abs(batch).max(), parts.max())
+            total = s.run(lambda v: jdist.get_replica_context().all_reduce("sum", jnp.sum(v)),
+                          args=(element["y"],))
+            assert int(s.experimental_local_results(total)[0]) == batch.sum()
+    large = s.experimental_make_numpy_dataset(np.full(16 * n * 2, 2**30, np.int64)).batch(16 * n)
+    element = next(iter(s.experimental_distribute_dataset(large)))
+    assert not batch_blocks.in_block(element)
+    with pytest.raises(errors.X64RequiredError):
+        s.run(lambda v: jdist.get_replica_context().all_reduce("sum", jnp.sum(v)),
+              args=(element,))

@@ -12,7 +12,8 @@ batches at once, so the arrays are made once, a block's batches at a time while 
 idle, and kept with the data (`NumpyDataset.placements`): they hold no memory the dataset does
 not hold already, and every later epoch, of any distributed dataset over it, reads them. A
 dataset whose arrays would be more than `KEPT_BUFFERS` device buffers is read in blocks instead
-(`batch_blocks`), as are shuffled rows, int64 data and parts that are not aligned.
+(`batch_blocks`), as are shuffled rows and parts that are not aligned. int64 data is read from
+an int32 copy (as JAX holds it), each batch recording its numbers' magnitudes (`int64_values`).
 
 Measured with the benchmark's dispatch-bound step (``docs/design.md``, "Batches read in place").
 """
@@ -23,7 +24,9 @@ import operator
 import jax
 import numpy as np
 
-from jdist._src.host_values import ALIGNMENT, placed_as_is, placed_split
+from jdist._src.host_values import (ALIGNMENT, held_as_int32, held_copy, int64_magnitudes,
+                                    placed_as_is, placed_split)
+from jdist._src.int64_values import record_int64_bounds
 from jdist._src.values import PerReplica
 
 KEPT_BUFFERS = 1 << 15  # The most device buffers a dataset's kept batches may hold.
@@ -53,11 +56,14 @@ class InPlaceBatches:
 
     def readable(self, leaves) -> bool:
         """Whether the batches of ``leaves`` (the dataset's arrays) can be read in place: every
-        leaf its own aligned read-only memory, every replica's part of a batch a multiple of
-        `host_values.ALIGNMENT` bytes, and at most `KEPT_BUFFERS` buffers in all."""
+        leaf its own aligned read-only memory (int64 ones: their int32 copy, `_held`), every
+        replica's part of a batch a multiple of `host_values.ALIGNMENT` bytes as JAX holds
+        it, and at most `KEPT_BUFFERS` buffers in all."""
         part = self._shape[-1]  # Rows per replica.
         return self._buffers * len(leaves) <= KEPT_BUFFERS and all(
-            placed_as_is(leaf) and leaf[:part].nbytes % ALIGNMENT == 0 for leaf in leaves)
+            (placed_as_is(leaf) or held_as_int32(leaf) and leaf.flags.c_contiguous)
+            and leaf[:part].nbytes // (2 if held_as_int32(leaf) else 1) % ALIGNMENT == 0
+            for leaf in leaves)
 
     def elements(self, leaves, tree, rows, kept: dict):
         """The elements of the full batches whose rows of ``leaves`` are ``rows`` (a slice, or
@@ -79,12 +85,39 @@ class InPlaceBatches:
         (`DispatchGuard.wait`): the cores are then the placement's alone."""
         missing = [r for r in starts if r not in kept or any(map(deleted, kept[r][0]))]
         self._guard.wait()
+        held = self._held(leaves, kept)
         made = [placed_split([self._rows_of(leaf, r) for r in missing], self._sharding)
-                for leaf in leaves]
+                for leaf in held]
         wrap = self._wrap or (lambda array: array)
-        kept.update((r, (arrays, tuple(map(wrap, arrays))))
-                    for r, arrays in zip(missing, zip(*made)))
+        for r, arrays in zip(missing, zip(*made)):
+            values = tuple(map(wrap, arrays))
+            for leaf, value in zip(leaves, values):
+                if held_as_int32(leaf):  # TF computes with them in int64: checked against these.
+                    record_int64_bounds(value, *self._magnitudes(leaf, r))
+            kept[r] = arrays, values
+
+    def _magnitudes(self, leaf, first):
+        """The magnitudes of the int64 numbers of ``leaf``'s batch from row ``first``:
+        ``(sum, largest, largest sum on one replica)`` (`host_values.int64_magnitudes`)."""
+        n = self._shape[0] if len(self._shape) == 2 else 1
+        rows = leaf[first:first + self._rows]
+        return int64_magnitudes(rows.reshape((1, n, self._rows // n) + leaf.shape[1:]))[0]
+
+    @staticmethod
+    def _held(leaves, kept):
+        """``leaves`` as JAX holds them: each int64 one's int32 copy (made once, kept with the
+        arrays over it: int32 holds its numbers, which `input_batches` checked), others as they
+        are."""
+        if "held" not in kept:
+            kept["held"] = tuple(_read_only(held_copy(leaf)) if held_as_int32(leaf) else leaf
+                                 for leaf in leaves)
+        return kept["held"]
 
     def _rows_of(self, leaf: np.ndarray, first: int) -> np.ndarray:
         """The batch of ``leaf`` from row ``first``, shaped as its array is placed."""
         return leaf[first:first + self._rows].reshape(self._shape + leaf.shape[1:])
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False  # Device buffers alias it: nothing may write to it.
+    return array
