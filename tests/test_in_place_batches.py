@@ -105,9 +105,16 @@ def test_batches_are_made_once_and_kept_for_later_epochs(n, monkeypatch):
         assert stacked(got[0]["x"]) is stacked(again[0]["x"])
     assert sum(placed) == 2 * 100 + 2
     list(s.experimental_distribute_dataset(root.batch(32 * n)))
-    assert sum(placed) == 2 * 100 + 2 + 2 * 50  # Another batch size: its own arrays.
+    assert sum(placed) == 2 * 100 + 2 + 2 * 50  # Another batch size: its own arrays...
+    assert len(root.placements) == 1  # ...in place of the others: one kept set at most.
+    list(dist)
+    assert sum(placed) == 2 * 100 + 2 + 2 * 50 + 2 * 100
+    list(s.experimental_distribute_dataset(root.shuffle(64, seed=1).batch(16 * n)))
+    assert len(root.placements) == 1  # Shuffled rows keep nothing, and evict nothing.
+    list(dist)
+    assert sum(placed) == 2 * 100 + 2 + 2 * 50 + 2 * 100
     list(s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(16 * n)))
-    assert sum(placed) == 2 * 100 + 2 + 2 * 50 + 2 * 100  # Another dataset: its own copy.
+    assert sum(placed) == 2 * 100 + 2 + 2 * 50 + 2 * 100 * 2  # Another dataset: its own copy.
 
 
 @pytest.mark.parametrize("make,in_place", [

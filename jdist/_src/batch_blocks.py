@@ -228,8 +228,11 @@ class BlockFeed:
         runs this generator ahead of the loop (the wait is then a no-op)."""
         leaves, tree = jax.tree_util.tree_flatten(arrays)
         in_place = self._in_place if self._in_place and self._in_place.readable(leaves) else None
-        kept = placements.setdefault(in_place.key if in_place else (
-            "blocks", self._sharding, self.size, self._split), {})
+        key = in_place.key if in_place else ("blocks", self._sharding, self.size, self._split)
+        kept = placements.get(key) if self._in_place else {}  # Else nothing is kept: not
+        if kept is None:  # the rows in order, or not on CPU. One way of placing kept per
+            placements.clear()  # dataset (a batch size, a mesh): what it holds stays within
+            kept = placements[key] = {}  # one `KEPT_BUFFERS`, whatever a sweep tries.
         try:
             while True:
                 item = next(blocks, None)
