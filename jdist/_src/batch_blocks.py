@@ -189,7 +189,7 @@ class BlockFeed:
         rows in order (`NumpyDataset.full_batches_in_order`), else None.
     """
 
-    def __init__(self, mesh, axis, full_rows, size, guard, batches_per_pass=None):
+    def __init__(self, mesh, axis, full_rows, size, guard, batches_per_pass):
         self._guard = guard
         # Simulated CPU devices run on the host's cores: a thread's copy there stalls every
         # device's collective (`docs/design.md`, "Who places a block"). An accelerator's host

@@ -51,7 +51,7 @@ class InPlaceBatches:
         # TF's one-replica elements are the plain batches; several replicas' are `PerReplica`.
         self._shape, self._wrap = ((n, full_rows // n), PerReplica._from_stacked) if n > 1 \
             else ((full_rows,), None)
-        self._rows, self._buffers, self._guard = full_rows, batches_per_pass * n, guard
+        self._n, self._rows, self._buffers, self._guard = n, full_rows, batches_per_pass * n, guard
         self.key = ("in place", self._sharding, full_rows)  # Its arrays' place in a store.
 
     def readable(self, leaves) -> bool:
@@ -59,17 +59,23 @@ class InPlaceBatches:
         leaf its own aligned read-only memory (int64 ones: their int32 copy, `_held`), every
         replica's part of a batch a multiple of `host_values.ALIGNMENT` bytes as JAX holds
         it, and at most `KEPT_BUFFERS` buffers in all."""
-        part = self._shape[-1]  # Rows per replica.
         return self._buffers * len(leaves) <= KEPT_BUFFERS and all(
-            (placed_as_is(leaf) or held_as_int32(leaf) and leaf.flags.c_contiguous)
-            and leaf[:part].nbytes // (2 if held_as_int32(leaf) else 1) % ALIGNMENT == 0
-            for leaf in leaves)
+            map(self._aligned_as_held, leaves))
+
+    def _aligned_as_held(self, leaf) -> bool:
+        """`readable`'s rule for one leaf: its memory as it is, or an int64 one's int32 copy
+        (half its bytes), and a replica's part a multiple of `ALIGNMENT` bytes."""
+        part = leaf[:self._rows // self._n].nbytes
+        if held_as_int32(leaf):
+            return leaf.flags.c_contiguous and part // 2 % ALIGNMENT == 0
+        return placed_as_is(leaf) and part % ALIGNMENT == 0
 
     def elements(self, leaves, tree, rows, kept: dict):
         """The elements of the full batches whose rows of ``leaves`` are ``rows`` (a slice, or
         an index of consecutive rows per batch), in order: over the arrays ``kept`` holds
-        (each batch's arrays and values by its first row, `NumpyDataset.placements`) where
-        they are still alive, else over new ones (`_make`)."""
+        (each batch's arrays and values by its first row, and under "held" the leaves as
+        placed, `_held`; `NumpyDataset.placements`) where they are still alive, else over new
+        ones (`_make`)."""
         starts = range(rows.start, rows.stop, self._rows) if isinstance(rows, slice) else \
             rows[::self._rows].tolist()
         held = list(map(kept.get, starts))
@@ -99,9 +105,8 @@ class InPlaceBatches:
     def _magnitudes(self, leaf, first):
         """The magnitudes of the int64 numbers of ``leaf``'s batch from row ``first``:
         ``(sum, largest, largest sum on one replica)`` (`host_values.int64_magnitudes`)."""
-        n = self._shape[0] if len(self._shape) == 2 else 1
         rows = leaf[first:first + self._rows]
-        return int64_magnitudes(rows.reshape((1, n, self._rows // n) + leaf.shape[1:]))[0]
+        return int64_magnitudes(rows.reshape((1, self._n, -1) + leaf.shape[1:]))[0]
 
     @staticmethod
     def _held(leaves, kept):
