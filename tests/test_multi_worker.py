@@ -300,8 +300,8 @@ def _check_per_worker(workers):
     assert w0["equal_host_values"] == 2.0
 
 
-def _fault_run(fault, folder):
-    port, procs = free_ports(1)[0], []
+def _fault_run(fault, folder, port):
+    procs = []
     for i in range(2):
         env = worker_env(_env(2), [port, 1], i)
         with open(folder / f"{fault}{i}.txt", "wb") as out:
@@ -332,7 +332,11 @@ def _wait_survivors(runs, timeout):
 def test_faults_end_in_bounded_time_with_typed_errors(tmp_path):
     """A dead worker, a stalled one (timeout 8 s), one whose script raises, and per-worker
     shape disagreement."""
-    runs = {fault: _fault_run(fault, tmp_path) for fault in ("die", "stall", "raise", "shapes")}
+    # The ports are taken together, so the runs' coordinators never share one: taken one at
+    # a time, a port closed by one call can be handed out again by the next.
+    faults = ("die", "stall", "raise", "shapes")
+    runs = {fault: _fault_run(fault, tmp_path, port)
+            for fault, port in zip(faults, free_ports(len(faults)))}
     ended = _wait_survivors(runs, 120)
     out = {f"{fault}{i}": (tmp_path / f"{fault}{i}.txt").read_text(errors="replace")
            for fault in runs for i in range(2)}
