@@ -2,11 +2,15 @@
 
 The order comes from `jdist._src.tf_shuffle`, which reproduces TF's Philox stream, seeds and
 buffer rule; here each pipeline is read from jdist and from ``tf.data`` over three epochs.
+Distributed, larger pipelines take every way jdist places batches (read in place, blocks,
+shuffled blocks, one replica's plain arrays) and must still give TF's elements and steps.
 """
 
 import os
 import random
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,6 +21,9 @@ from jdist._src.numpy_dataset import NumpyDataset
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 
+from _tf_reference import assert_matches  # noqa: E402
+from _tf_reference import local_results  # noqa: E402
+from _tf_reference import outcome  # noqa: E402
 from _tf_reference import strategies  # noqa: E402
 
 
@@ -116,3 +123,61 @@ def test_writes_to_the_input_after_the_dataset_is_made_change_nothing_as_in_tf(m
     got = made(NumpyDataset, jdist.get_strategy())
     assert got == made(tf.data.Dataset, tf_strategy)
     assert got[0] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
+def larger_pipeline(seed):
+    """``(replicas, data, build)``: a batched pipeline of 100-700 rows of float features and
+    integer labels, large enough for the paths small data never takes (batches read in place,
+    blocks, shuffled blocks); ``build(dataset)`` applies it to either library's dataset."""
+    rnd = random.Random(seed)
+    n, rows, width = rnd.choice([1, 2, 3, 4, 8]), rnd.randint(100, 700), rnd.choice([1, 4, 16])
+    data = {"x": np.arange(rows * width, dtype=np.float32).reshape(rows, width) / 7,
+            "y": np.arange(rows, dtype=rnd.choice([np.int32, np.int64])) % 5}
+    ops = [op for op, chance in ((("shuffle", rnd.choice([4, 64, 1000]), 7), 0.5),
+                                 (("repeat", 2), 0.3), (("take", rnd.choice([100, 300])), 0.2))
+           if rnd.random() < chance]
+    rnd.shuffle(ops)
+    batch = rnd.choice([16 * n, 64 * n, 4 * n, 64, n + 1, 5 * n + 3])  # 16 * n: read in place
+    drop = rnd.random() < 0.3
+
+    def build(ds):
+        for name, *args in ops:
+            ds = ds.shuffle(args[0], seed=args[1]) if name == "shuffle" else getattr(
+                ds, name)(*args)
+        return ds.batch(batch, drop_remainder=drop)
+    return n, data, build
+
+
+def _sum_step(batch):
+    return jdist.get_replica_context().all_reduce(
+        "sum", jnp.sum(batch["x"]) + jnp.sum(batch["y"].astype(jnp.float32)))
+
+
+def _tf_sum_step(batch):
+    return tf.distribute.get_replica_context().all_reduce(
+        "sum", tf.reduce_sum(batch["x"]) + tf.reduce_sum(tf.cast(batch["y"], tf.float32)))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_distributed_larger_pipelines_and_steps_on_them_match_tf(seed):
+    """Every element's local values over two epochs, and a step's all-reduced sum on it."""
+    n, data, build = larger_pipeline(seed)
+    strategy, tf_strategy = strategies(n)
+    if tf_strategy is None:
+        pytest.skip("TensorFlow's devices were configured before this test.")
+    ours = strategy.experimental_distribute_dataset(
+        build(strategy.experimental_make_numpy_dataset(data)))
+    theirs = tf_strategy.experimental_distribute_dataset(
+        build(tf.data.Dataset.from_tensor_slices(data)))
+    held = None if jax.config.jax_enable_x64 else {np.dtype(np.int64): np.dtype(np.int32)}
+    for _ in range(2):
+        elements = list(zip(ours, theirs, strict=True))
+        for got, want in elements:
+            for key in ("x", "y"):
+                assert_matches(local_results(strategy, got[key]),
+                               local_results(tf_strategy, want[key]), held)
+        got, want = elements[seed % len(elements)] if elements else (None, None)
+        if got is not None:
+            assert_matches(outcome(strategy, lambda: strategy.run(_sum_step, args=(got,))),
+                           outcome(tf_strategy, lambda: tf_strategy.run(
+                               _tf_sum_step, args=(want,))), rtol=1e-5)
