@@ -20,6 +20,8 @@ import inspect
 import threading
 
 import jax
+from jax._src import core as jax_core
+from jax._src.lib import xla_client
 from jax.extend import core
 
 from jdist._src import batch_blocks
@@ -82,7 +84,10 @@ class DispatchGuard:
         with self._lock:
             self._owner = thread
             try:
-                _wait(self._in_flight)
+                try:
+                    _ready(self._in_flight)  # One C++ call: this runs on every step.
+                except RuntimeError:
+                    _wait(self._in_flight)  # One was deleted: the others one by one.
                 outputs = program(*args)
                 self._in_flight = waited(outputs)
             finally:
@@ -147,6 +152,9 @@ def _launch_while_tracing(program, args, waited):
     outputs = program(*args)
     _wait(waited(outputs))
     return outputs
+
+
+_ready = xla_client.batched_block_until_ready  # jax.block_until_ready's own (jax._src).
 
 
 def _wait(arrays):
@@ -227,7 +235,12 @@ def check_traced_run(guard):
 
 def under_a_trace():
     """Whether a JAX transformation is tracing on this thread (not plain eager evaluation)."""
-    return type(core.find_top_trace(())).__name__ != "EvalTrace"
+    return type(_current_trace.value) is not jax_core.EvalTrace
+
+
+# What ``core.find_top_trace`` returns, read without its three Python calls (every ``run``
+# asks; ``jax._src``, pinned by `jax_version`).
+_current_trace = jax_core.trace_state_strong_ref
 
 
 def under_a_staging_trace():

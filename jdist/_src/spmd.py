@@ -88,6 +88,8 @@ class _Program:
         self.padded_at = tuple(i for i, (_, inh, _) in enumerate(kinds) if inh)
         self.has_statics = any(st is not OUTPUT for st in self.out_statics)
         self.passed_at = tuple((k, j) for k, j in enumerate(self.out_passed) if j is not None)
+        self.wraps_more = bool(self.passed_at or self.padded_at or self.int64_checks
+                               or self.has_statics)
 
     @functools.cached_property
     def jitted(self):
@@ -178,10 +180,7 @@ class ReplicatedRunner:
             if outputs is None:
                 return None
         (number, arrays), = outputs.items()
-        program = cache.plans[number]
-        leaves = (jax.tree_util.tree_flatten(call, is_leaf=is_distributed)[0]
-                  if program.passed_at else call)  # Flattened where needed.
-        return self._wrap_outputs(program, arrays, None, leaves)
+        return self._wrap_outputs(cache.plans[number], arrays, None, call)
 
     def _launch_canonical(self, cache, call):
         """The direct program's outputs on ``call`` made canonical (None: it cannot be, or
@@ -551,16 +550,23 @@ class ReplicatedRunner:
     def _wrap_outputs(self, program, outputs, lengths, leaves):
         """The user's output nest from the program's flat outputs (`Mirrored`, `PerReplica` or
         plain arrays, Python objects); ``leaves``: the call's flat arguments, or the call."""
-        wrapped, mirrored_at = list(outputs), program.mirrored_at
-        if program.passed_at:  # A plain argument returned as it is is TF's one tensor.
-            plain = {k for k, j in program.passed_at if not is_distributed(leaves[j])}
-            mirrored_at = [i for i in mirrored_at if i not in plain]
-            for k, j in program.passed_at:  # A Python number: the object itself, as in TF.
-                if isinstance(leaves[j], SCALARS):
-                    wrapped[k] = leaves[j]
-        mirror_at(wrapped, mirrored_at, self._n)
+        wrapped = list(outputs)
+        mirror_at(wrapped, program.mirrored_at, self._n)
         for i in program.per_replica_at:
             wrapped[i] = PerReplica._from_stacked(wrapped[i])
+        if program.wraps_more:  # Off the common path: each line here runs on every step.
+            wrapped = self._wrap_more(program, outputs, wrapped, lengths, leaves)
+        return program.out_tree.unflatten(wrapped)
+
+    def _wrap_more(self, program, outputs, wrapped, lengths, leaves):
+        """`_wrap_outputs`' rarer cases: returned arguments, padded batches, int64 checks and
+        Python objects among the outputs."""
+        if program.passed_at:  # A plain argument returned as it is is TF's one tensor.
+            if not isinstance(leaves, list):  # `_run_fast` passes the call itself.
+                leaves = jax.tree_util.tree_flatten(leaves, is_leaf=is_distributed)[0]
+            for k, j in program.passed_at:  # A Python number: the object itself, as in TF.
+                if not is_distributed(leaves[j]):
+                    wrapped[k] = leaves[j] if isinstance(leaves[j], SCALARS) else outputs[k]
         for i in program.padded_at:
             x = wrapped[i]
             wrapped[i] = PerReplica._from_stacked(
@@ -570,7 +576,7 @@ class ReplicatedRunner:
         if program.has_statics:
             arrays = iter(wrapped)
             wrapped = [next(arrays) if st is OUTPUT else st for st in program.out_statics]
-        return program.out_tree.unflatten(wrapped)
+        return wrapped
 
     # ------------------------------------------------------------------ replica context
     def merge_call(self, binding, merge_fn, args, kwargs):
