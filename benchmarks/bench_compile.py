@@ -25,7 +25,10 @@ On eight simulated CPU devices:
   previous program is a C++ call that costs 0.9 us warm and about 10 us right after a program.
   A call's time varies by hundreds of microseconds here, so each end-to-end figure is the
   median of paired differences (each call minus the raw call made beside it, the four in a
-  random order each round) over thousands of calls, with a 95% bootstrap interval.
+  random order each round) over thousands of calls, with a 95% bootstrap interval. Beside it,
+  at 10 leaves, the CPU time the calling thread spends until the call returns (the same
+  pairing), which the devices' threads do not move: it varied by 3 us between runs where the
+  wall-clock figures moved by 10.
 
 Each model size runs in the same process, hand-written first; the XLA compile cache is
 per-program, so neither side reuses the other's compile. Missed targets print MISSED.
@@ -182,16 +185,22 @@ def run_overhead(strategy, mesh, leaves):
              "unguarded": lambda: common.unguarded(
                  strategy, lambda: array_of(strategy.run(step, args=(params, x))[1]))}
     samples, order = {name: [] for name in calls}, np.random.default_rng(leaves)
+    cpu = {name: [] for name in calls}
     for _ in range(CALLS[leaves]):
         # A random order each round: a call made right after the same call runs its program
         # hot (about 10 us less here), so a fixed or alternating order favours some ways.
         for name in order.permutation(list(calls)):
-            start = time.perf_counter()
-            calls[name]().block_until_ready()  # One output, as the CPU guard waits on one.
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            output = calls[name]()
+            cpu[name].append(time.thread_time() - start_cpu)
+            output.block_until_ready()  # One output, as the CPU guard waits on one.
             samples[name].append(time.perf_counter() - start)
-    raw = np.asarray(samples["raw"])
-    return {name: paired_overhead(np.asarray(samples[name]) - raw)
-            for name in ("jdist", "floor", "unguarded")}
+    raw, raw_cpu = np.asarray(samples["raw"]), np.asarray(cpu["raw"])
+    figures = {name: paired_overhead(np.asarray(samples[name]) - raw)
+               for name in ("jdist", "floor", "unguarded")}
+    figures["cpu"] = {name: float(np.median(np.asarray(cpu[name]) - raw_cpu)) * 1e6
+                      for name in ("jdist", "floor", "unguarded")}
+    return figures
 
 
 def replica_stacked(value):
@@ -301,6 +310,13 @@ def main():
     above = end_to_end[LEAF_COUNTS[0]]["jdist"][0] - end_to_end[LEAF_COUNTS[0]]["floor"][0]
     common.record("compile", f"run overhead over the floor, end to end, at {LEAF_COUNTS[0]} "
                   "leaves", above, "us", detail="what jdist adds to the least any wrapper does")
+    cpu = end_to_end[LEAF_COUNTS[0]]["cpu"]
+    detail = ", ".join(f"{name} +{us:.1f} us" for name, us in cpu.items())
+    print(f"  the calling thread's CPU until the call returns, over the raw call's: {detail}")
+    common.record("compile", f"run overhead, calling thread's CPU until run returns, at "
+                  f"{LEAF_COUNTS[0]} leaves (reference)", cpu["jdist"], "us", detail=(
+                      detail + "; medians of paired differences: steadier than wall time, "
+                      "which the devices' threads move by hundreds of us"))
     report_overheads("run overhead, host side", host_overheads(strategy))
     with_adam = host_overheads(strategy, adam=True)
     per_leaf = (with_adam[LEAF_COUNTS[-1]] - with_adam[LEAF_COUNTS[0]]) / (
