@@ -310,10 +310,8 @@ class ReplicatedRunner:
         if shared is not None:  # A collective takes a plain argument: TF's one tensor.
             program = self._program(cache, in_tree, shared, call.signature, leaves,
                                     call.lengths is not None, call.rows)
-        if call.tracing:
-            outputs = program.jitted(*dynamic)
-        else:
-            outputs = self._guard.dispatch(program.jitted, *dynamic)
+        outputs = (program.jitted(*dynamic) if call.tracing  # Inside jdist.function's trace.
+                   else self._guard.dispatch(program.jitted, *dynamic))
         return self._wrap_outputs(program, outputs, call.lengths, leaves)
 
     def _classify(self, leaves):
@@ -548,8 +546,7 @@ class ReplicatedRunner:
         return batch_rows.row_axes(eqn.params["jaxpr"], inputs)
 
     def _wrap_outputs(self, program, outputs, lengths, leaves):
-        """The user's output nest from the program's flat outputs (`Mirrored`, `PerReplica` or
-        plain arrays, Python objects); ``leaves``: the call's flat arguments, or the call."""
+        """The step's output nest from the program's flat outputs (``leaves``: the call's)."""
         wrapped = list(outputs)
         mirror_at(wrapped, program.mirrored_at, self._n)
         for i in program.per_replica_at:
@@ -559,14 +556,12 @@ class ReplicatedRunner:
         return program.out_tree.unflatten(wrapped)
 
     def _wrap_more(self, program, outputs, wrapped, lengths, leaves):
-        """`_wrap_outputs`' rarer cases: returned arguments, padded batches, int64 checks and
-        Python objects among the outputs."""
-        if program.passed_at:  # A plain argument returned as it is is TF's one tensor.
-            if not isinstance(leaves, list):  # `_run_fast` passes the call itself.
-                leaves = jax.tree_util.tree_flatten(leaves, is_leaf=is_distributed)[0]
-            for k, j in program.passed_at:  # A Python number: the object itself, as in TF.
-                if not is_distributed(leaves[j]):
-                    wrapped[k] = leaves[j] if isinstance(leaves[j], SCALARS) else outputs[k]
+        """`_wrap_outputs`' rarer cases: arguments, padded batches, int64 checks, objects."""
+        if program.passed_at and not isinstance(leaves, list):  # `_run_fast` gives the call.
+            leaves = jax.tree_util.tree_flatten(leaves, is_leaf=is_distributed)[0]
+        for k, j in program.passed_at:  # A plain argument returned as it is is TF's one
+            if not is_distributed(leaves[j]):  # tensor; a Python number, the object itself.
+                wrapped[k] = leaves[j] if isinstance(leaves[j], SCALARS) else outputs[k]
         for i in program.padded_at:
             x = wrapped[i]
             wrapped[i] = PerReplica._from_stacked(
@@ -578,7 +573,6 @@ class ReplicatedRunner:
             wrapped = [next(arrays) if st is OUTPUT else st for st in program.out_statics]
         return wrapped
 
-    # ------------------------------------------------------------------ replica context
     def merge_call(self, binding, merge_fn, args, kwargs):
         """A replica context's ``merge_call`` while its function is traced (`merge`)."""
         return merge.merge_call(self._strategy, self._n, binding, merge_fn, args, kwargs)
