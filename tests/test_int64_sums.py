@@ -256,6 +256,26 @@ def test_an_in_step_all_gather_along_a_negative_axis_raises_where_tf_gathers_int
         np.testing.assert_array_equal(run(s, lambda x: step(x, -1), value), want)
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+@pytest.mark.parametrize("n", REPLICAS)
+def test_an_all_gather_of_rows_of_different_counts_is_tfs_and_raises_where_tf_does(n, dtype):
+    # Values of different shapes make an exact uneven step, whose all_gather is a merge: it
+    # gathers the numbers without adding any (ids near 2**30 are fine), and along a negative
+    # axis int64 raises as TF's collective ops do, as the even step's gather does.
+    rows = [(np.arange(2 * (i % 3 + 1)).reshape(-1, 2) + 2**30 - 10).astype(dtype)
+            for i in range(n)]
+    value, s = jdist.PerReplica(rows), mirrored(n)
+
+    def step(x, axis):
+        return jdist.get_replica_context().all_gather(x, axis=axis)
+    np.testing.assert_array_equal(run(s, lambda x: step(x, 0), value), np.concatenate(rows))
+    if dtype == np.int64:
+        with pytest.raises(errors.InvalidArgumentError, match="negative axis"):
+            s.run(lambda x: step(x, -2), args=(value,))
+    else:
+        np.testing.assert_array_equal(run(s, lambda x: step(x, -2), value), np.concatenate(rows))
+
+
 # Integers a step computes from int64 labels and returns, without summing them across replicas.
 def looped(y, times, dynamic=False):
     stop = jnp.asarray(times) if dynamic else times  # A traced bound makes a while loop.

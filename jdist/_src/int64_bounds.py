@@ -119,7 +119,7 @@ def _bounds(eqn, ins, n, checks):
     name, size = eqn.primitive.name, _size(eqn.outvars[0])
     if n is OUTSIDE and name in _REPLICA_PROGRAMS:  # Checked by its own analysis.
         return [Bound({OTHER: math.inf}, {OTHER: math.inf})] * len(eqn.outvars)
-    if n is not OUTSIDE and (name in _ACROSS_REPLICAS or name == GROUP):
+    if n is not OUTSIDE and (name in _ACROSS_REPLICAS or name == GROUP or _gathers(eqn)):
         return _collectives(eqn, ins, n, checks)
     if name in _INDICES and (n is not OUTSIDE or name != "axis_index"):
         return [_index(eqn, n)] * len(eqn.outvars)
@@ -141,6 +141,13 @@ def _bounds(eqn, ins, n, checks):
     if name == "top_k":
         return [out, _index(eqn, n)]
     return [out] * len(eqn.outvars)
+
+
+def _gathers(eqn):
+    """Whether ``eqn`` is an uneven step's all_gather (a merge of every replica's values of
+    different shapes, `uneven_trace`), each output the gather of the operand at its place."""
+    return (eqn.primitive.name == "jdist_merge" and eqn.params["gathers"]
+            and len(eqn.invars) == len(eqn.outvars))
 
 
 def _collectives(eqn, ins, n, checks):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core
+from jax.extend import source_info_util
 from jax.interpreters import ad
 
 from jdist._src import context
@@ -38,7 +39,7 @@ COLLECTIVES = frozenset({"psum", "pmax", "pmin", "all_gather", "ppermute", "all_
 # A merge_call inside one replica's trace of an uneven step (its outputs come from `Merge`).
 merge_p = core.Primitive("jdist_merge")
 merge_p.multiple_results = True
-merge_p.def_abstract_eval(lambda *operands, index, out_avals, out_same: list(out_avals))
+merge_p.def_abstract_eval(lambda *operands, index, out_avals, out_same, gathers: list(out_avals))
 
 
 def _merge_jvp(primals, tangents, **params):
@@ -128,7 +129,7 @@ class _ReplicaTrace:
             avals = tuple(jax.typeof(jnp.asarray(x)) for x in operands)
             raise _Suspend(index, _MergeRequest(merge_fn, tree, statics, avals))
         outs = merge_p.bind(*operands, index=index, out_avals=merge.replica_avals[self._replica],
-                            out_same=merge.out_same)
+                            out_same=merge.out_same, gathers=merge_fn is _gather_all)
         if binding is not None:
             outs = [binding.hand_over(x) if plain else x for x, plain in zip(outs, merge.out_plain)]
         return merge.rebuild(outs)
@@ -244,7 +245,9 @@ def _call_body(eqn):
 
 
 def _eval_inlined(jaxpr, consts, args):
-    """Evaluates ``jaxpr``, inlining the calls that contain a cut (used while re-tracing)."""
+    """Evaluates ``jaxpr``, inlining the calls that contain a cut (used while re-tracing).
+    Each equation keeps its name stack, as ``jax.core.eval_jaxpr`` keeps it: the int64
+    analysis reads an all_gather's mark there (`int64_bounds.NEGATIVE_AXIS_SCOPE`)."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -253,12 +256,15 @@ def _eval_inlined(jaxpr, consts, args):
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         sub = _call_body(eqn)
-        if sub is not None and _has_cut(sub.jaxpr):
-            outs = _eval_inlined(sub.jaxpr, sub.consts, invals)
-        else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
+        names = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=names):
+            if sub is not None and _has_cut(sub.jaxpr):
+                outs = _eval_inlined(sub.jaxpr, sub.consts, invals)
+            else:
+                with eqn.ctx.manager:
+                    outs = eqn.primitive.bind(*invals,
+                                              **eqn.primitive.get_bind_params(eqn.params))
+                outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
