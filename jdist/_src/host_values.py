@@ -86,8 +86,20 @@ def owned_copy(array: np.ndarray) -> np.ndarray:
     else:
         copy = aligned_empty(array.shape, array.dtype)
         np.copyto(copy, array)
-    copy.flags.writeable = False
-    return copy
+    return read_only(copy)
+
+
+def read_only(array):
+    """``array`` made read-only, where it is a NumPy array (device buffers or a batch's view
+    may alias its memory: nothing may write to it); any other value as it is.
+
+    Example:
+      >>> read_only(np.ones(2)).flags.writeable, read_only(3)
+      (False, 3)
+    """
+    if isinstance(array, np.ndarray):
+        array.flags.writeable = False
+    return array
 
 
 def held_copy(array: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jdist._src.host_values import (ALIGNMENT, held_as_int32, held_copy, int64_magnitudes,
-                                    placed_as_is, placed_split)
+                                    placed_as_is, placed_split, read_only)
 from jdist._src.int64_values import record_int64_bounds
 from jdist._src.values import PerReplica
 
@@ -114,15 +114,9 @@ class InPlaceBatches:
         arrays over it: int32 holds its numbers, which `input_batches` checked), others as they
         are."""
         if "held" not in kept:
-            kept["held"] = tuple(_read_only(held_copy(leaf)) if held_as_int32(leaf) else leaf
-                                 for leaf in leaves)
+            kept["held"] = tuple(read_only(held_copy(leaf)) for leaf in leaves)
         return kept["held"]
 
     def _rows_of(self, leaf: np.ndarray, first: int) -> np.ndarray:
         """The batch of ``leaf`` from row ``first``, shaped as its array is placed."""
         return leaf[first:first + self._rows].reshape(self._shape + leaf.shape[1:])
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    array.flags.writeable = False  # Device buffers alias it: nothing may write to it.
-    return array

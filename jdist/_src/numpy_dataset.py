@@ -18,6 +18,7 @@ import numpy as np
 from jdist._src import errors
 from jdist._src import tf_shuffle
 from jdist._src.host_values import owned_copy
+from jdist._src.host_values import read_only
 
 INFINITE = -1  # tf.data.INFINITE_CARDINALITY
 UNKNOWN = -2  # tf.data.UNKNOWN_CARDINALITY
@@ -166,7 +167,7 @@ class NumpyDataset:
             yield len(group), _joined(group)
 
     def _read(self, index):
-        return jax.tree_util.tree_map(lambda a: _read_only(a[index]), self._data)
+        return jax.tree_util.tree_map(lambda a: read_only(a[index]), self._data)
 
     def _indices(self):
         # tf.data's graph optimisations first: the shuffle orders follow its pipeline as run.
@@ -281,13 +282,6 @@ def _joined(items):
 def _row_indices(item):
     """The rows an item of a batched dataset reads, as an array (for batching it again)."""
     return np.arange(item.start, item.stop) if isinstance(item, slice) else item
-
-
-def _read_only(array):
-    """``array`` that cannot be written: a batch may be a view of the dataset's arrays."""
-    if isinstance(array, np.ndarray):
-        array.flags.writeable = False
-    return array
 
 
 def _stack(chunk):
