@@ -20,6 +20,7 @@ import inspect
 import threading
 
 import jax
+from jax._src import config as jax_config
 from jax._src import core as jax_core
 from jax._src.lib import xla_client
 from jax.extend import core
@@ -237,6 +238,10 @@ def under_a_trace():
     """Whether a JAX transformation is tracing on this thread (not plain eager evaluation)."""
     return type(_current_trace.value) is not jax_core.EvalTrace
 
+
+# The ``jax_disable_jit`` flag: its ``.value`` is read in C++ (``jax.config.jax_disable_jit`` is
+# a Python property; every ``run`` asks).
+JIT_DISABLED = jax_config.disable_jit
 
 # What ``core.find_top_trace`` returns, read without its three Python calls (every ``run``
 # asks; ``jax._src``, pinned by `jax_version`).

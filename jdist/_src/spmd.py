@@ -47,7 +47,7 @@ from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
-from jdist._src.values import mirror_at
+from jdist._src.values import wrap_at
 
 _RAGGED = object()  # `_classify`'s marker for arguments whose replicas differ in shape.
 
@@ -80,7 +80,7 @@ class _Program:
     int64_checks: int64_sums.Checks = int64_sums.NONE  # Its int64 numbers' checks.
 
     def __post_init__(self):
-        # How the outputs are wrapped, worked out once (`Mirrored` ones in `values.mirror_at`).
+        # How the outputs are wrapped, worked out once (in `values.wrap_at`).
         kinds = list(zip(self.out_varying, self.out_inherits_lengths, self.out_plain))
         self.mirrored_at = tuple(i for i, (v, inh, plain) in enumerate(kinds)
                                  if not (v or inh or plain) and self.num_replicas > 1)
@@ -130,7 +130,15 @@ class ReplicatedRunner:
 
     # ----------------------------------------------------------------------------- run
     def run(self, fn, args, kwargs):
-        if jax.config.jax_disable_jit:
+        """``strategy.run`` of ``fn``. Arguments the function's direct program takes as they
+        come (a training loop's steady state) go straight to it, in this one frame: the direct
+        program is one ``jax.jit`` taking ``(args, kwargs)``, so its C++ dispatch flattens,
+        checks and looks up the call, with no per-leaf work in Python. It takes canonical
+        arguments only (every value on the mesh, replicated ones as `Mirrored`); others (a
+        loop's first parameters, host arrays) are made canonical first (`_launch_canonical`),
+        so both share one compile. A function whose calls keep needing that skips the direct
+        attempt (``cache.flatten_first``); arguments it cannot take go the general path."""
+        if dispatch.JIT_DISABLED.value:
             # The replicas run as one compiled SPMD program: there is no eager one to fall to.
             with jax.disable_jit(False):
                 return self.run(fn, args, kwargs)
@@ -140,37 +148,24 @@ class ReplicatedRunner:
         while isinstance(fn, functools.partial):  # Its arguments are arguments, as in jax.jit.
             fn, args, kwargs = fn.func, (*fn.args, *args), {**fn.keywords, **kwargs}
         cache = self._caches.get(fn)
-        if traced and context.in_merge():
-            return self._run_in_merge(cache.fn, args, kwargs)
-        if not traced and self._fast_ok:
-            outputs = self._run_fast(cache, args, kwargs)
-            if outputs is not None:
-                return outputs
-        return self._run_general(cache, args, kwargs)
-
-    def _run_fast(self, cache, args, kwargs):
-        """``run`` through the function's direct program, or None where it does not serve the
-        arguments (the general path then does).
-
-        The direct program is one ``jax.jit`` taking ``(args, kwargs)`` as they are, so its C++
-        dispatch flattens, checks and looks up the call, with no per-leaf work in Python. It
-        takes canonical arguments only (every value on the mesh, replicated ones as `Mirrored`);
-        others (a loop's first parameters, host arrays) are made canonical here first, so both
-        share one compile. A function whose calls keep needing that skips the direct attempt.
-        """
+        if traced or not self._fast_ok:
+            if traced and context.in_merge():
+                return self._run_in_merge(cache.fn, args, kwargs)
+            return self._run_general(cache, args, kwargs)
+        call, outputs = (args, kwargs), None
         if cache.direct is None:
             cache.direct = jax.jit(functools.partial(self._direct_body, cache))
             cache.token = functools.partial(_waited_outputs, cache)
-        call, reading, outputs = (args, kwargs), batch_blocks.reading, None
         if not cache.flatten_first:
+            reading = batch_blocks.reading
             reading.active = True  # Blocked dataset elements enter as (block, position).
             try:
                 outputs = self._guard.launch(cache.direct, call, cache.token)
             except (_NotCanonical, TypeError, ValueError, OverflowError) as refused:
                 cache.flatten_first = cache.direct_missed  # Two in a row: not a one-off.
                 cache.direct_missed = True
-                if not isinstance(refused, _NotCanonical):
-                    return None  # A leaf jax.jit refuses (a string, an array elsewhere).
+                if not isinstance(refused, _NotCanonical):  # A leaf jax.jit refuses (a
+                    return self._run_general(cache, args, kwargs)  # string, an array elsewhere).
             else:
                 cache.direct_missed = False
             finally:
@@ -178,7 +173,7 @@ class ReplicatedRunner:
         if outputs is None:
             outputs = self._launch_canonical(cache, call)
             if outputs is None:
-                return None
+                return self._run_general(cache, args, kwargs)
         (number, arrays), = outputs.items()
         return self._wrap_outputs(cache.plans[number], arrays, None, call)
 
@@ -249,7 +244,7 @@ class ReplicatedRunner:
         placed = self._programs.place_replicated_all(leaves)
         changed = self._n > 1 or any(x is not y for x, y in zip(placed, leaves))
         if self._n > 1:
-            mirror_at(placed, range(len(placed)), self._n)
+            wrap_at(placed, range(len(placed)), self._n)
         for path, x in zip(paths, placed):
             call = argument_paths.with_leaf(call, path, x)
         try:
@@ -262,7 +257,7 @@ class ReplicatedRunner:
         """The arguments of ``tree`` with the plain arrays at ``plain`` as `Mirrored` (on
         several replicas: one replica's replicated outputs are plain arrays, kept so)."""
         if self._n > 1 and plain:
-            mirror_at(leaves, plain, self._n)
+            wrap_at(leaves, plain, self._n)
             changed = True
         return jax.tree_util.tree_unflatten(tree, leaves), changed, plain
 
@@ -356,7 +351,7 @@ class ReplicatedRunner:
         return program
 
     def _direct_body(self, cache, args, kwargs):
-        """Traced by the direct program (`_run_fast`): the general path on tracers, for
+        """Traced by the direct program (`run`): the general path on tracers, for
         canonical arguments only; raises `_NotCanonical` for the others, before any trace of
         the function, so the direct program never compiles them."""
         batch_blocks.blocks_read()  # The step itself sees blocked values as they are.
@@ -548,16 +543,14 @@ class ReplicatedRunner:
     def _wrap_outputs(self, program, outputs, lengths, leaves):
         """The step's output nest from the program's flat outputs (``leaves``: the call's)."""
         wrapped = list(outputs)
-        mirror_at(wrapped, program.mirrored_at, self._n)
-        for i in program.per_replica_at:
-            wrapped[i] = PerReplica._from_stacked(wrapped[i])
+        wrap_at(wrapped, program.mirrored_at, self._n, program.per_replica_at)
         if program.wraps_more:  # Off the common path: each line here runs on every step.
             wrapped = self._wrap_more(program, outputs, wrapped, lengths, leaves)
         return program.out_tree.unflatten(wrapped)
 
     def _wrap_more(self, program, outputs, wrapped, lengths, leaves):
         """`_wrap_outputs`' rarer cases: arguments, padded batches, int64 checks, objects."""
-        if program.passed_at and not isinstance(leaves, list):  # `_run_fast` gives the call.
+        if program.passed_at and not isinstance(leaves, list):  # `run` gives the call.
             leaves = jax.tree_util.tree_flatten(leaves, is_leaf=is_distributed)[0]
         for k, j in program.passed_at:  # A plain argument returned as it is is TF's one
             if not is_distributed(leaves[j]):  # tensor; a Python number, the object itself.

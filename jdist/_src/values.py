@@ -513,17 +513,23 @@ def is_step_output(value) -> bool:
     return isinstance(value, Mirrored) and value._step_output
 
 
-def mirror_at(leaves, indices, num_replicas):
-    """Replaces ``leaves[i]`` by a `Mirrored` of it for each ``i`` in ``indices``, in place.
+def wrap_at(leaves, mirrored_at, num_replicas, per_replica_at=()):
+    """Wraps ``leaves`` in place: a `Mirrored` of ``leaves[i]`` for each ``i`` in
+    ``mirrored_at`` (a step output, `is_step_output`), a `PerReplica` of the stacked array
+    ``leaves[i]`` for each ``i`` in ``per_replica_at``.
 
-    The wrapping loop of `run`'s outputs (step outputs, `is_step_output`), one Python frame for
-    all of them.
+    The wrapping loop of `run`'s outputs, one Python frame for all of them: it runs on every
+    step.
     """
     new, cls = object.__new__, _mirrored_class(num_replicas, True)
-    for i in indices:
+    for i in mirrored_at:
         m = new(cls)
         m._value, m._int64_bounds = leaves[i], None  # Both set: reading an unset slot raises.
         leaves[i] = m
+    for i in per_replica_at:
+        p = new(PerReplica)
+        p._init(leaves[i], None, None)
+        leaves[i] = p
 
 
 def is_distributed(x):
