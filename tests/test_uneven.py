@@ -406,3 +406,22 @@ def test_a_collective_inside_jax_checkpoint_is_computed_as_without_it(n):
         assert_local_results(s, g, s.experimental_local_results(w), 0, 0)
     total = sum(float(np.arange(2 * r).sum()) for r in rows)
     assert_local_results(s, got[1], [4 * total * n * np.arange(2 * r).sum() for r in rows], 0, 0)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_reduction_without_identity_on_an_empty_replica_says_the_batch_is_empty(n, compiled):
+    """TF's ``reduce_max`` of a replica's empty batch is -inf; JAX's ``jnp.max`` raises. The
+    error keeps JAX's type and gains a note naming the empty replica and the fix, which then
+    gives TF's numbers."""
+    s = mirrored(n)
+    rows = [3] + [0] * (n - 1)
+    v = per_replica(s, [np.arange(r * 2, dtype=np.float32).reshape(r, 2) for r in rows])
+    run = (lambda f: jdist.function(lambda x: s.run(f, args=(x,)))) if compiled else (
+        lambda f: lambda x: s.run(f, args=(x,)))
+    with pytest.raises(ValueError, match="zero-size") as raised:
+        run(jnp.max)(v)
+    assert any("replica 1 ran on an empty batch" in note and "initial=" in note
+               for note in raised.value.__notes__)
+    got = run(lambda x: jnp.max(x, initial=-jnp.inf))(v)
+    assert_local_results(s, got, [np.float32(5)] + [np.float32(-np.inf)] * (n - 1), 0, 0)

@@ -444,6 +444,22 @@ def _rows(abstract, kinds):
     return sizes.pop() if len(sizes) == 1 else None
 
 
+def _has_empty_batch(abstract, kinds):
+    """Whether a per-replica input of the replica has no rows (a partial batch's empty one)."""
+    return any(k == "per_replica" and len(a.shape) >= 2 and a.shape[1] == 0
+               for a, k in zip(abstract, dynamic_kinds(kinds)))
+
+
+# Added to an error the replica function raised on an empty batch: JAX's own message does not
+# say that the array is empty because the replica got no rows.
+_EMPTY_BATCH = (
+    "jdist: replica {replica} ran on an empty batch (0 rows): a partial last batch with fewer "
+    "rows than replicas leaves some empty, as in TF. JAX's reductions without an identity "
+    "(jnp.max, jnp.min, jnp.argmax, jnp.argmin) raise on empty arrays where TF's reduce_max and "
+    "reduce_min return -inf and inf: pass initial= (jnp.max(x, initial=-jnp.inf)), branch on "
+    "x.shape[0], or batch with drop_remainder=True.")
+
+
 def trace_replicas(runner, fn, in_tree, kinds, statics, per_replica):
     """Each replica's `Trace`, traced once per distinct signature, merges resolved in order."""
     resolved = {}
@@ -462,6 +478,10 @@ def trace_replicas(runner, fn, in_tree, kinds, statics, per_replica):
             except _Suspend as stop:
                 suspended[key] = stop
                 continue
+            except Exception as error:
+                if _has_empty_batch(abstract, kinds):
+                    error.add_note(_EMPTY_BATCH.format(replica=r))
+                raise
             traces[key] = _flat_trace(traced, eqn, runner.programs.mesh, record["tree"],
                                       record["statics"], record["unwrapped"], record["passed"])
         if not suspended:
