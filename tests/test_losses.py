@@ -187,3 +187,24 @@ def test_padded_mode_gives_the_unpadded_batchs_numbers(n):
         return jdist.nn.compute_average_loss(x)
     out = s.run(fn, args=(padded,))
     assert_local_results(s, out, [reference(x, None, r * n) for x, r in zip(xs, rows)], 0, 0)
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("losses", [[1.5, 2.0], [1.5, "python 2.0"], [0.25]])
+def test_scale_regularization_loss_of_a_list_of_tensors_as_tfs_model_losses(n, losses):
+    """``tf.nn.scale_regularization_loss(model.losses)``: a list of scalar tensors (a Python
+    number among them takes their dtype), packed and summed, over the replica count."""
+    def terms():
+        return [2.0 if v == "python 2.0" else jnp.float32(v) * jnp.float32(1.0) for v in losses]
+    s = mirrored(n)
+    out = s.run(lambda: jdist.nn.scale_regularization_loss(terms()))
+    total = np.float32(sum(2.0 if v == "python 2.0" else v for v in losses))
+    assert_local_results(s, out, [total / np.float32(n)] * n, 1e-6, 0)
+
+
+def test_a_list_of_losses_of_different_dtypes_or_shapes_raises_as_tf_does():
+    s = mirrored(2)
+    with pytest.raises(errors.InvalidArgumentError, match="mixes dtypes"):
+        s.run(lambda: jdist.nn.scale_regularization_loss([jnp.float32(1), jnp.int32(1)]))
+    with pytest.raises(errors.ShapeMismatchError, match="one shape"):
+        s.run(lambda: jdist.nn.scale_regularization_loss([jnp.float32(1), jnp.ones(2)]))

@@ -99,7 +99,8 @@ def scale_regularization_loss(regularization_loss: ArrayLike) -> jax.Array:
     counts the regularization once.
 
     Args:
-      regularization_loss: a scalar or an array of regularization losses (summed).
+      regularization_loss: a scalar or an array of regularization losses (summed), or a list
+        of them as TF packs it (``model.losses``: scalars of one dtype).
 
     Returns:
       A scalar: the sum over ``num_replicas_in_sync``, in TF's division dtype.
@@ -132,7 +133,30 @@ def _tensor(value):
     if isinstance(value, (np.ndarray, np.generic)):
         host_values.check_host_numbers(value)
         return jnp.asarray(value)
+    if isinstance(value, (list, tuple)) and any(not isinstance(v, _NUMBERS) for v in value):
+        return _packed(value)  # TF's `model.losses`: a list of scalar tensors.
     return jnp.asarray(host_values.python_numbers_as_tf(value))
+
+
+_NUMBERS = (bool, int, float, complex)
+
+
+def _packed(values):
+    """A list holding tensors as TF converts it (auto-packing): the elements stacked, Python
+    numbers in the tensors' dtype; tensors of different dtypes or shapes raise, as in TF."""
+    parts = [v if isinstance(v, _NUMBERS) else _tensor(v) for v in values]
+    dtypes = {p.dtype for p in parts if not isinstance(p, _NUMBERS)}
+    if len(dtypes) > 1:
+        raise errors.InvalidArgumentError(
+            f"a list of losses mixes dtypes {sorted(map(str, dtypes))}; TF packs a list into one "
+            "tensor of one dtype: cast them alike.")
+    dtype = dtypes.pop()
+    parts = [jnp.asarray(p, dtype) if isinstance(p, _NUMBERS) else p for p in parts]
+    if len({p.shape for p in parts}) > 1:
+        raise errors.ShapeMismatchError(
+            f"a list of losses of shapes {[p.shape for p in parts]}; TF packs a list into one "
+            "tensor, so its elements need one shape (sum each first for model.losses).")
+    return jnp.stack(parts)
 
 
 def _weighted(loss, weight):
