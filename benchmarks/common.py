@@ -123,9 +123,10 @@ def cpu_ticks():
 
 def record_stolen_time(benchmark, start):
     """Records the share of the machine's CPU time its hypervisor gave to other guests (steal)
-    since ``start`` (`cpu_ticks`). On a shared virtual machine that share moves every absolute
-    figure: the least wrapper of `bench_compile` cost 18 us over the raw call at 10 leaves in one
-    run and 66 us in another, while 30% of the machine's time was stolen (2026-11-27)."""
+    since ``start`` (`cpu_ticks`): one way a shared virtual machine moves every absolute figure,
+    not the only one. On 2026-11-27 the least wrapper of `bench_compile` cost 18 us over the raw
+    call at 10 leaves in one run, 66 us in a probe with 30% stolen, and 52 us in a run with 1.6%
+    stolen (everything ran 2-3x slower then), so compare absolute figures within one run only."""
     end = cpu_ticks()
     if start is None or end is None or not results_file(benchmark).exists():
         return  # No counters here, or a benchmark that recorded nothing (it only prints).

@@ -44,7 +44,8 @@ def plot(scaling):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
-    rows = sorted((f["data"] for f in scaling), key=lambda d: d["replicas"])
+    rows = sorted((f["data"] for f in scaling if "replicas" in f["data"]),
+                  key=lambda d: d["replicas"])
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     for key, label in CURVES:
         points = [(d["replicas"], d[key]) for d in rows if key in d]
