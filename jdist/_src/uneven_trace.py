@@ -436,18 +436,18 @@ def dynamic_kinds(kinds):
     return [k for k in kinds if k != "static"]
 
 
+def _row_counts(abstract, kinds):
+    """The leading sizes of the replica's per-replica inputs (its rows; every row is real in
+    an exact step)."""
+    return {a.shape[1] for a, k in zip(abstract, dynamic_kinds(kinds))
+            if k == "per_replica" and len(a.shape) >= 2}
+
+
 def _rows(abstract, kinds):
     """The replica's batch size the replica context reports: its per-replica inputs' common
-    leading size (every row is real in an exact step), or None."""
-    sizes = {a.shape[1] for a, k in zip(abstract, dynamic_kinds(kinds))
-             if k == "per_replica" and len(a.shape) >= 2}
+    leading size, or None."""
+    sizes = _row_counts(abstract, kinds)
     return sizes.pop() if len(sizes) == 1 else None
-
-
-def _has_empty_batch(abstract, kinds):
-    """Whether a per-replica input of the replica has no rows (a partial batch's empty one)."""
-    return any(k == "per_replica" and len(a.shape) >= 2 and a.shape[1] == 0
-               for a, k in zip(abstract, dynamic_kinds(kinds)))
 
 
 # Added to an error the replica function raised on an empty batch: JAX's own message does not
@@ -479,7 +479,7 @@ def trace_replicas(runner, fn, in_tree, kinds, statics, per_replica):
                 suspended[key] = stop
                 continue
             except Exception as error:
-                if _has_empty_batch(abstract, kinds):
+                if 0 in _row_counts(abstract, kinds):  # A partial batch's empty replica.
                     error.add_note(_EMPTY_BATCH.format(replica=r))
                 raise
             traces[key] = _flat_trace(traced, eqn, runner.programs.mesh, record["tree"],
