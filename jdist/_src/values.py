@@ -527,9 +527,7 @@ def wrap_at(leaves, mirrored_at, num_replicas, per_replica_at=()):
         m._value, m._int64_bounds = leaves[i], None  # Both set: reading an unset slot raises.
         leaves[i] = m
     for i in per_replica_at:
-        p = new(PerReplica)
-        p._init(leaves[i], None, None)
-        leaves[i] = p
+        leaves[i] = PerReplica._from_stacked(leaves[i])
 
 
 def is_distributed(x):
