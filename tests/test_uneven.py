@@ -220,6 +220,33 @@ def test_a_collective_inside_an_inner_jit_is_cut_too():
     assert_local_results(s, out, [1.0, 1.0])
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("merge", ["all_gather", "merge_call"])
+def test_a_merge_inside_an_inner_jit_is_traced_anew_for_every_split(n, merge):
+    # jax.jit reuses a jaxpr it traced for the same argument types, but a merge's result shape
+    # depends on the other replicas' rows: an even step, another split or another replica of
+    # the same rows must not lend it theirs (this raised, or failed with a KeyError).
+    def gathered(x):
+        ctx = jdist.get_replica_context()
+        if merge == "all_gather":
+            return ctx.all_gather(x, 0)
+        return ctx.merge_call(lambda strategy, v: strategy.gather(v, 0), args=(x,))
+
+    @jax.jit
+    def weighted_total(x):
+        g = gathered(x)
+        return jnp.sum(g[:, 0] * jnp.arange(1, g.shape[0] + 1)), g.shape[0]
+
+    s = mirrored(n)
+    splits = [[2] * n, [2] * (n - 1) + [1], [1] + [2] * (n - 1), [2, 0] + [1] * (n - 2)]
+    for k, rows in enumerate(splits):
+        comps = [np.full((r, 1), 10 * k + i + 1, np.float32) for i, r in enumerate(rows)]
+        total, size = s.run(weighted_total, args=(per_replica(s, comps),))
+        g = np.concatenate(comps)[:, 0]
+        assert_local_results(s, total, [np.sum(g * np.arange(1, g.size + 1))] * n)
+        assert_local_results(s, size, [g.size] * n)
+
+
 def test_distribute_datasets_from_function_with_different_inner_sizes():
     s = mirrored(2)
     batches = [np.full(shape, fill, np.float32)

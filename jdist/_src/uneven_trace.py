@@ -10,6 +10,7 @@ checks what every replica must agree on (the sequence of collectives, an all-red
 
 import dataclasses
 import functools
+import itertools
 import operator
 from typing import Any
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core
+from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend import source_info_util
 from jax.interpreters import ad
 
@@ -473,8 +475,9 @@ def trace_replicas(runner, fn, in_tree, kinds, statics, per_replica):
                 continue
             state = _ReplicaTrace(resolved, r)
             try:
-                traced, eqn, record = runner.trace(fn, in_tree, kinds, statics, abstract, False,
-                                                   _rows(abstract, kinds), exact=state)
+                with _fresh_inner_traces():
+                    traced, eqn, record = runner.trace(fn, in_tree, kinds, statics, abstract,
+                                                       False, _rows(abstract, kinds), exact=state)
             except _Suspend as stop:
                 suspended[key] = stop
                 continue
@@ -494,6 +497,22 @@ def trace_replicas(runner, fn, in_tree, kinds, statics, per_replica):
         index = len(resolved)
         resolved[index] = _resolve_merge(runner.strategy,
                                          [suspended[key].request for key in keys])
+
+
+_TRACE_NUMBERS = itertools.count()
+
+
+def _fresh_inner_traces():
+    """A context in which the ``jax.jit`` functions a replica function calls trace it anew.
+
+    ``jax.jit`` reuses the jaxpr it traced for the same argument types. A merge_call or an
+    uneven all_gather inside such a function binds results whose shapes depend on the other
+    replicas (`_ReplicaTrace.merge_call`), so a jaxpr traced for one split, an even step or
+    another replica is wrong for this one, and reusing it skips the merge_call's Python side
+    (its count). The cache is keyed on the trace context, of which XLA metadata is part: a
+    number of its own per replica trace keeps each trace's inner jaxprs its own (the metadata
+    is a frontend attribute on the traced operations, which XLA ignores)."""
+    return set_xla_metadata(jdist_replica_trace=next(_TRACE_NUMBERS))
 
 
 def _grouped(traces):
