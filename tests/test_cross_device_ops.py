@@ -163,7 +163,7 @@ def test_batch_reduce_matches_numpy(n, impl, bytes_per_pack):
                 assert results[-1].dtype == (jnp.float32 if op is MEAN else jnp.int16)
 
 
-@replicas
+@pytest.mark.parametrize("n", [2, 4, 8])  # Odd counts: TF's hierarchical copy drops one.
 def test_batch_reduce_mixes_per_replica_mirrored_and_plain_values(n):
     s = strategy(n, "hierarchical_3_packs")
     comps = components(n)
@@ -203,21 +203,69 @@ def test_replica_all_reduce_of_a_nest(n, impl, bytes_per_pack):
     comps = components(n, shape=(4,), seed=3)
     options = jdist.CommunicationOptions(bytes_per_pack=bytes_per_pack)
 
+    if impl == "hierarchical_3_packs" and n % 2:
+        pytest.skip("TF's hierarchical copy leaves a replica out on odd counts: see below")
+    # A narrow dtype in the nest, as in the batch test, where TF's all-reduce takes it: its
+    # NCCL op takes no int16, and packs (num_packs > 0) hold one dtype.
+    narrow = {"default": np.float16, "nccl_unpacked": np.float16, "nccl": np.float32,
+              "hierarchical_3_packs": np.float32}.get(impl, np.int16)
+
     def step(x):
         ctx = jdist.get_replica_context()
         rid = ctx.replica_id_in_sync_group
-        narrow = jnp.float16 if impl == "default" else jnp.int16  # As in the batch test.
         nest = {"x": x, "pair": (x[:2] * 2, jnp.asarray(rid, narrow)), "empty": x[:0]}
         return ctx.all_reduce("sum", nest, options), ctx.all_reduce("mean", nest, options)
 
     sums, means = s.run(step, args=(per_replica(s, comps),))
-    rids = [np.asarray(i, np.float16 if impl == "default" else np.int16) for i in range(n)]
+    rids = [np.asarray(i, narrow) for i in range(n)]
     for op, out in ((SUM, sums), (MEAN, means)):
         assert_mirrored(out["x"], n, reference(impl, op, comps))
         assert_mirrored(out["pair"][0], n, reference(impl, op, [c[:2] * 2 for c in comps]))
         assert_mirrored(out["pair"][1], n, reference(impl, op, rids))
         assert all(e.shape == (0,) for e in s.experimental_local_results(out["empty"]))
-    assert means["pair"][1].dtype == (jnp.float16 if impl == "default" else jnp.float32)
+    assert means["pair"][1].dtype == (jnp.float32 if narrow == np.int16 else narrow)
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_hierarchical_copy_on_an_odd_count_raises_where_tf_leaves_a_replica_out(n):
+    # TF's hierarchical copy adds two groups of n // 2 devices: on 3 replicas holding 1, 10
+    # and 100 its all-reduce gives 11. jdist raises rather than give 111 or TF's 11.
+    s = strategy(n, "hierarchical_3_packs")
+    v = per_replica(s, [np.float32([10.0 ** i]) for i in range(n)])
+    with pytest.raises(errors.InvalidArgumentError, match="leaves the last one out"):
+        s.run(lambda x: jdist.get_replica_context().all_reduce("sum", x), args=(v,))
+    with pytest.raises(errors.InvalidArgumentError, match="leaves the last one out"):
+        s.extended.batch_reduce_to(SUM, [(v, v)])
+    # Elsewhere TF reduces to one device (a strategy.reduce, another destination): all of it.
+    np.testing.assert_allclose(s.reduce(SUM, v, axis=None), [sum(10.0 ** i for i in range(n))])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("impl, dtypes, raises", [
+    ("nccl", ("bfloat16",), True), ("nccl", ("uint8",), True), ("nccl", ("complex64",), True),
+    ("nccl", ("float32", "float16"), True), ("hierarchical_3_packs", ("float32", "float16"), True),
+    ("nccl_unpacked", ("float32", "float16"), False),
+    ("nccl", ("float16", "float16"), False), ("hierarchical_3_packs", ("uint8",), False)])
+def test_all_reduce_raises_where_tfs_nccl_op_or_packing_raises(n, impl, dtypes, raises):
+    # TF's NCCL op takes float16, float32, float64, int32 and int64; with num_packs > 0 TF
+    # concatenates a batch into one buffer, which takes one dtype.
+    s = strategy(n, impl)
+    comps = [[np.full((2,), i + 1, d) for i in range(n)] for d in dtypes]
+    values = [per_replica(s, c) for c in comps]
+
+    def step(*xs):
+        return jdist.get_replica_context().all_reduce("sum", xs)
+    if raises:
+        with pytest.raises(errors.InvalidArgumentError, match="TF"):
+            s.run(step, args=tuple(values))
+        with pytest.raises(errors.InvalidArgumentError, match="TF"):
+            s.extended.batch_reduce_to(SUM, [(v, v) for v in values])
+        return
+    for out in (s.run(step, args=tuple(values)), s.extended.batch_reduce_to(
+            SUM, [(v, v) for v in values])):
+        for c, got in zip(comps, out):
+            assert got.dtype == c[0].dtype
+            assert_mirrored(got, n, np.sum(np.stack(c), axis=0, dtype=c[0].dtype))
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -386,6 +386,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
 
     _ALGORITHMS = {"nccl": "NCCL all-reduce", "hierarchical_copy": "HierarchicalCopy",
                    "xla": "XLA all-reduce"}
+    _NCCL_DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64"})
 
     def __init__(self, all_reduce_alg="nccl", num_packs=1):
         if all_reduce_alg not in self._ALGORITHMS:
@@ -405,8 +406,47 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         mesh = replica_mesh.of_array(per_replica_value.stacked, per_replica_value.num_replicas)
+        if mesh.devices[0].platform != "cpu" and set(destinations.devices) == set(mesh.devices):
+            # TF all-reduces one value only there; elsewhere it reduces to one device.
+            self.check_tf_all_reduce(mesh.num_replicas, [per_replica_value.stacked.dtype])
         reduced = self.reduce_to_mesh(mesh, reduce_op, per_replica_value, None)
         return self._place(mesh, reduced, destinations)
+
+    def replica_all_reduce(self, axis_name, num_replicas, op, value, options=None):
+        self.check_tf_all_reduce(num_replicas, [jax.dtypes.result_type(x)
+                                                for x in jax.tree_util.tree_leaves(value)])
+        return super().replica_all_reduce(axis_name, num_replicas, op, value, options)
+
+    def check_tf_all_reduce(self, num_replicas: int, dtypes: Sequence) -> None:
+        """Raises `InvalidArgumentError` where TF's all-reduce of a batch of values of
+        ``dtypes`` over ``num_replicas`` devices raises, or returns a sum jdist does not
+        reproduce. TF's NCCL op takes five dtypes; with ``num_packs`` > 0 TF concatenates the
+        whole batch into one buffer, one dtype; its hierarchical copy adds two groups of
+        ``num_replicas // 2`` devices, which leaves a replica out of the sum on an odd count."""
+        name = self._ALGORITHMS[self._all_reduce_alg]
+        if self._all_reduce_alg == "xla" or num_replicas == 1:
+            return
+        dtypes = sorted({np.dtype(d).name for d in dtypes})
+        instead = ("use ReductionToOneDevice (TF's default on CPUs), or the default "
+                   "cross_device_ops off GPUs")
+        if self._all_reduce_alg == "hierarchical_copy" and num_replicas % 2:
+            raise errors.InvalidArgumentError(
+                f"{name} over {num_replicas} replicas: TF's hierarchical copy adds two groups "
+                f"of {num_replicas // 2} replicas and leaves the last one out of the sum (TF "
+                f"returns the sum of {num_replicas - 1} replicas). Use an even number of "
+                f"replicas or NcclAllReduce, or {instead}.")
+        refused = [d for d in dtypes if d not in self._NCCL_DTYPES]
+        if self._all_reduce_alg == "nccl" and refused:
+            raise errors.InvalidArgumentError(
+                f"{name} of {', '.join(refused)} values: TF's NCCL all-reduce takes "
+                f"{', '.join(sorted(self._NCCL_DTYPES))} only (it raises TypeError); cast "
+                f"them, or {instead}.")
+        if self._num_packs > 0 and len(dtypes) > 1:
+            raise errors.InvalidArgumentError(
+                f"{name} with num_packs={self._num_packs} of values of several dtypes "
+                f"({', '.join(dtypes)}): TF concatenates the batch into one buffer, which "
+                f"needs one dtype (it raises). Reduce each dtype in a batch of its own, pass "
+                f"num_packs=0, or {instead}.")
 
     def _place(self, mesh, reduced, target):
         """``reduced`` (replicated on ``mesh``) on ``target``; no copy when they are the same
@@ -421,6 +461,11 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
             by_mesh.setdefault(replica_mesh.of_array(value.stacked, value.num_replicas),
                                []).append(i)
         results = [None] * len(value_destination_pairs)
+        if len(by_mesh) == 1 and all(set(t.devices) == set(next(iter(by_mesh)).devices)
+                                     for _, t in value_destination_pairs):
+            # TF all-reduces the batch at once there; elsewhere each value on its own.
+            self.check_tf_all_reduce(next(iter(by_mesh)).num_replicas,
+                                     [v.stacked.dtype for v, _ in value_destination_pairs])
         for mesh, indices in by_mesh.items():
             values = [value_destination_pairs[i][0] for i in indices]
             stacked = [mesh.strip_padding(v.stacked, v.lengths, None)[0] for v in values]
