@@ -127,13 +127,18 @@ def test_plain_value_on_one_replica_comes_back(strategy_fn, op):
     np.testing.assert_array_equal(strategy_fn().reduce(op, jnp.arange(3.0)), [0., 1., 2.])
 
 
-@pytest.mark.parametrize("strategy_fn", [lambda: mirrored(1), lambda: mirrored(3),
-                                         lambda: jdist.get_strategy()])
+@pytest.mark.parametrize("strategy", ["mirrored 1", "mirrored 3", "one device", "default"])
 @pytest.mark.parametrize("value", [None, (None, 1.0), {"a": None}])
-def test_none_is_a_value_sum_refuses_and_mean_hands_back(strategy_fn, value):
-    s = strategy_fn()  # TF: SUM cannot make a tensor of None; MEAN returns the nest as it is.
-    with pytest.raises(errors.InvalidArgumentError, match="None"):
-        s.reduce("sum", value)
+def test_none_is_a_value_sum_refuses_and_mean_hands_back(strategy, value):
+    # TF's MirroredStrategy: SUM cannot make a tensor of None; MEAN returns the nest as it is.
+    # Its OneDeviceStrategy and default strategy hand every plain value back, SUM included.
+    s = {"one device": lambda: jdist.OneDeviceStrategy("cpu:0"), "default": jdist.get_strategy,
+         }.get(strategy, lambda: mirrored(int(strategy[-1])))()
+    if strategy.startswith("mirrored"):
+        with pytest.raises(errors.InvalidArgumentError, match="None"):
+            s.reduce("sum", value)
+    else:
+        assert s.reduce("sum", value) == value
     assert s.reduce("mean", value) == value
 
 
@@ -242,15 +247,15 @@ def test_bool_reduction_raises(n, op, how):
         BOOL_REDUCTIONS[how](s, op, per_replica(s, comps))
 
 
-ADDING_ON_ONE_REPLICA = ("reduce_axis0", "cross_device_ops")
+ADDING_ON_ONE_REPLICA = ("reduce_axis0",)
 
 
 @pytest.mark.parametrize("strategy", ["mirrored", "one device", "default"])
 @pytest.mark.parametrize("op", ["sum", "mean"])
 @pytest.mark.parametrize("how", sorted(BOOL_REDUCTIONS))
 def test_one_replica_hands_bools_back_where_it_adds_nothing(strategy, op, how):
-    # On one replica TF adds nothing (the value comes back) except along an axis (reduce_sum)
-    # and in cross-device ops called directly.
+    # On one replica TF adds nothing (the value comes back) except along an axis (reduce_sum);
+    # cross-device ops called directly hand a value on the destination's device back.
     s = {"mirrored": mirrored(1), "one device": jdist.OneDeviceStrategy("cpu:0"),
          "default": jdist.get_strategy()}[strategy]
     value = np.array([True, False])
@@ -262,6 +267,52 @@ def test_one_replica_hands_bools_back_where_it_adds_nothing(strategy, op, how):
     for result in got if isinstance(got, list) else [got]:
         np.testing.assert_array_equal(np.asarray(result), value)
         assert np.asarray(result).dtype == np.bool_
+
+
+@pytest.mark.parametrize("ops", [jdist.ReductionToOneDevice, jdist.NcclAllReduce])
+@pytest.mark.parametrize("batch", [False, True], ids=["reduce", "batch_reduce"])
+def test_cross_device_ops_divide_one_bool_value_elsewhere_as_tf(ops, batch):
+    # TF's cross-device ops hand one value on the destination's device back; elsewhere they
+    # reduce it: add_n of one value is that value, and a MEAN divides it by one, which a bool
+    # is not (TypeError in TF).
+    value, (SUM, MEAN) = np.array([True, False]), jdist.ReduceOp
+
+    def reduce(op, destination):
+        if batch:
+            return ops().batch_reduce(op, [(value, destination)])[0]
+        return ops().reduce(op, value, destination)
+    for op, destination in ((SUM, "cpu:0"), (MEAN, "cpu:0"), (SUM, "cpu:1")):
+        got = reduce(op, destination)
+        np.testing.assert_array_equal(np.asarray(got), value)
+        assert got.dtype == np.bool_
+        assert got.devices() == {jax.devices()[int(destination[-1])]}
+    with pytest.raises(errors.UnsupportedValueError, match="bool"):
+        reduce(MEAN, "cpu:1")
+
+
+@pytest.mark.parametrize("strategy", ["mirrored 1", "mirrored 2", "mirrored 3", "one device",
+                                      "default"])
+@pytest.mark.parametrize("how", ["reduce", "reduce_to"])
+@pytest.mark.parametrize("number", [0, 0.0, False, 3, 0.1])
+def test_a_python_number_reduces_as_tfs_strategy_reduces_it(strategy, how, number):
+    # TF's OneDeviceStrategy and default strategy hand a plain value back as it is (0.1 stays
+    # a Python float, not float32's 0.100000001); its MirroredStrategy hands zeros back as
+    # np.zeros(value.shape), which a Python number has not (AttributeError), at any count.
+    s = {"one device": lambda: jdist.OneDeviceStrategy("cpu:0"), "default": jdist.get_strategy,
+         }.get(strategy, lambda: mirrored(int(strategy[-1])))()
+
+    def reduce(op):
+        if how == "reduce":
+            return s.reduce(op, number, axis=None)
+        return s.extended.reduce_to(op, number, "cpu:0")
+    if strategy.startswith("mirrored") and number == 0:
+        for op in ("sum", "mean"):
+            with pytest.raises(errors.JdistError):  # A bool: UnsupportedValueError first.
+                reduce(op)
+        return
+    assert reduce("mean") is number  # The value as it is.
+    if not strategy.startswith("mirrored"):
+        assert reduce("sum") is number
 
 
 @pytest.mark.parametrize("n", [n for n in REPLICA_COUNTS if n > 1])

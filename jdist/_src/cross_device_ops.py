@@ -89,7 +89,7 @@ class CrossDeviceOps(abc.ABC):
             raise errors.InvalidArgumentError(  # TF converts it to one tensor, and cannot.
                 f"reduce takes one value, got {type(per_replica_value).__name__}; reduce each "
                 "leaf, or several values at once with batch_reduce.")
-        check_reducible(op, per_replica_value)
+        check_reducible(op, per_replica_value, adds=_adds(per_replica_value))
         return self._reduce(op, per_replica_value, target, as_options(options))
 
     def batch_reduce(self, reduce_op: ReduceOp, value_destination_pairs: Sequence[tuple],
@@ -108,7 +108,8 @@ class CrossDeviceOps(abc.ABC):
         op = ReduceOp.from_any(reduce_op, allow_strings=False)
         pairs = check_pairs(value_destination_pairs)
         pairs = [(value, destinations_lib.resolve(d)) for value, d in pairs]
-        check_reducible(op, [value for value, _ in pairs])
+        for value, _ in pairs:
+            check_reducible(op, value, adds=_adds(value))
         return self._batch_reduce(op, pairs, as_options(options))
 
     def broadcast(self, tensor: Any, destinations: Destinations) -> Any:
@@ -206,6 +207,8 @@ class CrossDeviceOps(abc.ABC):
         here = (set(one.devices()) if isinstance(one, jax.Array)
                 else {jax.local_devices(backend="cpu")[0]})
         if here != set(target.devices):
+            if op is ReduceOp.MEAN:  # TF divides the value by 1 (no bool division).
+                check_reducible(op, one)
             one = collectives.finish(op, one, 1)
         return self.broadcast_implementation(one, target)
 
@@ -223,6 +226,12 @@ class CrossDeviceOps(abc.ABC):
 
     def __repr__(self):
         return f"{type(self).__name__}()"
+
+
+def _adds(value) -> bool:
+    """Whether the cross-device ops add ``value``'s replicas: one replica's value is handed
+    back (TF's shortcut) or, elsewhere, divided by one (`CrossDeviceOps._reduce_one`)."""
+    return isinstance(value, DistributedValues) and value.num_replicas > 1
 
 
 def check_pairs(value_destination_pairs: Sequence[tuple]) -> List[tuple]:

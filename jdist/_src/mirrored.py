@@ -40,6 +40,7 @@ class MirroredExtended(StrategyExtended):
     # gradient tape; OneDeviceStrategy's runs inline, where gradients flow (`merge`).
     _gradients_through_merge_call = False
     _ops_per_value = True  # TF's MirroredStrategy: int32 values go to ReductionToOneDevice.
+    _plain_values_as_they_are = False
 
     def __init__(self, container_strategy, devices, cross_device_ops=None):
         super().__init__(container_strategy, devices)
@@ -235,3 +236,4 @@ class _OneDeviceExtended(MirroredExtended):
 
     _gradients_through_merge_call = True
     _ops_per_value = False
+    _plain_values_as_they_are = True

@@ -66,6 +66,10 @@ class StrategyExtended:
     _tf_collective_ops: bool = False
     # Whether TF's strategy picks its cross-device ops value by value (`check_batch_reduce`).
     _ops_per_value: bool = False
+    # Whether TF's strategy hands a plain (not distributed) value back as it is from reduce
+    # and reduce_to, whatever the op (the default and OneDeviceStrategy); the mirrored ones
+    # pass it to ``reduce_non_distributed_value`` (`_unreduced`).
+    _plain_values_as_they_are: bool = True
     #: The ``jax.sharding.Mesh`` of the replicas; None for the default strategy (no mesh).
     mesh: Optional[jax.sharding.Mesh] = None
     #: Whether this process writes checkpoints / summaries and initialises state (TF): true on
@@ -338,7 +342,8 @@ class StrategyExtended:
         value = self.as_worker_value(value)  # Checked with every worker's numbers.
         check_reducible(op, value, adds=self._num_replicas > 1)
         self.check_collective_dtypes(value, "extended.reduce_to", reduces_one=True)
-        unreduced = _unreduced(op, value)
+        unreduced = (value if self._plain_values_as_they_are and not is_distributed(value)
+                     else _unreduced(op, value))
         if unreduced is not _REDUCE:  # Before the destinations are read, as in TF.
             return unreduced
         return self._reduce_to(op, value, self._target(destinations), options)
@@ -470,6 +475,7 @@ class StrategyExtended:
                     "strategy.num_replicas_in_sync.")
             value = value.value
         elif axis is None and n > 1:
+            _check_not_python_zero(op, value)
             if op is ReduceOp.SUM and _host_zeros(value):
                 return np.zeros(value.shape, value.dtype)  # TF: the sum of zeros, whatever N.
             if op is ReduceOp.SUM:
@@ -478,7 +484,10 @@ class StrategyExtended:
                     "ReduceOp.SUM on a strategy with several replicas: it is not per-replica. "
                     "Reduce the PerReplica value returned by strategy.run instead.")
             return value
-        elif n == 1 and axis is None:  # TF: MEAN hands the value back, SUM makes a tensor of it.
+        elif n == 1 and axis is None:  # TF's MirroredStrategy: MEAN hands the value back, SUM
+            if self._plain_values_as_they_are:  # makes a tensor of it; the others hand it back.
+                return value
+            _check_not_python_zero(op, value)
             return value if asked is ReduceOp.MEAN else _as_tensor(value)
         # The same value on every replica (TF runs the within-replica reduce on each of them).
         value = jnp.asarray(value)
@@ -493,14 +502,27 @@ def _unreduced(op, value):
     """What TF's ``reduce_to`` returns without reducing ``value`` (``_REDUCE`` where it reduces):
     a `Mirrored` value's MEAN is that value, a host array of zeros comes back as zeros, and
     another non-distributed value's MEAN is that value as it is (a Python number included),
-    wherever the destinations are (TF's ``reduce_non_distributed_value``)."""
+    wherever the destinations are (TF's ``reduce_non_distributed_value``). A Python zero
+    raises: TF makes its zeros as ``np.zeros(value.shape)``, which a Python number has not."""
     if isinstance(value, Mirrored) and not is_step_output(value):
         return value if op is ReduceOp.MEAN else _REDUCE
     if isinstance(value, DistributedValues):
         return _REDUCE
+    _check_not_python_zero(op, value)
     if _host_zeros(value):
         return np.zeros(value.shape, value.dtype)
     return value if op is ReduceOp.MEAN else _REDUCE
+
+
+def _check_not_python_zero(op, value):
+    """Raises where a mirrored strategy of TF's raises AttributeError reducing a plain value: a
+    Python zero, which TF hands back as ``np.zeros(value.shape)`` (a number has no shape)."""
+    if isinstance(value, (int, float, complex)) and value == 0:
+        raise errors.InvalidArgumentError(
+            f"{op} of the Python number {value!r} (not a per-replica value): TF's "
+            "MirroredStrategy raises AttributeError there (it hands zeros back as "
+            "np.zeros(value.shape), and a Python number has no shape). Pass a NumPy zero "
+            "(np.float32(0)), which TF and jdist hand back as zeros, or a per-replica value.")
 
 
 def _host_zeros(value) -> bool:
