@@ -383,8 +383,10 @@ class StrategyExtended:
         self.check_collective_dtypes([value for value, _ in pairs], "extended.batch_reduce_to")
         self.check_batch_reduce([value for value, _ in pairs], "extended.batch_reduce_to")
         targets = [self._target(d) for _, d in pairs]
-        if self._tf_collective_ops:
-            targets = [self._mirrored_target] * len(pairs)
+        if self._tf_collective_ops:  # Its results land on every replica device; an int32
+            targets = [  # value's, reduced by a ReductionToOneDevice, on its destinations.
+                t if _dtype_of(v) == np.int32 else self._mirrored_target
+                for (v, _), t in zip(pairs, targets)]
         ops = self._cross_device_ops
         # TF hands every pair to its cross-device ops' batch_reduce, whose SUM takes a plain
         # value as a one-replica value and adds a Mirrored one's copies (reduce_to raises for
@@ -512,6 +514,12 @@ def _unreduced(op, value):
     if _host_zeros(value):
         return np.zeros(value.shape, value.dtype)
     return value if op is ReduceOp.MEAN else _REDUCE
+
+
+def _dtype_of(value):
+    """The dtype of a value's arrays (a `PerReplica` flattens to them); None for a number."""
+    leaves = jax.tree_util.tree_leaves(value)
+    return np.dtype(leaves[0].dtype) if leaves and hasattr(leaves[0], "dtype") else None
 
 
 def _check_not_python_zero(op, value):
