@@ -195,6 +195,18 @@ def test_broadcast_copies_to_destinations(n, impl):
         np.testing.assert_array_equal(s.extended.broadcast_to(x, jax.devices()[0]), x)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_extended_broadcast_to_refuses_an_array_destination_as_tf(n):
+    # TF tests broadcast_to's destinations for truth (`if not destinations`): an array of
+    # several elements or a zero raises there; reduce_to and batch_reduce_to take arrays.
+    s = mirrored(n)
+    for destination in (jnp.ones(2), jnp.float32(0.0), np.zeros(())):
+        with pytest.raises(errors.InvalidArgumentError, match="broadcast_to"):
+            s.extended.broadcast_to(np.float32(5.0), destination)
+    got = s.extended.broadcast_to(np.float32(5.0), jnp.float32(1.0))
+    np.testing.assert_array_equal(got, 5.0)
+
+
 # ---------------------------------------------------------------- all_reduce inside run
 @replicas
 @packed_grid

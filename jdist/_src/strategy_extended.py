@@ -415,6 +415,7 @@ class StrategyExtended:
           A `Mirrored` value for `DistributedValues` destinations, else an array.
         """
         context.require_cross_replica(self._container_strategy_ref, "extended.broadcast_to")
+        _check_broadcast_destinations(destinations)
         return self._place(tensor, self._target(destinations))
 
     def _target(self, destinations):
@@ -514,6 +515,20 @@ def _unreduced(op, value):
     if _host_zeros(value):
         return np.zeros(value.shape, value.dtype)
     return value if op is ReduceOp.MEAN else _REDUCE
+
+
+def _check_broadcast_destinations(destinations):
+    """Raises where TF's ``broadcast_to`` refuses an array as its destinations: it tests their
+    truth (``if not destinations``), which an array of several elements has not, and a zero
+    fails (``reduce_to`` and ``batch_reduce_to`` take any array, as jdist does)."""
+    if isinstance(destinations, DistributedValues) or not hasattr(destinations, "ndim"):
+        return
+    if destinations.ndim > 0 or (not isinstance(destinations, jax.core.Tracer)
+                                 and not np.asarray(destinations)):
+        raise errors.InvalidArgumentError(
+            "extended.broadcast_to got an array as its destinations, which TF refuses (it "
+            "tests their truth: ValueError); pass a DistributedValues (the strategy's devices) "
+            "or a device.")
 
 
 def _dtype_of(value):
