@@ -211,14 +211,15 @@ def test_collectives_of_a_tensor_every_replica_holds_as_one_object(n, uneven):
     # TF's regroup takes a tensor every replica holds as the same object (captured from outside
     # the step, or a plain merge_fn result) as one value: all_reduce and all_gather give it
     # back as it is, merge_fn gets it as it is (its SUM raises). A constant the step makes is
-    # each replica's own, and is summed n times.
+    # each replica's own, and is summed n times. TF reduces a nest as one batch, which raises
+    # with such a tensor beside per-replica ones (IndexError).
     s, captured = mirrored(n), jnp.asarray([1.5, 2.0])
     batch = per_replica(s, [np.ones((r % 2 + 1 if uneven else 2,), np.float32) for r in range(n)])
 
     def fn(x):
         ctx = jdist.get_replica_context()
         merged = ctx.merge_call(_total_of_ids, args=(jnp.float32(replica_id()) + 0 * x[0],))
-        return (ctx.all_reduce("sum", [captured, merged, jnp.asarray([1.5, 2.0])]),
+        return ([ctx.all_reduce("sum", v) for v in (captured, merged, jnp.asarray([1.5, 2.0]))],
                 ctx.all_gather(captured, axis=0),
                 ctx.merge_call(lambda strategy, c: strategy.reduce("mean", c, axis=None),
                                args=(captured,)), jnp.sum(x))
@@ -232,6 +233,16 @@ def test_collectives_of_a_tensor_every_replica_holds_as_one_object(n, uneven):
         s.run(lambda x: jdist.get_replica_context().merge_call(
             lambda strategy, c: strategy.reduce("sum", c, axis=None), args=(captured,)) * x[0],
             args=(batch,))
+    for one in ("captured", "merged"):  # Beside the replica's own value: in one batch.
+        def mixed(x, one=one):
+            ctx = jdist.get_replica_context()
+            merged = ctx.merge_call(_total_of_ids, args=(jnp.float32(replica_id()) + 0 * x[0],))
+            return ctx.all_reduce("sum", ({"captured": captured, "merged": merged}[one], x[:1]))
+        with pytest.raises(errors.InvalidArgumentError, match="one batch"):
+            s.run(mixed, args=(batch,))
+    with pytest.raises(errors.InvalidArgumentError, match="NumPy"):  # TF's destinations.
+        s.run(lambda x: jdist.get_replica_context().all_reduce("sum", np.ones(2, np.float32)),
+              args=(batch,))
 
 
 @pytest.mark.parametrize("n", [2, 3, 8])

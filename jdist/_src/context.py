@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jdist._src import errors
@@ -318,15 +319,25 @@ class _Binding:
         """Records the replicated arguments among ``leaves`` that a collective takes."""
         self.collected.update(j for j in map(self.replicated_argument, leaves) if j is not None)
 
-    def each_own(self, value, combine):
+    def each_own(self, value, combine, batched=None):
         """``combine(value)`` over the leaves each replica computed itself; a `shared` leaf is
         one value in TF, so ``all_reduce`` and ``all_gather`` give it back as it is (every
-        replica its own copy, as TF's results are)."""
+        replica its own copy, as TF's results are). ``batched`` names a call that TF makes
+        one batch of the nest's leaves: there a shared leaf beside others raises, as TF's
+        ``batch_reduce_to`` of one value beside per-replica ones does (IndexError)."""
         leaves, tree = jax.tree_util.tree_flatten(value)
         self.note_collected(leaves)
         shared = [self.shared(x) for x in leaves]
         if not any(shared):
             return combine(value)
+        if batched is not None and not all(  # run's plain arguments: shared once collected.
+                one or self.replicated_argument(x) is not None for x, one in zip(leaves, shared)):
+            raise errors.InvalidArgumentError(
+                f"{batched} of a nest holding a tensor every replica holds as one object (a "
+                "plain argument of strategy.run, a plain array a merge_fn returned, or one the "
+                "step captured) beside per-replica values: TF reduces the nest as one batch and "
+                "raises there (IndexError). Reduce that tensor in a call of its own (which "
+                "gives it back as it is, as in TF), apart from the others.")
         own = iter(combine([x for x, one in zip(leaves, shared) if not one]))
         return tree.unflatten([lax.optimization_barrier(x) if one else next(own)
                                for x, one in zip(leaves, shared)])
@@ -478,10 +489,16 @@ class ReplicaContext:
         self._strategy.extended.check_collective_dtypes(value, "all_reduce")
         if self.num_replicas_in_sync == 1:  # TF: one replica's value reduces to itself, dtype
             return jax.tree_util.tree_map(jnp.asarray, value)  # too (an int MEAN stays int).
+        if any(isinstance(x, (np.ndarray, np.generic)) for x in jax.tree_util.tree_leaves(value)):
+            raise errors.InvalidArgumentError(  # TF takes a NumPy value as its destinations.
+                "all_reduce of a NumPy array on several replicas: TF raises there (\"destinations "
+                "must be one of a DistributedValues object, ...\"). Make it an array of the step "
+                "(jnp.asarray(x)) if every replica computes its own, or use it as it is (every "
+                "replica holds the same one).")
         if self._binding is None:
             return self._collectives.all_reduce(op, value, options)
         return self._binding.each_own(
-            value, lambda own: self._collectives.all_reduce(op, own, options))
+            value, lambda own: self._collectives.all_reduce(op, own, options), "all_reduce")
 
     def all_gather(self, value, axis, options=None):
         """Concatenates each replica's ``value`` along ``axis``; every replica gets the result.
