@@ -216,6 +216,30 @@ def test_a_result_of_python_numbers_alone_is_one_plain_value(n, uneven):
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("uneven", [False, True])
+@pytest.mark.parametrize("step, raises", [
+    (lambda lr, step, g: lr * g, False),  # TF converts lr to float32 against the array.
+    (lambda lr, step, g: (lr / 3) * g, True),  # TF: Python's float64 division first.
+    (lambda lr, step, g: lr * 3, True),
+    (lambda lr, step, g: (step / 10) * g, True),  # int / int: Python's float64 too.
+    (lambda lr, step, g: (jnp.float32(lr) / 3) * g, False),  # A tensor: float32 in TF.
+    (lambda lr, step, g: g * (step + 1) + lr, False)])  # Integers add exactly.
+def test_float_arithmetic_on_python_number_arguments_alone_raises(n, uneven, step, raises):
+    # TF hands run's Python numbers to the replica function as they are: its operators compute
+    # lr / 3 in float64, where jdist's traced numbers are float32, and no trace tells lr / 3
+    # from tf.constant(lr) / 3 (float32 in TF): jdist raises rather than guess.
+    s = mirrored(n)
+    g = per_replica(s, [np.full(r % 2 + 1 if uneven and n > 1 else 2, r + 1.0, np.float32)
+                        for r in range(n)])
+    if raises:
+        with pytest.raises(errors.InvalidArgumentError, match="float64"):
+            s.run(step, args=(0.1, 7, g))
+        return
+    want = [step(np.float32(0.1), 7, c) for c in s.experimental_local_results(g)]
+    assert_local_results(s, s.run(step, args=(0.1, 7, g)), want)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
 def test_python_objects_returned_by_the_step_pass_through(n):
     s = mirrored(n)
     assert s.run(lambda: ("tag", 3, None)) == ("tag", 3, None)

@@ -21,7 +21,6 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jdist._src import errors
@@ -489,12 +488,6 @@ class ReplicaContext:
         self._strategy.extended.check_collective_dtypes(value, "all_reduce")
         if self.num_replicas_in_sync == 1:  # TF: one replica's value reduces to itself, dtype
             return jax.tree_util.tree_map(jnp.asarray, value)  # too (an int MEAN stays int).
-        if any(isinstance(x, (np.ndarray, np.generic)) for x in jax.tree_util.tree_leaves(value)):
-            raise errors.InvalidArgumentError(  # TF takes a NumPy value as its destinations.
-                "all_reduce of a NumPy array on several replicas: TF raises there (\"destinations "
-                "must be one of a DistributedValues object, ...\"). Make it an array of the step "
-                "(jnp.asarray(x)) if every replica computes its own, or use it as it is (every "
-                "replica holds the same one).")
         if self._binding is None:
             return self._collectives.all_reduce(op, value, options)
         return self._binding.each_own(

@@ -16,7 +16,11 @@ primitive with sub-programs that the analysis does not know is treated as *diffe
 answer errs towards `PerReplica`, never towards a wrong `Mirrored`.
 """
 
+import jax.numpy as jnp
 from jax.extend import core
+from jax.extend import source_info_util
+
+from jdist._src import errors
 
 # Collectives whose result is the same on every replica of the axis ("jdist_collectives": an
 # exact uneven step's group of psums, pmaxes and pmins, `uneven_schedule`).
@@ -183,3 +187,42 @@ def _eqn_python(eqn, ins):
     if name in _SAME_COLLECTIVES or name in _DIFFERING or name == "jdist_merge":
         return [_ARRAY] * len(eqn.outvars)
     return [max(ins, default=_CONSTANT)] * len(eqn.outvars)
+
+
+# Arithmetic whose float result is rounded. On Python numbers TF's operators compute it in
+# Python's float64, TF's ops in float32; jdist's traced numbers compute it in float32 either way.
+_ROUNDING = frozenset({
+    "add", "sub", "mul", "div", "rem", "pow", "integer_pow", "square", "sqrt", "rsqrt", "cbrt",
+    "exp", "exp2", "log", "log1p", "expm1", "logistic", "sin", "cos", "tan", "asin", "acos",
+    "atan", "atan2", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", "erfc",
+    "erf_inv", "lgamma", "digamma"})
+
+
+def check_python_float_arithmetic(jaxpr, inputs_python):
+    """Raises `InvalidArgumentError` where ``jaxpr`` rounds a float computed from Python-number
+    arguments (and constants) alone, before any array meets it.
+
+    TF hands ``strategy.run``'s Python-number arguments to the replica function as they are:
+    ``lr / 3`` there is Python's float64 division, ``tf.constant(lr) / 3`` float32's, and the
+    trace cannot tell which the port wrote. A conversion to a strong dtype
+    (``jnp.float32(lr)``) is TF's tensor and ends the check.
+
+    Args:
+      jaxpr: a ``jax.extend.core.Jaxpr`` (the per-replica body).
+      inputs_python: per input, whether it is a Python number argument.
+    """
+    def rule(eqn, ins):
+        outs = _eqn_python(eqn, ins)
+        if eqn.primitive.name == "convert_element_type" and not eqn.params.get("weak_type"):
+            return [_ARRAY] * len(eqn.outvars)  # A tensor made of it: TF's float32 from here.
+        inexact = any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.outvars)
+        if eqn.primitive.name in _ROUNDING and outs[0] == _PYTHON and inexact:
+            raise errors.InvalidArgumentError(
+                f"the replica function computes `{eqn.primitive.name}` on Python numbers "
+                f"passed to strategy.run ({source_info_util.summarize(eqn.source_info)}): TF "
+                "hands them over as Python numbers, so its operators compute that in Python's "
+                "float64 (lr / 3) where jdist computes in float32, and the numbers differ. "
+                "Compute it before strategy.run and pass the result, or make the number an "
+                "array first (jnp.float32(lr)), which TF's ops compute in float32 as jdist does.")
+        return outs
+    propagate(jaxpr, [_PYTHON if p else _ARRAY for p in inputs_python], rule, _CONSTANT)

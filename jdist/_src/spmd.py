@@ -409,7 +409,9 @@ class ReplicatedRunner:
             for s, r, shape in zip(dataflow_same, rows, record["shapes"]))
         python_in = [isinstance(leaf, SCALARS) for leaf, k in zip(leaves, kinds) if k != STATIC]
         by_var = dict(zip(traced.jaxpr.invars, python_in + [False] * has_lengths))
-        plain = invariance.python_outputs(inner, [by_var.get(v, False) for v in eqn.invars])
+        python = [by_var.get(v, False) for v in eqn.invars]
+        invariance.check_python_float_arithmetic(inner, python)
+        plain = invariance.python_outputs(inner, python)
         plain = [p or one for p, one in zip(plain, record["unwrapped"])]
         # The CPU guard waits on the smallest output (every output of a device is ready at
         # once), picked out after the call: returning it twice would cost a copy.

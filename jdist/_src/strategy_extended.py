@@ -520,11 +520,12 @@ def _unreduced(op, value):
 def _check_broadcast_destinations(destinations):
     """Raises where TF's ``broadcast_to`` refuses an array as its destinations: it tests their
     truth (``if not destinations``), which an array of several elements has not, and a zero
-    fails (``reduce_to`` and ``batch_reduce_to`` take any array, as jdist does)."""
-    if isinstance(destinations, DistributedValues) or not hasattr(destinations, "ndim"):
+    or an empty array fails (``reduce_to`` and ``batch_reduce_to`` take any array, as jdist
+    does)."""
+    if isinstance(destinations, DistributedValues) or not hasattr(destinations, "size"):
         return
-    if destinations.ndim > 0 or (not isinstance(destinations, jax.core.Tracer)
-                                 and not np.asarray(destinations)):
+    traced = isinstance(destinations, jax.core.Tracer)  # One element: its truth is unknown.
+    if destinations.size > 1 or not traced and not (destinations.size and np.all(destinations)):
         raise errors.InvalidArgumentError(
             "extended.broadcast_to got an array as its destinations, which TF refuses (it "
             "tests their truth: ValueError); pass a DistributedValues (the strategy's devices) "

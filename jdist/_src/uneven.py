@@ -398,6 +398,7 @@ def _one_tensor(trace, dynamic, kinds):
     python = [kind == "arg" and isinstance(dynamic[i], SCALARS)
               for kind, i in trace.sources]
     passed = [j is not None and kinds[j] in (ARRAY, SHARED) for j in trace.out_passed]
+    invariance.check_python_float_arithmetic(trace.jaxpr, python)
     return [u or p or a for u, p, a in zip(trace.out_unwrapped, passed,
                                            invariance.python_outputs(trace.jaxpr, python))]
 
