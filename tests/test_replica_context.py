@@ -11,6 +11,7 @@ import pytest
 import jdist
 from jdist import errors
 from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, per_replica, padded_per_replica
+from jdist.testing import mirrored_reducing_to_one_device
 
 
 def replica_id():
@@ -240,6 +241,15 @@ def test_collectives_of_a_tensor_every_replica_holds_as_one_object(n, uneven):
             return ctx.all_reduce("sum", ({"captured": captured, "merged": merged}[one], x[:1]))
         with pytest.raises(errors.InvalidArgumentError, match="one batch"):
             s.run(mixed, args=(batch,))
+        # With cross-device ops of its own, TF reduces value by value: the one object comes
+        # back as it is, the replica's own value is summed.
+        one_device = mirrored_reducing_to_one_device(n)
+        kept, summed = one_device.run(mixed, args=(per_replica(
+            one_device, [np.asarray(c) for c in s.experimental_local_results(batch)]),))
+        assert_local_results(one_device, summed, [sum(
+            np.asarray(c)[:1] for c in s.experimental_local_results(batch))] * n)
+        if one == "captured":
+            assert_local_results(one_device, kept, [[1.5, 2.0]] * n)
 
 
 @pytest.mark.parametrize("n", [2, 3, 8])

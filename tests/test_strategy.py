@@ -109,8 +109,7 @@ def test_batch_reduce_to_sums_a_plain_value_once_and_a_mirrored_one_per_copy(n):
     s = mirrored(n)
     v = per_replica(s, [np.float32([i, 1.0]) for i in range(n)])
     plain = np.float32([3.0, 4.0])
-    # One replica's value is a plain array, which TF's broadcast_to refuses as destinations.
-    mirrored_value = s.extended.broadcast_to(plain, v if n > 1 else "cpu:0")
+    mirrored_value = s.extended.broadcast_to(plain, v)
     got = s.extended.batch_reduce_to("sum", [(plain, v), (mirrored_value, v), (v, "cpu:0")])
     expected = [plain, n * plain, np.sum([[i, 1.0] for i in range(n)], axis=0)]
     for result, want in zip(got, expected):

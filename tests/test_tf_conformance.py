@@ -860,7 +860,9 @@ def _collectives_of_one_object(lib, constant, captured):
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("uneven", [False, True])
 def test_collectives_of_a_tensor_every_replica_holds_as_one_object(n, uneven):
-    strategy, tf_strategy, _, _ = random_values_of_both(n)
+    # Both with ReductionToOneDevice, which reduces a nest value by value: TF's default ops
+    # batch it and raise (IndexError) for one object beside per-replica values, as jdist's do.
+    strategy, tf_strategy = both_reducing_to_one_device(n)
     rows = [np.arange(r % 2 + 1 if uneven else 2, dtype=np.float32) + r for r in range(n)]
     v = strategy.experimental_distribute_values_from_function(
         lambda ctx: rows[ctx.replica_id_in_sync_group])
@@ -875,6 +877,16 @@ def test_collectives_of_a_tensor_every_replica_holds_as_one_object(n, uneven):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert_matches(local_results(strategy, g), local_results(tf_strategy, w))
+    strategy, tf_strategy = both(n)  # The default ops: both refuse the batch.
+    v, tf_v = (s.experimental_distribute_values_from_function(
+        lambda ctx: make(rows[ctx.replica_id_in_sync_group]))
+        for s, make in ((strategy, jnp.asarray), (tf_strategy, tf.constant)))
+    with pytest.raises(IndexError):
+        tf_strategy.run(_collectives_of_one_object(
+            tf.distribute, tf.constant, tf.constant([1.5, 2.0])), args=(tf_v,))
+    with pytest.raises(errors.InvalidArgumentError, match="one batch"):
+        strategy.run(_collectives_of_one_object(jdist, jnp.asarray, jnp.asarray([1.5, 2.0])),
+                     args=(v,))
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -334,9 +334,11 @@ class _Binding:
             raise errors.InvalidArgumentError(
                 f"{batched} of a nest holding a tensor every replica holds as one object (a "
                 "plain argument of strategy.run, a plain array a merge_fn returned, or one the "
-                "step captured) beside per-replica values: TF reduces the nest as one batch and "
-                "raises there (IndexError). Reduce that tensor in a call of its own (which "
-                "gives it back as it is, as in TF), apart from the others.")
+                "step captured) beside per-replica values: TF's default cross-device ops "
+                "reduce the nest as one batch and raise there (IndexError). Reduce that tensor "
+                "in a call of its own (which gives it back as it is, as in TF), or give the "
+                "strategy cross_device_ops (ReductionToOneDevice), which TF's reduce value by "
+                "value.")
         own = iter(combine([x for x, one in zip(leaves, shared) if not one]))
         return tree.unflatten([lax.optimization_barrier(x) if one else next(own)
                                for x, one in zip(leaves, shared)])
@@ -490,8 +492,10 @@ class ReplicaContext:
             return jax.tree_util.tree_map(jnp.asarray, value)  # too (an int MEAN stays int).
         if self._binding is None:
             return self._collectives.all_reduce(op, value, options)
+        refuses = self._strategy.extended.refuses_one_object_in_a_batch
         return self._binding.each_own(
-            value, lambda own: self._collectives.all_reduce(op, own, options), "all_reduce")
+            value, lambda own: self._collectives.all_reduce(op, own, options),
+            "all_reduce" if refuses else None)
 
     def all_gather(self, value, axis, options=None):
         """Concatenates each replica's ``value`` along ``axis``; every replica gets the result.

@@ -21,6 +21,7 @@ from jdist._src import destinations as destinations_lib
 from jdist._src import devices as devices_lib
 from jdist._src import errors
 from jdist._src import int64_bounds
+from jdist._src import plain_values
 from jdist._src import uneven_multi_worker
 from jdist._src.base import Axis
 from jdist._src.base import Destinations
@@ -28,7 +29,6 @@ from jdist._src.base import PyTree
 from jdist._src.base import ReduceOpLike
 from jdist._src.base import ReplicaCollectives
 from jdist._src.destinations import Target
-from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.packing import CommunicationOptions
 from jdist._src.packing import as_options
 from jdist._src.reduce_op import ReduceOp
@@ -68,7 +68,7 @@ class StrategyExtended:
     _ops_per_value: bool = False
     # Whether TF's strategy hands a plain (not distributed) value back as it is from reduce
     # and reduce_to, whatever the op (the default and OneDeviceStrategy); the mirrored ones
-    # pass it to ``reduce_non_distributed_value`` (`_unreduced`).
+    # pass it to ``reduce_non_distributed_value`` (`plain_values`).
     _plain_values_as_they_are: bool = True
     #: The ``jax.sharding.Mesh`` of the replicas; None for the default strategy (no mesh).
     mesh: Optional[jax.sharding.Mesh] = None
@@ -247,6 +247,14 @@ class StrategyExtended:
                     f"the front: axis={axis % max(np.ndim(one), 1)} for this rank-{np.ndim(one)} "
                     "value.")
 
+    @property
+    def refuses_one_object_in_a_batch(self) -> bool:
+        """Whether TF's strategy raises for a batch reduce (a nest's ``all_reduce``) holding a
+        tensor every replica holds as one object beside per-replica values: its default
+        ``CollectiveAllReduce`` does (IndexError); a ``CrossDeviceOps`` given to it reduces
+        such a value on its own, as it is."""
+        return self._tf_collective_ops
+
     def check_batch_reduce(self, values: Sequence, what: str) -> None:
         """Raises where TF's ``batch_reduce_to`` of ``values`` fails before reducing them, as
         ``all_reduce`` of a nest does (TF all-reduces a nest's leaves in one batch).
@@ -343,8 +351,8 @@ class StrategyExtended:
         check_reducible(op, value, adds=self._num_replicas > 1)
         self.check_collective_dtypes(value, "extended.reduce_to", reduces_one=True)
         unreduced = (value if self._plain_values_as_they_are and not is_distributed(value)
-                     else _unreduced(op, value))
-        if unreduced is not _REDUCE:  # Before the destinations are read, as in TF.
+                     else plain_values.unreduced(op, value))
+        if unreduced is not plain_values.REDUCE:  # Before the destinations are read, as in TF.
             return unreduced
         return self._reduce_to(op, value, self._target(destinations), options)
 
@@ -415,7 +423,8 @@ class StrategyExtended:
           A `Mirrored` value for `DistributedValues` destinations, else an array.
         """
         context.require_cross_replica(self._container_strategy_ref, "extended.broadcast_to")
-        _check_broadcast_destinations(destinations)
+        if self._num_replicas > 1:  # One replica's PerReplica is a plain array here.
+            _check_broadcast_destinations(destinations)
         return self._place(tensor, self._target(destinations))
 
     def _target(self, destinations):
@@ -477,44 +486,14 @@ class StrategyExtended:
                     "replica. Reduce it with MEAN (the value itself), or multiply it by "
                     "strategy.num_replicas_in_sync.")
             value = value.value
-        elif axis is None and n > 1:
-            _check_not_python_zero(op, value)
-            if op is ReduceOp.SUM and _host_zeros(value):
-                return np.zeros(value.shape, value.dtype)  # TF: the sum of zeros, whatever N.
-            if op is ReduceOp.SUM:
-                raise errors.InvalidArgumentError(
-                    f"A non-DistributedValues value {_short(value)} cannot be reduced with "
-                    "ReduceOp.SUM on a strategy with several replicas: it is not per-replica. "
-                    "Reduce the PerReplica value returned by strategy.run instead.")
+        elif axis is None and (n > 1 or not self._plain_values_as_they_are):
+            return plain_values.reduce_plain(asked, value, n)
+        elif n == 1 and axis is None:  # The default strategy and OneDeviceStrategy.
             return value
-        elif n == 1 and axis is None:  # TF's MirroredStrategy: MEAN hands the value back, SUM
-            if self._plain_values_as_they_are:  # makes a tensor of it; the others hand it back.
-                return value
-            _check_not_python_zero(op, value)
-            return value if asked is ReduceOp.MEAN else _as_tensor(value)
         # The same value on every replica (TF runs the within-replica reduce on each of them).
         value = jnp.asarray(value)
         axes = collectives.normalize_axis(axis, value.ndim)
         return collectives.replicated_reduce(op, value, axes, n, mean_is_value=not step_output)
-
-
-_REDUCE = object()  # `_unreduced`: the value is to be reduced.
-
-
-def _unreduced(op, value):
-    """What TF's ``reduce_to`` returns without reducing ``value`` (``_REDUCE`` where it reduces):
-    a `Mirrored` value's MEAN is that value, a host array of zeros comes back as zeros, and
-    another non-distributed value's MEAN is that value as it is (a Python number included),
-    wherever the destinations are (TF's ``reduce_non_distributed_value``). A Python zero
-    raises: TF makes its zeros as ``np.zeros(value.shape)``, which a Python number has not."""
-    if isinstance(value, Mirrored) and not is_step_output(value):
-        return value if op is ReduceOp.MEAN else _REDUCE
-    if isinstance(value, DistributedValues):
-        return _REDUCE
-    _check_not_python_zero(op, value)
-    if _host_zeros(value):
-        return np.zeros(value.shape, value.dtype)
-    return value if op is ReduceOp.MEAN else _REDUCE
 
 
 def _check_broadcast_destinations(destinations):
@@ -536,37 +515,6 @@ def _dtype_of(value):
     """The dtype of a value's arrays (a `PerReplica` flattens to them); None for a number."""
     leaves = jax.tree_util.tree_leaves(value)
     return np.dtype(leaves[0].dtype) if leaves and hasattr(leaves[0], "dtype") else None
-
-
-def _check_not_python_zero(op, value):
-    """Raises where a mirrored strategy of TF's raises AttributeError reducing a plain value: a
-    Python zero, which TF hands back as ``np.zeros(value.shape)`` (a number has no shape)."""
-    if isinstance(value, (int, float, complex)) and value == 0:
-        raise errors.InvalidArgumentError(
-            f"{op} of the Python number {value!r} (not a per-replica value): TF's "
-            "MirroredStrategy raises AttributeError there (it hands zeros back as "
-            "np.zeros(value.shape), and a Python number has no shape). Pass a NumPy zero "
-            "(np.float32(0)), which TF and jdist hand back as zeros, or a per-replica value.")
-
-
-def _host_zeros(value) -> bool:
-    """Whether ``value`` is a host (NumPy) array of zeros, which TF reduces to zeros on any
-    number of replicas (its SUM of another non-distributed value raises)."""
-    return isinstance(value, (np.ndarray, np.generic)) and not np.any(value)
-
-
-def _as_tensor(value):
-    """``value`` as TF's one-replica SUM returns a non-distributed one: arrays as they are, a
-    Python number as the tensor TF makes of it (float32, int32; ``0.1`` is ``0.100000001``)."""
-    if isinstance(value, bool):
-        return jnp.asarray(value)
-    if value is None:  # TF cannot make a tensor of it.
-        raise errors.InvalidArgumentError(
-            "None cannot be reduced with ReduceOp.SUM: it is not a tensor (TF raises too). "
-            "Leave None out of the nest, or reduce it with MEAN, which hands it back.")
-    if not isinstance(value, (int, float, complex)):
-        return value
-    return jnp.asarray(python_numbers_as_tf(value))  # An int64 or complex128 needs x64.
 
 
 def across_workers(extended, value):
@@ -601,11 +549,6 @@ class _OneReplica(ReplicaCollectives):
     def merge_call(self, merge_fn, args, kwargs):
         with context.cross_replica_scope(self._strategy, in_merge=True):
             return merge_fn(self._strategy, *args, **kwargs)
-
-
-def _short(value):
-    text = repr(value)
-    return text if len(text) < 60 else text[:57] + "..."
 
 
 def _negative(axis) -> bool:
