@@ -108,8 +108,9 @@ class CrossDeviceOps(abc.ABC):
         op = ReduceOp.from_any(reduce_op, allow_strings=False)
         pairs = check_pairs(value_destination_pairs)
         pairs = [(value, destinations_lib.resolve(d)) for value, d in pairs]
-        for value, _ in pairs:
-            check_reducible(op, value, adds=_adds(value))
+        values = [value for value, _ in pairs]
+        check_reducible(op, [v for v in values if _adds(v)])  # One walk for the batch.
+        check_reducible(op, [v for v in values if not _adds(v)], adds=False)
         return self._batch_reduce(op, pairs, as_options(options))
 
     def broadcast(self, tensor: Any, destinations: Destinations) -> Any:
