@@ -437,8 +437,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         if self._all_reduce_alg == "xla" or num_replicas == 1:
             return
         dtypes = sorted({np.dtype(d).name for d in dtypes})
-        instead = ("use ReductionToOneDevice (TF's default on CPUs), or the default "
-                   "cross_device_ops off GPUs")
+        instead = "use ReductionToOneDevice or the strategy's default cross_device_ops"
         if self._all_reduce_alg == "hierarchical_copy" and num_replicas % 2:
             raise errors.InvalidArgumentError(
                 f"{name} over {num_replicas} replicas: TF's hierarchical copy adds two groups "
