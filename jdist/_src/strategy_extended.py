@@ -391,9 +391,9 @@ class StrategyExtended:
         self.check_collective_dtypes([value for value, _ in pairs], "extended.batch_reduce_to")
         self.check_batch_reduce([value for value, _ in pairs], "extended.batch_reduce_to")
         targets = [self._target(d) for _, d in pairs]
-        if self._tf_collective_ops:  # Its results land on every replica device; an int32
-            targets = [  # value's, reduced by a ReductionToOneDevice, on its destinations.
-                t if _dtype_of(v) == np.int32 else self._mirrored_target
+        if self._tf_collective_ops:  # TF's collective ops put results on every replica device;
+            targets = [  # a value it gives another op (MirroredStrategy's int32) on its own.
+                self._mirrored_target if self._by_collective_ops(_dtype_of(v)) else t
                 for (v, _), t in zip(pairs, targets)]
         ops = self._cross_device_ops
         # TF hands every pair to its cross-device ops' batch_reduce, whose SUM takes a plain
