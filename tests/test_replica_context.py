@@ -302,6 +302,34 @@ def test_a_plain_merge_result_returned_as_it_is_is_tfs_one_tensor(n, uneven):
     np.testing.assert_array_equal(np.asarray(s.reduce("SUM", computed, axis=None)), n * want)
 
 
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("number", [0.1, 3, -2.5])
+def test_merge_call_takes_a_python_number_given_to_run_as_that_one_number(n, number):
+    # TF's merge_fn gets run's Python number itself (the replicas hold one object): its MEAN
+    # is the number, and its SUM raises on several replicas (ValueError: "A non-DistributedValues
+    # value cannot be reduced"); summing the replicas' copies would be n times the number.
+    s = mirrored(n)
+
+    def merged(op):
+        return lambda x: jdist.get_replica_context().merge_call(
+            lambda strategy, v: strategy.reduce(op, v, axis=None), args=(x,))
+    assert s.run(merged("mean"), args=(number,)) == number
+    if n == 1:
+        assert float(s.run(merged("sum"), args=(number,))) == np.float32(number)
+        return
+    with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
+        s.run(merged("sum"), args=(number,))
+
+
+def test_merge_call_of_a_python_number_in_an_uneven_step_raises():
+    s = mirrored(2)
+    batch = per_replica(s, [np.ones(2, np.float32), np.ones(1, np.float32)])
+    with pytest.raises(errors.UnevenValuesError, match="Python number"):
+        s.run(lambda b, x: jdist.get_replica_context().merge_call(
+            lambda strategy, v: strategy.reduce("mean", v, axis=None), args=(x,)),
+            args=(batch, 0.5))
+
+
 def test_merge_call_args_must_be_a_sequence():
     s = mirrored(2)
     with pytest.raises(ValueError, match="tuple or list"):

@@ -292,6 +292,9 @@ class _Binding:
     # call passing one plain gets a program keyed `run_arguments.SHARED`.
     replicated_arguments: dict = dataclasses.field(default_factory=dict)
     collected: set = dataclasses.field(default_factory=set)
+    # run's Python-number arguments (by id). TF hands each replica the number itself, which
+    # its merge_call takes as one value; its all_reduce sums the replicas' copies.
+    python_numbers: dict = dataclasses.field(default_factory=dict)
 
     def hand_over(self, value):
         """``value``, a plain array a merge_fn returned or a plain argument of run, given to
@@ -308,6 +311,10 @@ class _Binding:
         step captured (`is_captured`) or one `hand_over` gave it. TF's regroup takes such a
         value as one."""
         return is_captured(value) or self.handed_over(value)
+
+    def python_number(self, value) -> bool:
+        """Whether ``value`` is itself one of run's Python-number arguments."""
+        return self.python_numbers.get(id(value)) is value
 
     def replicated_argument(self, value) -> Optional[int]:
         """The index of the replicated argument ``value`` is itself, or None."""

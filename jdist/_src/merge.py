@@ -42,9 +42,10 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
     for leaf in leaves:
         host_values.check_host_numbers(leaf)  # A host array the step closed over.
         if (not isinstance(leaf, ARRAYS) or num_replicas == 1
-                or binding.shared(leaf)):
-            # Python objects pass as they are; so does one replica's value, and a tensor every
-            # replica holds as that one object in TF (`context._Binding.shared`).
+                or binding.shared(leaf) or binding.python_number(leaf)):
+            # Python objects pass as they are; so does one replica's value, a tensor every
+            # replica holds as that one object in TF (`context._Binding.shared`), and a Python
+            # number run was given (TF's merge_fn gets that number: its SUM raises).
             views.append(leaf)
             continue
         # Every replica gets every replica's value: merge_fn runs SPMD on the same inputs.

@@ -25,6 +25,9 @@ from jdist._src.values import ragged_components
 PER_REPLICA, MIRRORED, ARRAY, STATIC = "per_replica", "mirrored", "array", "static"
 SHARED = "shared"
 SCALARS = (bool, int, float, complex)
+# A trace's entry for a Python-number argument (`trace_statics`): TF hands the replicas that
+# number itself, which its merge_call takes as one value (not per replica).
+PYTHON_NUMBER = "python number"
 
 
 def classify_leaf(leaf, place):
@@ -96,6 +99,13 @@ def shared_kinds(kinds, leaves, collected):
     if not shared:
         return None
     return tuple(SHARED if j in shared else k for j, k in enumerate(kinds))
+
+
+def trace_statics(leaves, kinds):
+    """What a trace takes per argument leaf beside its abstract value: a static leaf itself,
+    `PYTHON_NUMBER` for a Python number (traced as an array), None for the others."""
+    return [leaf if kind == STATIC else PYTHON_NUMBER if isinstance(leaf, SCALARS) else None
+            for leaf, kind in zip(leaves, kinds)]
 
 
 def program_key(in_tree, kinds, signature):

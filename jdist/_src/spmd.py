@@ -38,6 +38,7 @@ from jdist._src import uneven
 from jdist._src.run_arguments import ARRAY
 from jdist._src.run_arguments import MIRRORED
 from jdist._src.run_arguments import PER_REPLICA
+from jdist._src.run_arguments import PYTHON_NUMBER
 from jdist._src.run_arguments import SCALARS
 from jdist._src.run_arguments import SHARED
 from jdist._src.run_arguments import STATIC
@@ -345,7 +346,7 @@ class ReplicatedRunner:
         program = cache.programs.get(key)
         if program is None:
             self._strategy.extended.check_host_arguments(in_tree, leaves)
-            statics = [leaf if k == STATIC else None for leaf, k in zip(leaves, kinds)]
+            statics = run_arguments.trace_statics(leaves, kinds)
             program = cache.programs[key] = self._compile(cache.fn, in_tree, kinds, statics,
                                                           has_lengths, padded, leaves)
         return program
@@ -457,6 +458,8 @@ class ReplicatedRunner:
             for i, (v, kind) in enumerate(zip(values, kinds)):
                 if kind in (MIRRORED, ARRAY, SHARED):
                     binding.replicated_arguments[id(v)] = (v, i)
+                if statics[i] is PYTHON_NUMBER:
+                    binding.python_numbers[id(v)] = v
                 if kind == SHARED:  # A plain argument a collective takes: TF's one tensor.
                     binding.hand_over(v)
             ctx = context.ReplicaContext(self._strategy, binding.replica_id, _binding=binding)
@@ -518,7 +521,7 @@ class ReplicatedRunner:
         plan = cache.programs.get(key)
         if plan is None:
             self._strategy.extended.check_host_arguments(in_tree, leaves)
-            statics = [leaf if k == STATIC else None for leaf, k in zip(leaves, kinds)]
+            statics = run_arguments.trace_statics(leaves, kinds)
             abstract = [[run_arguments.abstract(leaf, kind, replica=r)
                          for leaf, kind in zip(leaves, kinds) if kind != STATIC]
                         for r in range(self._n)]

@@ -116,10 +116,12 @@ class _ReplicaTrace:
         the plain arrays merge_fn returned, as the even step's merge_call does."""
         index, self._count = self._count, self._count + 1
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
-        if binding is not None and any(binding.handed_over(leaf) for leaf in leaves):
+        if binding is not None and any(binding.handed_over(leaf) or binding.python_number(leaf)
+                                       for leaf in leaves):
             raise errors.UnevenValuesError(
                 "merge_call got a tensor every replica holds as one object (a plain argument of "
-                "strategy.run, or a plain array a merge_fn returned) in a step on values of "
+                "strategy.run, a Python number given to it, or a plain array a merge_fn "
+                "returned) in a step on values of "
                 "different shapes; TF hands it to merge_fn as it is, which such a step cannot. "
                 "Pass it to merge_fn by closure, or to run as a Mirrored value.")
         merge = self._resolved.get(index)
