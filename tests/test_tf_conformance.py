@@ -997,3 +997,52 @@ def test_what_a_compiled_function_returns_is_tfs(n, call):
     want = returned(ts, tf.function, tf.constant)
     for g, w in zip(got, want):
         assert_matches(g, w)
+
+
+PYTHON_NUMBER_STEPS = {
+    "merge SUM": lambda lib: lambda x: lib.get_replica_context().merge_call(
+        lambda s, v: s.reduce("SUM", v, axis=None), args=(x,)),
+    "merge MEAN": lambda lib: lambda x: lib.get_replica_context().merge_call(
+        lambda s, v: s.reduce("MEAN", v, axis=None), args=(x,)),
+    "all_reduce SUM": lambda lib: lambda x: lib.get_replica_context().all_reduce("SUM", x),
+    "times an array": lambda lib: lambda x: x * np.float32(1.5),
+}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("number", [0.1, 0.0100000001, 3])
+@pytest.mark.parametrize("step", sorted(PYTHON_NUMBER_STEPS))
+def test_a_python_number_given_to_a_compiled_function(n, number, step):
+    """tf.function hands its function a Python number as that number, and run in it hands
+    the replicas the same: its merge_fn gets the one number (SUM raises), its all_reduce sums
+    the replicas' copies, and arithmetic on it is Python's (number / 3 rounds once)."""
+    s, ts = both(n)
+    do_not_convert = tf.autograph.experimental.do_not_convert
+
+    def outcomes(strategy, lib, compile_):
+        body = PYTHON_NUMBER_STEPS[step](lib)
+        traced = compile_(do_not_convert(lambda x: strategy.run(body, args=(x / 3,))))
+        return [outcome(strategy, lambda: compile_(do_not_convert(
+            lambda x: strategy.run(body, args=(x,))))(number)),
+            outcome(strategy, lambda: traced(number))]
+    for got, want in zip(outcomes(s, jdist, jdist.function), outcomes(ts, tf.distribute,
+                                                                       tf.function)):
+        if not isinstance(want, Exception) and len(want) == n and len(got) == 1:
+            got = got * n  # TF's tf.function returns run's one value as one per replica.
+        assert_matches(got, want, dtypes={np.dtype(np.float64): None})
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("number", [0.1, 3])
+def test_merge_call_of_a_python_number_given_to_run(n, number):
+    s, ts = both(n)
+    for op in ("SUM", "MEAN"):
+        def merged(lib):
+            return lambda x: lib.get_replica_context().merge_call(
+                lambda st, v: st.reduce(op, v, axis=None), args=(x,))
+        got = outcome(s, lambda: s.run(merged(jdist), args=(number,)))
+        want = outcome(ts, lambda: ts.run(merged(tf.distribute), args=(number,)))
+        assert isinstance(got, Exception) == isinstance(want, Exception), (op, got, want)
+        if not isinstance(want, Exception):
+            assert s.run(merged(jdist), args=(number,)) == ts.run(merged(tf.distribute),
+                                                                   args=(number,))

@@ -28,6 +28,7 @@ from jax.extend import core
 from jdist._src import batch_blocks
 from jdist._src import context
 from jdist._src import errors
+from jdist._src import function_numbers
 from jdist._src import host_values
 from jdist._src import int64_sums
 from jdist._src.run_arguments import SCALARS
@@ -113,11 +114,11 @@ class _Lowered:
     ``compile()`` gives a program called as the function calls its own, blocked dataset
     elements entering as ``(block, position)`` (`batch_blocks`) as they were lowered."""
 
-    def __init__(self, lowered, blocks):
-        self._lowered, self._blocks = lowered, blocks
+    def __init__(self, lowered, blocks, taking):
+        self._lowered, self._blocks, self._taking = lowered, blocks, taking
 
     def compile(self, *args, **kwargs):
-        return _Compiled(self._lowered.compile(*args, **kwargs), self._blocks)
+        return _Compiled(self._lowered.compile(*args, **kwargs), self._blocks, self._taking)
 
     def __getattr__(self, name):
         return getattr(self._lowered, name)
@@ -127,10 +128,11 @@ class _Compiled:
     """JAX's compiled program of a `_Lowered`, called on arguments flattened as they were
     when it was lowered."""
 
-    def __init__(self, compiled, blocks):
-        self._compiled, self._blocks = compiled, blocks
+    def __init__(self, compiled, blocks, taking):
+        self._compiled, self._blocks, self._taking = compiled, blocks, taking
 
     def __call__(self, *args, **kwargs):
+        args, kwargs = self._taking(args, kwargs)  # Its Python numbers are compiled in.
         with batch_blocks.reading_blocks(self._blocks):
             return self._compiled(*args, **kwargs)
 
@@ -327,14 +329,39 @@ class _GuardedFunction:
         self._fun, self._jit_kwargs = fun, jit_kwargs
         self._sums = int64_sums.FunctionChecks()  # What its int64 numbers need, per tree.
         self._new_trace = False  # Set by a trace: the next call reads its program's integers.
-
-        def traced(*args, **kwargs):
-            return self._traced(args, kwargs)
-        self.jitted = jax.jit(functools.wraps(fun)(traced), **jit_kwargs)
+        self.jitted = self._jit(None)
+        # Python-number arguments are compiled in, as tf.function's (`function_numbers`).
+        self._by_numbers = function_numbers.ProgramsByNumbers(
+            getattr(fun, "__name__", "function"), self._jit)
+        self._static = {}  # Per number of positional arguments: `_static_arguments`.
         self._guard = guard_for(jax.default_backend(), jax.local_device_count())
         # Dataset elements held in blocks enter as (block, position), indexed inside the
         # program; not when arguments are donated: a block and its positions serve others too.
         self._blocks = not (jit_kwargs.get("donate_argnums") or jit_kwargs.get("donate_argnames"))
+
+    def _jit(self, numbers):
+        """``fun`` under ``jax.jit``, its Python numbers ``numbers`` put back as it is traced."""
+        def traced(*args, **kwargs):
+            return self._traced(*function_numbers.put_back((args, kwargs), numbers))
+        return jax.jit(functools.wraps(self._fun)(traced), **self._jit_kwargs)
+
+    def _program(self, args, kwargs):
+        """``(jitted, call, numbers)``: the compiled function for the call's Python numbers,
+        the call as it takes it (the numbers out), and their key (None: none). Checks the
+        call's host values first (every call: `host_values.check_host_leaves`)."""
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        types = set(map(type, leaves))
+        host_values.check_host_leaves(leaves, types)
+        if not function_numbers.holds_numbers(types):
+            return self.jitted, (args, kwargs), None
+        static = self._static.get(len(args))
+        if static is None:
+            static = self._static[len(args)] = _static_arguments(
+                self._fun, self._jit_kwargs, len(args))
+        call, numbers = function_numbers.take_out((args, kwargs), static)
+        if numbers is None:
+            return self.jitted, call, None
+        return self._by_numbers.get(numbers), call, numbers
 
     def _traced(self, args, kwargs):
         if _holds_ragged_values((args, kwargs)):
@@ -350,10 +377,10 @@ class _GuardedFunction:
         try:
             with _inside_function(), batch_blocks.reading_blocks(self._blocks):
                 # Every call: jax.jit would run a float64 array on a float32 one's program.
-                host_values.check_host_leaves((args, kwargs))
+                jitted, call, numbers = self._program(args, kwargs)
                 if self._guard.inside_launch():  # Traced by a launch: part of its program.
-                    return self.jitted(*args, **kwargs)
-                return self._launch(args, kwargs)
+                    return jitted(*call[0], **call[1])
+                return self._launch(jitted, (args, kwargs), call, numbers)
         except (_RaggedArguments, TypeError):
             # Values of different shapes per replica (a partial batch): no program has them,
             # so ``fun`` runs as Python for this call and each ``run`` in it computes them
@@ -366,28 +393,45 @@ class _GuardedFunction:
             int64_sums.check_function(self._sums, (args, kwargs), outputs)
         return outputs
 
-    def _launch(self, args, kwargs):
-        outputs = self._guard.dispatch(lambda: self.jitted(*args, **kwargs),
+    def _launch(self, jitted, given, call, numbers):
+        """Launches ``jitted`` on ``call`` (the ``given`` call, its Python ``numbers`` out)."""
+        outputs = self._guard.dispatch(lambda: jitted(*call[0], **call[1]),
                                        spans_all_devices=False)
         if self._new_trace:  # Its program, as traced (JAX's cache: ``fun`` does not run).
             self._new_trace = False
+            static = _static_arguments(self._fun, self._jit_kwargs, len(given[0]))
+            taken = function_numbers.paths(numbers)  # Not inputs of the program either.
             with batch_blocks.reading_blocks(self._blocks):  # The trace cleared it.
                 int64_sums.function_checks(
-                    self._sums, self.jitted.trace(*args, **kwargs).jaxpr, (args, kwargs),
-                    outputs, _static_arguments(self._fun, self._jit_kwargs, len(args)))
+                    self._sums, jitted.trace(*call[0], **call[1]).jaxpr, given, outputs,
+                    lambda path: static(path) or path in taken)
         if self._sums:  # Found by this call's trace or an earlier one.
-            int64_sums.check_function(self._sums, (args, kwargs), outputs)
+            int64_sums.check_function(self._sums, given, outputs)
         return outputs
 
     def lower(self, *args, **kwargs):
         """``jax.jit``'s ``lower``; the lowered program's ``compile()`` takes what the function
         takes, dataset elements included."""
         with _inside_function(), batch_blocks.reading_blocks(self._blocks):
-            host_values.check_host_leaves((args, kwargs))
+            jitted, call, numbers = self._program(args, kwargs)
             try:
-                return _Lowered(self.jitted.lower(*args, **kwargs), self._blocks)
+                return _Lowered(jitted.lower(*call[0], **call[1]), self._blocks,
+                                functools.partial(self._program_numbers, numbers))
             except _RaggedArguments as ragged:
                 raise errors.UnevenValuesError(str(ragged)) from None
+
+    def _program_numbers(self, numbers, args, kwargs):
+        """A lowered program's call: ``(args, kwargs)`` with the Python numbers it was lowered
+        for taken out (compiled in); other numbers raise, as they are another program."""
+        _, call, given = self._program(args, kwargs)
+        if not function_numbers.same_numbers(given, numbers):
+            raise errors.InvalidArgumentError(
+                "this compiled jdist.function was lowered for the Python numbers "
+                f"{[e[3] for e in numbers or ()]} and is called with "
+                f"{[e[3] for e in given or ()]}: like tf.function, jdist.function compiles "
+                "Python-number arguments in. Lower it again for these numbers, or pass the "
+                "numbers as arrays (jnp.float32(lr)).")
+        return call
 
 
 def _static_arguments(fun, jit_kwargs, count):

@@ -99,3 +99,9 @@ class RemoteValueError(JdistError, RuntimeError):
     `RemoteArray` (TF's remote tensor): it can be passed on to ``broadcast_to`` / ``reduce_to``
     on every worker, but reading it needs the data, which only its owner holds.
     """
+
+
+class RetracingWarning(UserWarning):
+    """A `jdist.function` has compiled a program for each of several values of its Python-number
+    arguments, as ``tf.function`` retraces for them; pass a number that changes between calls as
+    an array (``jnp.float32(lr)``) to share one program."""

@@ -259,23 +259,25 @@ def check_host_numbers(value) -> None:
         f"{fix}.")
 
 
-def check_host_leaves(tree) -> None:
-    """`check_host_numbers` of every leaf of the nest ``tree``, for calls that must check on
-    every call because nothing else sees the dtypes: ``jax.jit`` keys its programs on the
-    32-bit types it holds values as, so a float64 array given where a float32 one was traced
-    reuses that program. Where no leaf is a NumPy value (arrays already on devices, the usual
-    case) the cost is one flatten and a look at the set of leaf types.
+def check_host_leaves(leaves, types=None) -> None:
+    """`check_host_numbers` of each of a call's flattened ``leaves`` (``types``: the set of
+    their types, where the caller has it), for calls that must check on every call because
+    nothing else sees the dtypes: ``jax.jit`` keys its programs on the 32-bit types it holds
+    values as, so a float64 array given where a float32 one was traced reuses that program.
+    Where no leaf is a NumPy value (arrays already on devices, the usual case) the cost is a
+    look at the set of leaf types.
 
     Example:
-      >>> check_host_leaves({"w": np.ones(2, np.float32), "n": 3})
+      >>> check_host_leaves([np.ones(2, np.float32), 3])
       >>> check_host_leaves([np.ones(2)])  # doctest: +IGNORE_EXCEPTION_DETAIL
       Traceback (most recent call last):
       jdist.errors.X64RequiredError: a host value of dtype float64 ...
     """
     if jax.config.jax_enable_x64:
         return  # JAX holds every host value as it is.
-    leaves = jax.tree_util.tree_leaves(tree)
-    if any(issubclass(kind, _NUMPY) for kind in set(map(type, leaves))):
+    if types is None:
+        types = set(map(type, leaves))
+    if any(issubclass(kind, _NUMPY) for kind in types):
         for leaf in leaves:
             check_host_numbers(leaf)
 
