@@ -276,6 +276,35 @@ def test_an_all_gather_of_rows_of_different_counts_is_tfs_and_raises_where_tf_do
         np.testing.assert_array_equal(run(s, lambda x: step(x, -2), value), np.concatenate(rows))
 
 
+MERGES = {  # merge_fn over the replicas' labels, with the NumPy (int64) number TF computes.
+    "reduce SUM": (lambda st, y: st.reduce("sum", y, axis=0), lambda ys: np.sum(np.concatenate(ys))),
+    "stacked": (lambda st, y: jnp.stack([jnp.sum(c) for c in y.values]),
+                lambda ys: np.array([np.sum(y) for y in ys])),
+    "largest": (lambda st, y: jnp.max(jnp.stack([jnp.max(c) for c in y.values])),
+                lambda ys: max(np.max(y) for y in ys)),
+}
+
+
+@pytest.mark.parametrize("merge", sorted(MERGES))
+@pytest.mark.parametrize("scale", (1, 2**29))
+@pytest.mark.parametrize("n", REPLICAS)
+def test_a_merge_in_an_uneven_step_is_tfs_number_or_raises(n, scale, merge):
+    # An uneven step's merge_call runs merge_fn over every replica's values of their own
+    # shapes; its integers are bounded through merge_fn's program (before: an unknown
+    # operation, so labels of 0 and 1 raised X64RequiredError).
+    rows = [np.arange(i % 3 + 1, dtype=np.int64) * scale for i in range(n)]
+    merge_fn, want = MERGES[merge]
+    s = mirrored(n)
+    step = lambda y: jdist.get_replica_context().merge_call(merge_fn, args=(y,))  # noqa: E731
+    try:
+        got = run(s, step, jdist.PerReplica(rows))
+    except errors.X64RequiredError:  # Loud where a bound may reach 2**31; never for small ones.
+        assert scale > 1 and merge != "largest"
+        return
+    assert np.max(np.abs(want(rows))) < 2**31  # Where TF's int64 number leaves int32: raised.
+    np.testing.assert_array_equal(got, want(rows))
+
+
 # Integers a step computes from int64 labels and returns, without summing them across replicas.
 def looped(y, times, dynamic=False):
     stop = jnp.asarray(times) if dynamic else times  # A traced bound makes a while loop.

@@ -121,6 +121,8 @@ def _bounds(eqn, ins, n, checks):
         return [Bound({OTHER: math.inf}, {OTHER: math.inf})] * len(eqn.outvars)
     if n is not OUTSIDE and (name in _ACROSS_REPLICAS or name == GROUP or _gathers(eqn)):
         return _collectives(eqn, ins, n, checks)
+    if name == "jdist_merge":
+        return _merge(eqn.params["merge_body"], ins, n, checks)
     if name in _INDICES and (n is not OUTSIDE or name != "axis_index"):
         return [_index(eqn, n)] * len(eqn.outvars)
     # A sub-program's literal operands become its inputs: bounded by themselves.
@@ -168,6 +170,17 @@ def _collectives(eqn, ins, n, checks):
                 outs.append(Bound(b.elem, scale(b.replica, n)))
         start += count
     return outs
+
+
+def _merge(body, ins, n, checks):
+    """An uneven step's merge_call (`uneven_trace.MergeBody`): its merge_fn's program over
+    every replica's operands, each bounded as this replica's are (a bound of an argument's
+    numbers holds on every replica); each output bounded by its bounds over the replicas."""
+    inner = invariance.open_jaxpr(body.jaxpr)
+    copies = len(inner.invars) // max(1, body.count)
+    outs = invariance.propagate(inner, list(ins) * copies, _rule(checks, n), None)
+    return [join([outs[positions[j]] for positions in body.outputs])
+            for j in range(len(body.outputs[0]))]
 
 
 # ------------------------------------------------------------------ element-wise rules
@@ -233,7 +246,8 @@ _RULES = {
                      "copy_p", "neg", "abs", "reduce_max", "reduce_min", "dynamic_slice",
                      "ppermute", "optimization_barrier", "pvary",
                      "reduce_precision", "add", "add_any", "sub", "max", "min", "clamp",
-                     "concatenate", "select_n", "sort", "dynamic_update_slice", "scatter",
+                     "concatenate", "stack", "select_n", "sort", "dynamic_update_slice",
+                     "scatter",
                      "shift_right_arithmetic", "split", "pbroadcast", "device_put",
                      "sharding_constraint", "mesh_cast", "reshard"], _same),
     "convert_element_type": _converted,

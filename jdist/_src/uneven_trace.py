@@ -41,7 +41,22 @@ COLLECTIVES = frozenset({"psum", "pmax", "pmin", "all_gather", "ppermute", "all_
 # A merge_call inside one replica's trace of an uneven step (its outputs come from `Merge`).
 merge_p = core.Primitive("jdist_merge")
 merge_p.multiple_results = True
-merge_p.def_abstract_eval(lambda *operands, index, out_avals, out_same, gathers: list(out_avals))
+# ``merge_body``: the merge's `MergeBody` (what the int64 analysis reads of merge_fn).
+merge_p.def_abstract_eval(
+    lambda *operands, index, out_avals, out_same, gathers, merge_body: list(out_avals))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MergeBody:
+    """A merge_call's traced ``merge_fn`` over every replica's operands (``jaxpr``: replica by
+    replica, ``count`` operands each), and per replica the indices of its outputs among the
+    jaxpr's (``outputs``)."""
+    jaxpr: Any
+    count: int
+    outputs: tuple
+
+    def __repr__(self):  # Part of an equation's description (`output_forms`): by identity.
+        return f"MergeBody({id(self):x})"
 
 
 def _merge_jvp(primals, tangents, **params):
@@ -96,6 +111,7 @@ class Merge:
     replica_in_avals: tuple  # Per replica: the avals of its array arguments.
     run: Any  # Jitted: every replica's operand blocks, replica by replica -> result blocks.
     numbers: frozenset  # Argument leaves that are Python numbers differing between replicas.
+    body: MergeBody
 
     def rebuild(self, arrays):
         it = iter(arrays)
@@ -133,7 +149,8 @@ class _ReplicaTrace:
             avals = tuple(jax.typeof(jnp.asarray(x)) for x in operands)
             raise _Suspend(index, _MergeRequest(merge_fn, tree, statics, avals))
         outs = merge_p.bind(*operands, index=index, out_avals=merge.replica_avals[self._replica],
-                            out_same=merge.out_same, gathers=merge_fn is _gather_all)
+                            out_same=merge.out_same, gathers=merge_fn is _gather_all,
+                            merge_body=merge.body)
         if binding is not None:
             outs = [binding.hand_over(x) if plain else x for x, plain in zip(outs, merge.out_plain)]
         return merge.rebuild(outs)
@@ -426,7 +443,8 @@ def _merge_from(closed, out_tree, out_leaves, n, in_avals, numbers):
     return Merge(out_tree, tuple(statics), tuple(same), tuple(plain),
                   tuple(tuple(out_avals[i] for i in outs) for outs in outputs),
                   tuple(tuple(outs) for outs in outputs), in_avals,
-                  jax.jit(core.jaxpr_as_fun(closed)), numbers)
+                  jax.jit(core.jaxpr_as_fun(closed)), numbers,
+                  MergeBody(closed, len(in_avals[0]), tuple(tuple(outs) for outs in outputs)))
 
 
 def _equal(a, b):
