@@ -168,8 +168,12 @@ def test_local_results_of_a_nest_of_another_strategys_values_raises():
                          ids=["mirrored", "one_device"])
 def test_one_replica_values_from_function_are_placed_on_its_device(make):
     # One replica's value is the value itself (no PerReplica), already where run takes it.
-    v = make().experimental_distribute_values_from_function(
+    # A Python number is TF's: as it is on one device, a PerReplica of it (TF's
+    # MirroredStrategy wraps it) on a mirrored strategy, whose local result is the number.
+    s = make()
+    v = s.experimental_distribute_values_from_function(
         lambda ctx: {"x": np.arange(3, dtype=np.float32), "k": 2})
     assert isinstance(v["x"], jax.Array) and v["x"].devices() == {jax.devices()[3]}
     np.testing.assert_array_equal(v["x"], [0., 1., 2.])
-    assert v["k"] == 2
+    assert isinstance(v["k"], jdist.PerReplica) == isinstance(s, jdist.MirroredStrategy)
+    assert s.experimental_local_results(v["k"]) == (2,)

@@ -642,6 +642,28 @@ def test_values_from_function(n, dtype):
 
 
 
+@pytest.mark.parametrize("n", COUNTS)
+def test_values_from_function_of_python_numbers_are_those_numbers(n):
+    """TF's docs: a value_fn returning replica_id / num_replicas gives (0.0, 0.5) on two
+    replicas, Python numbers as they are (0.1 stays 0.1, not float32's 0.100000001); a
+    tf.function converts them to float32 tensors, as jdist's programs take them."""
+    strategy, tf_strategy = both(n)
+    for value_fn in (lambda ctx: ctx.replica_id_in_sync_group / ctx.num_replicas_in_sync,
+                     lambda ctx: 0.1 * (ctx.replica_id_in_sync_group + 1),
+                     lambda ctx: ctx.replica_id_in_sync_group + 7):
+        got = strategy.experimental_local_results(
+            strategy.experimental_distribute_values_from_function(value_fn))
+        want = tf_strategy.experimental_local_results(
+            tf_strategy.experimental_distribute_values_from_function(value_fn))
+        assert [type(g) for g in got] == [type(w) for w in want] and got == want
+        tf_value = tf_strategy.experimental_distribute_values_from_function(value_fn)
+        summed = tf.function(lambda v: tf_strategy.reduce("SUM", v, axis=None))(tf_value)
+        jd_value = strategy.experimental_distribute_values_from_function(value_fn)
+        assert_matches(local_results(strategy, jdist.function(
+            lambda v: strategy.reduce("SUM", v, axis=None))(jd_value)),
+            local_results(tf_strategy, summed))
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_values_from_function_of_tf_tensors(n):
     """A value function written for TF returns TF tensors: jdist takes the numeric ones as host

@@ -212,6 +212,33 @@ def test_distribute_values_from_function_calls_value_fn_once_per_replica_in_orde
     assert_local_results(s, v["x"], list(range(n)))
 
 
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("number", [lambda r, n: r / n, lambda r, n: 0.1 * (r + 1),
+                                    lambda r, n: r + 7, lambda r, n: r % 2 == 0])
+def test_python_numbers_per_replica_are_held_as_those_numbers(n, number):
+    # TF's PerReplica holds them as they are (its docs: (0.0, 0.5) for replica_id / 2);
+    # programs take them stacked in TF's tensor dtype, float32 for floats, as TF's tf.function
+    # converts them.
+    s = mirrored(n)
+    want = tuple(number(r, n) for r in range(n))
+    v = s.experimental_distribute_values_from_function(lambda ctx: number(
+        ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync))
+    got = s.experimental_local_results(v)
+    assert got == want and [type(g) for g in got] == [type(w) for w in want]
+    assert jdist.PerReplica(list(want)).values == want
+    if not isinstance(want[0], bool):
+        total = s.reduce("sum", v, axis=None)
+        dtype = np.asarray(jnp.asarray(want[0])).dtype
+        np.testing.assert_allclose(np.asarray(total), np.sum(np.asarray(want, dtype)), rtol=1e-6)
+
+
+def test_python_numbers_differing_between_an_uneven_steps_replicas_are_those_numbers():
+    s = mirrored(4)
+    v = per_replica(s, [np.ones(r % 2 + 1, np.float32) for r in range(4)])
+    rows = s.run(lambda x: x.shape[0] / 4, args=(v,))
+    assert s.experimental_local_results(rows) == (0.25, 0.5, 0.25, 0.5)
+
+
 def test_distribute_values_from_function_rejects_mismatched_values():
     s = mirrored(2)
     with pytest.raises(errors.InvalidArgumentError, match="dtype"):

@@ -130,7 +130,7 @@ class BlockedPerReplica(PerReplica):
     def _at(cls, block, position, int64_bounds=None):
         self = object.__new__(cls)
         self._block, self._position, self._taken = block, position, None
-        self._lengths = self._view_valid_rows = self._components = None
+        self._lengths = self._view_valid_rows = self._components = self._numbers = None
         self._int64_bounds = int64_bounds  # As `PerReplica` records them (`int64_values`).
         return self
 

@@ -30,6 +30,8 @@ from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
+from jdist._src.values import is_python_number
+from jdist._src.values import keep_python_numbers
 from jdist._src.values import local_results
 from jdist._src.int64_values import record_int64_magnitude
 
@@ -274,10 +276,13 @@ class Strategy(TF1Methods):
         for column in columns:
             check_placeable(column)
         # Each records its int64 numbers (every worker's), which TF sums in int64.
-        leaves = [self._extended._distribute_components(c) for c in columns]
+        leaves = [keep_python_numbers(self._extended._distribute_components(c), c)
+                  for c in columns]
         return jax.tree_util.tree_unflatten(trees[0], leaves)
 
     def _one_replica_value(self, host):
+        if is_python_number(host):
+            return self._extended.place_one_replica_number(host)
         value = self._extended.place_one_replica_value(host)
         record_int64_magnitude(value, [host])  # TF's int64 numbers, held as int32 (plain).
         return value

@@ -41,6 +41,7 @@ from jdist._src.values import is_distributed
 from jdist._src.int64_values import holds_tf_int64
 from jdist._src.int64_values import record_int64_magnitude
 from jdist._src.values import is_step_output
+from jdist._src.values import keep_python_numbers
 from jdist._src.values import local_results
 from jdist._src.values import spans_workers
 
@@ -312,6 +313,15 @@ class StrategyExtended:
         """A value of a one-replica strategy's ``experimental_distribute_values_from_function``,
         where its replica's programs take it; the default strategy has no devices of its own."""
         return value
+
+    def place_one_replica_number(self, number):
+        """A Python number a one-replica strategy's value function returned: TF's one-device
+        and default strategies hand it back as it is; its mirrored strategies hold it in a
+        `PerReplica` of one (local results: the number; a program takes it as an array, as
+        ``tf.function`` converts it)."""
+        if self._plain_values_as_they_are:
+            return number
+        return keep_python_numbers(self._distribute_components([number]), [number])
 
     def _wait_all(self):
         """Waits for the programs this strategy dispatched (the default strategy runs replica

@@ -52,6 +52,7 @@ from jdist._src import uneven_trace
 from jdist._src.uneven_trace import merge_p
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
+from jdist._src.values import keep_python_numbers
 from jdist._src.values import ragged_components
 
 
@@ -255,6 +256,12 @@ def _devices(programs):
     return tuple(programs.mesh.devices.flat)
 
 
+def _local(values, programs):
+    """The entries of ``values`` (one per replica) of this process's replicas."""
+    return tuple(v for v, d in zip(values, _devices(programs))
+                 if d.process_index == jax.process_index())
+
+
 # ------------------------------------------------------------------------------ the plan
 @dataclasses.dataclass(frozen=True)
 class _Plan:
@@ -415,8 +422,10 @@ def _regroup(programs, traces):
             # PerReplica checks the numbers are of one kind and picks their dtype; built from a
             # callback, each process places only its own replicas' numbers.
             numbers = np.asarray(values, PerReplica(list(values)).stacked.dtype)
-            statics.append(PerReplica._from_stacked(jax.make_array_from_callback(
-                numbers.shape, programs.per_replica_sharding, lambda index: numbers[index])))
+            statics.append(keep_python_numbers(PerReplica._from_stacked(
+                jax.make_array_from_callback(numbers.shape, programs.per_replica_sharding,
+                                             lambda index: numbers[index])),
+                _local(values, programs)))
         else:
             raise errors.UnsupportedValueError(
                 f"the replicas returned different Python objects ({list(values)}); return "

@@ -97,7 +97,10 @@ class PerReplica(DistributedValues):
     # `_view_valid_rows`: traced real-row counts of a merge_call view (see spmd.merge_call).
     # `_int64_bounds`: the magnitudes of the int64 host numbers it was made from or computed
     # from (TF holds it as int64, though its numbers may all be 0), else None (`int64_values`).
-    __slots__ = ("_stacked", "_lengths", "_view_valid_rows", "_components", "_int64_bounds")
+    # `_numbers`: the Python numbers it was made of, one per local replica, which TF's
+    # PerReplica holds as they are (its local results), or None.
+    __slots__ = ("_stacked", "_lengths", "_view_valid_rows", "_components", "_int64_bounds",
+                 "_numbers")
     _int64_per_copy = False  # Its recorded total counts every replica's numbers.
 
     def __init__(self, values):
@@ -109,6 +112,7 @@ class PerReplica(DistributedValues):
             raise errors.InvalidArgumentError("PerReplica needs at least one replica value.")
         self._init(*_stack_or_keep(values), None)
         record_int64_magnitude(self, values)
+        keep_python_numbers(self, values)
 
     def _init(self, stacked, components, lengths):
         self._stacked = stacked
@@ -116,6 +120,7 @@ class PerReplica(DistributedValues):
         self._lengths = None if lengths is None else tuple(int(n) for n in lengths)
         self._view_valid_rows = None
         self._int64_bounds = None
+        self._numbers = None
 
     @classmethod
     def _from_stacked(cls, stacked, lengths=None):
@@ -172,6 +177,8 @@ class PerReplica(DistributedValues):
         return self._stacked.shape[0]
 
     def _local_results(self):
+        if self._numbers is not None:  # As TF holds them (0.1, not float32's 0.100000001).
+            return self._numbers
         if self._components is not None:  # Multi-worker: other workers' replicas are specs.
             return tuple(c for c in self._components if not isinstance(c, jax.ShapeDtypeStruct))
         if _spans_processes(self._stacked):  # Multi-worker (issue 10): this process's replicas.
@@ -344,6 +351,26 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
     setattr(Mirrored, _name, _mirrored_binary(_name))
 Mirrored.__neg__ = lambda self: -self._value
 Mirrored.__abs__ = lambda self: abs(self._value)
+
+
+def is_python_number(value) -> bool:
+    """Whether ``value`` is a Python number (a bool, int, float or complex; NumPy's are arrays)."""
+    return type(value) in (bool, int, float, complex)
+
+
+def keep_python_numbers(value: "PerReplica", numbers) -> "PerReplica":
+    """``value``, made of this process's replicas' ``numbers``: where every one is a Python
+    number, its local results are those numbers, as TF's ``PerReplica`` holds them (programs
+    take its stacked array, float32 for floats, as TF's ``tf.function`` converts them).
+
+    Example:
+      >>> v = keep_python_numbers(PerReplica._from_stacked(np.float32([0.1, 0.2])), (0.1, 0.2))
+      >>> v.values
+      (0.1, 0.2)
+    """
+    if all(map(is_python_number, numbers)):
+        value._numbers = tuple(numbers)
+    return value
 
 
 def _stack_or_keep(values):
