@@ -347,21 +347,26 @@ class _GuardedFunction:
 
     def _program(self, args, kwargs):
         """``(jitted, call, numbers)``: the compiled function for the call's Python numbers,
-        the call as it takes it (the numbers out), and their key (None: none). Checks the
-        call's host values first (every call: `host_values.check_host_leaves`)."""
+        the call as it takes it, and their key (`_taken`)."""
+        call, numbers = self._taken(args, kwargs)
+        return (self.jitted if numbers is None else self._by_numbers.get(numbers)), call, numbers
+
+    def _taken(self, args, kwargs):
+        """``(call, numbers)``: the call with its Python numbers taken out, and their key (None:
+        none). Checks the call's host values first (every call: `host_values.check_host_leaves`)."""
         leaves = jax.tree_util.tree_leaves((args, kwargs))
         types = set(map(type, leaves))
         host_values.check_host_leaves(leaves, types)
         if not function_numbers.holds_numbers(types):
-            return self.jitted, (args, kwargs), None
-        static = self._static.get(len(args))
+            return (args, kwargs), None
+        return function_numbers.take_out((args, kwargs), self._static_for(len(args)))
+
+    def _static_for(self, count):
+        """`_static_arguments` of a call with ``count`` positional arguments (kept)."""
+        static = self._static.get(count)
         if static is None:
-            static = self._static[len(args)] = _static_arguments(
-                self._fun, self._jit_kwargs, len(args))
-        call, numbers = function_numbers.take_out((args, kwargs), static)
-        if numbers is None:
-            return self.jitted, call, None
-        return self._by_numbers.get(numbers), call, numbers
+            static = self._static[count] = _static_arguments(self._fun, self._jit_kwargs, count)
+        return static
 
     def _traced(self, args, kwargs):
         if _holds_ragged_values((args, kwargs)):
@@ -399,7 +404,7 @@ class _GuardedFunction:
                                        spans_all_devices=False)
         if self._new_trace:  # Its program, as traced (JAX's cache: ``fun`` does not run).
             self._new_trace = False
-            static = _static_arguments(self._fun, self._jit_kwargs, len(given[0]))
+            static = self._static_for(len(given[0]))
             taken = function_numbers.paths(numbers)  # Not inputs of the program either.
             with batch_blocks.reading_blocks(self._blocks):  # The trace cleared it.
                 int64_sums.function_checks(
@@ -423,7 +428,7 @@ class _GuardedFunction:
     def _program_numbers(self, numbers, args, kwargs):
         """A lowered program's call: ``(args, kwargs)`` with the Python numbers it was lowered
         for taken out (compiled in); other numbers raise, as they are another program."""
-        _, call, given = self._program(args, kwargs)
+        call, given = self._taken(args, kwargs)
         if not function_numbers.same_numbers(given, numbers):
             raise errors.InvalidArgumentError(
                 "this compiled jdist.function was lowered for the Python numbers "
