@@ -188,7 +188,7 @@ def test_merge_primitive_reports_its_out_same_param():
 
     def body(x, w, out_same):
         return merge_p.bind(x, w, index=0, out_avals=(aval,) * 3, out_same=out_same,
-                            gathers=False)
+                            gathers=False, merge_body=None)
     for out_same in ((True, False, True), (False, False, False)):
         got = same(lambda x, w: body(x, w, out_same), DIFFER, SAME)
         assert got == list(out_same)

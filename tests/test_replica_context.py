@@ -321,6 +321,34 @@ def test_merge_call_takes_a_python_number_given_to_run_as_that_one_number(n, num
         s.run(merged("sum"), args=(number,))
 
 
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("merge_fn", [lambda st, v: st.reduce("mean", v, axis=None),
+                                      lambda st, v: np.float32(0.5)])
+def test_all_reduce_adds_the_copies_of_a_python_or_numpy_number_merge_fn_returned(n, merge_fn):
+    # TF's replicas get the number itself, and its all_reduce adds their copies; a tensor
+    # merge_fn returned is one object instead (test_merge_call_per_replica_result...).
+    s = mirrored(n)
+    ctx = jdist.get_replica_context
+    out = s.run(lambda x: ctx().all_reduce("sum", ctx().merge_call(merge_fn, args=(x,))),
+                args=(0.5,))
+    assert_local_results(s, out, [np.float32(0.5) * n] * n)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_merge_call_of_a_value_computed_from_a_python_number_by_operators_raises(n, uneven):
+    # TF: k * 1 is the Python number 2, one object; its merge_fn's SUM of it raises.
+    s = mirrored(n)
+    rows = [np.ones(r % 2 + 1 if uneven else 2, np.float32) for r in range(n)]
+    step = lambda b, k: jdist.get_replica_context().merge_call(  # noqa: E731
+        lambda st, v: st.reduce("sum", v, axis=None), args=(k * 1,))
+    with pytest.raises(errors.InvalidArgumentError, match="Python's operators"):
+        s.run(step, args=(per_replica(s, rows), 2))
+    made_an_array = lambda b, k: jdist.get_replica_context().merge_call(  # noqa: E731
+        lambda st, v: st.reduce("sum", v, axis=None), args=(jnp.int32(k),))
+    assert int(s.run(made_an_array, args=(per_replica(s, rows), 2))) == 2 * n
+
+
 def test_merge_call_of_a_python_number_in_an_uneven_step_raises():
     s = mirrored(2)
     batch = per_replica(s, [np.ones(2, np.float32), np.ones(1, np.float32)])

@@ -239,6 +239,29 @@ def test_float_arithmetic_on_python_number_arguments_alone_raises(n, uneven, ste
     assert_local_results(s, s.run(step, args=(0.1, 7, g)), want)
 
 
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+@pytest.mark.parametrize("training", [True, False])
+def test_a_python_bool_is_a_flag_the_step_branches_on(n, training):
+    # TF hands run's Python bool over as it is, so `if training:` is Python's branch there.
+    s = mirrored(n)
+    x = per_replica(s, [np.arange(2, dtype=np.float32) + r for r in range(n)])
+    out = s.run(lambda x, training: x * 2 if training else x - 1, args=(x, training))
+    assert_local_results(s, out, [(np.arange(2) + r) * 2 if training else np.arange(2) + r - 1
+                                  for r in range(n)])
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_a_tf_op_on_a_python_number_is_each_replicas_own_tensor(n):
+    # x * 2 on a Python int is a Python int in TF (one object: its SUM raises); tf.reduce_sum
+    # (jnp.sum) or tf.cast (jnp.float32) of it is a tensor per replica, whose SUM adds them.
+    s = mirrored(n)
+    for op, want in ((jnp.sum, 2.5 * n), (jnp.float32, 2.5 * n)):
+        np.testing.assert_allclose(float(s.reduce("sum", s.run(op, args=(2.5,)), axis=None)),
+                                   want, rtol=1e-6)
+    with pytest.raises(ValueError, match="non-DistributedValues"):
+        s.reduce("sum", s.run(lambda k: k * 2, args=(3,)), axis=None)
+
+
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_python_objects_returned_by_the_step_pass_through(n):
     s = mirrored(n)

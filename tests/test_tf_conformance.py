@@ -1068,3 +1068,53 @@ def test_merge_call_of_a_python_number_given_to_run(n, number):
         if not isinstance(want, Exception):
             assert s.run(merged(jdist), args=(number,)) == ts.run(merged(tf.distribute),
                                                                    args=(number,))
+
+
+PYTHON_NUMBER_PROGRAMS = {  # (replica function, run's arguments): Python numbers TF keeps.
+    "a bool flag": (lambda lib: lambda x, t: x * 2.0 if t else x,
+                    lambda: (np.float32([1.0, 2.0]), True)),
+    "all_reduce of merge_fn's MEAN of a number": (
+        lambda lib: lambda x: lib.get_replica_context().all_reduce(
+            "SUM", lib.get_replica_context().merge_call(
+                lambda st, v: st.reduce("MEAN", v, axis=None), args=(x,))),
+        lambda: (0.5,)),
+    "all_reduce of merge_fn's NumPy number": (
+        lambda lib: lambda x: lib.get_replica_context().all_reduce(
+            "SUM", lib.get_replica_context().merge_call(lambda st, v: np.float32(0.5),
+                                                        args=(x,))),
+        lambda: (0.5,)),
+    "merge SUM of k * 1": (
+        lambda lib: lambda k: lib.get_replica_context().merge_call(
+            lambda st, v: st.reduce("SUM", v, axis=None), args=(k * 1,)),
+        lambda: (2,)),
+}
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("program", sorted(PYTHON_NUMBER_PROGRAMS))
+def test_python_numbers_in_steps_are_tfs(n, program):
+    s, ts = both(n)
+    step, args = PYTHON_NUMBER_PROGRAMS[program]
+    do_not_convert = tf.autograph.experimental.do_not_convert
+    got = outcome(s, lambda: jdist.function(lambda *a: s.run(step(jdist), args=a))(*args()))
+    want = outcome(ts, lambda: tf.function(do_not_convert(
+        lambda *a: ts.run(step(tf.distribute), args=a)))(*args()))
+    assert_matches(got, want)
+    got = outcome(s, lambda: s.run(step(jdist), args=args()))
+    want = outcome(ts, lambda: ts.run(step(tf.distribute), args=args()))
+    if not isinstance(want, Exception) or program.startswith("merge"):  # TF's eager all_reduce
+        assert_matches(got, want)  # of a Python number raises; its tf.function's adds.
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_python_ints_per_replica_multiplied(n):
+    s, ts = both(n)
+    value_fn = lambda ctx: [0, 2, 5, 7][ctx.replica_id_in_sync_group]  # noqa: E731
+    def body(strategy):
+        return lambda v: strategy.reduce("SUM", strategy.run(lambda x: x * x, args=(v,)),
+                                         axis=None)
+    got = outcome(s, lambda: jdist.function(body(s))(
+        s.experimental_distribute_values_from_function(value_fn)))
+    want = outcome(ts, lambda: tf.function(tf.autograph.experimental.do_not_convert(body(ts)))(
+        ts.experimental_distribute_values_from_function(value_fn)))
+    assert_matches(got, want)

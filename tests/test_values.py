@@ -232,6 +232,16 @@ def test_python_numbers_per_replica_are_held_as_those_numbers(n, number):
         np.testing.assert_allclose(np.asarray(total), np.sum(np.asarray(want, dtype)), rtol=1e-6)
 
 
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_python_ints_per_replica_are_int32_as_tf_converts_them(n):
+    # Not int64 host numbers (whose products raise X64RequiredError): TF's tensors of them.
+    s = mirrored(n)
+    v = s.experimental_distribute_values_from_function(lambda ctx: 2 * ctx.replica_id_in_sync_group)
+    out = s.run(lambda x: x * x * 1000, args=(v,))
+    assert_local_results(s, out, [4000 * r * r for r in range(n)])
+    assert all(np.asarray(r).dtype == np.int32 for r in s.experimental_local_results(out))
+
+
 def test_python_numbers_differing_between_an_uneven_steps_replicas_are_those_numbers():
     s = mirrored(4)
     v = per_replica(s, [np.ones(r % 2 + 1, np.float32) for r in range(4)])

@@ -182,11 +182,30 @@ def python_outputs(jaxpr, inputs_python):
     return [s == _PYTHON for s in states]
 
 
+# What Python's operators on numbers compute (+, -, *, /, //, %, **, abs, round, comparisons,
+# bitwise ones, and the primitives jnp builds them of): on Python numbers TF's result is a
+# Python number too. Any other operation is a TF op (tf.reduce_sum, tf.exp, tf.cast), whose
+# result is a tensor, each replica's own.
+_PYTHON_OPERATORS = frozenset({
+    "add", "sub", "mul", "div", "rem", "pow", "integer_pow", "neg", "abs", "sign", "floor",
+    "ceil", "round", "max", "min", "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or",
+    "not", "xor", "shift_left", "shift_right_arithmetic", "shift_right_logical", "copy",
+    "copy_p",
+    # Shapes alone: the (1, ...) block a replica's output leaves in (`spmd.trace`).
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+
+
 def _eqn_python(eqn, ins):
+    inner = call_body(eqn)  # jnp wraps some operators in a jit (floor_divide, remainder).
+    if inner is not None:
+        return propagate(inner, ins, _eqn_python, _CONSTANT)
     name = eqn.primitive.name
-    if name in _SAME_COLLECTIVES or name in _DIFFERING or name == "jdist_merge":
-        return [_ARRAY] * len(eqn.outvars)
-    return [max(ins, default=_CONSTANT)] * len(eqn.outvars)
+    strong = name == "convert_element_type" and not eqn.params.get("weak_type")
+    if name in _PYTHON_OPERATORS or (name == "convert_element_type" and not strong):
+        return [max(ins, default=_CONSTANT)] * len(eqn.outvars)
+    if max(ins, default=_CONSTANT) == _CONSTANT and not strong:
+        return [_CONSTANT] * len(eqn.outvars)  # Literals and closed-over constants.
+    return [_ARRAY] * len(eqn.outvars)
 
 
 # Arithmetic whose float result is rounded. On Python numbers TF's operators compute it in
@@ -196,6 +215,40 @@ _ROUNDING = frozenset({
     "exp", "exp2", "log", "log1p", "expm1", "logistic", "sin", "cos", "tan", "asin", "acos",
     "atan", "atan2", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", "erfc",
     "erf_inv", "lgamma", "digamma"})
+
+
+MERGE_SCOPE = "jdist_merge_call"  # The name scope of an even step's merge_call gathers.
+
+
+def check_python_merges(jaxpr, inputs_python):
+    """Raises `InvalidArgumentError` where a ``merge_call`` in ``jaxpr`` takes a value computed
+    from Python-number arguments alone by Python's operators (``k * 2``). TF's replicas hold
+    that Python number as one object and hand it to ``merge_fn`` as it is (its SUM raises, its
+    MEAN is the number), where jdist's traced value would reach it per replica. A number
+    passed on as it is, or made an array first (``jnp.int32(k)``), is TF's.
+
+    Args:
+      jaxpr: a ``jax.extend.core.Jaxpr`` (the per-replica body).
+      inputs_python: per input, whether it is a Python number argument.
+    """
+    def rule(eqn, ins):
+        inner = call_body(eqn)
+        if inner is not None:
+            return propagate(inner, ins, rule, _CONSTANT)
+        name = eqn.primitive.name
+        merged = name == "jdist_merge" or (
+            name == "all_gather" and MERGE_SCOPE in str(eqn.source_info.name_stack))
+        if merged and _PYTHON in ins:
+            raise errors.InvalidArgumentError(
+                "merge_call got a value computed from Python numbers passed to strategy.run "
+                "by Python's operators (k * 2): TF computes it as a Python "
+                "number, which every replica holds as one object, so its merge_fn gets that "
+                "number (a SUM of it raises, a MEAN is the number), not one value per replica. "
+                "Pass the number itself, compute it before strategy.run, or make it an array "
+                "of its dtype (jnp.int32(k), jnp.float32(lr)), which TF holds per replica as "
+                "jdist does.")
+        return _eqn_python(eqn, ins)
+    propagate(jaxpr, [_PYTHON if p else _ARRAY for p in inputs_python], rule, _CONSTANT)
 
 
 def check_python_float_arithmetic(jaxpr, inputs_python):
@@ -212,9 +265,10 @@ def check_python_float_arithmetic(jaxpr, inputs_python):
       inputs_python: per input, whether it is a Python number argument.
     """
     def rule(eqn, ins):
-        outs = _eqn_python(eqn, ins)
-        if eqn.primitive.name == "convert_element_type" and not eqn.params.get("weak_type"):
-            return [_ARRAY] * len(eqn.outvars)  # A tensor made of it: TF's float32 from here.
+        inner = call_body(eqn)
+        if inner is not None:
+            return propagate(inner, ins, rule, _CONSTANT)
+        outs = _eqn_python(eqn, ins)  # A strong convert (jnp.float32(lr)) is TF's tensor.
         inexact = any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.outvars)
         if eqn.primitive.name in _ROUNDING and outs[0] == _PYTHON and inexact:
             raise errors.InvalidArgumentError(

@@ -13,6 +13,7 @@ from jax.custom_derivatives import SymbolicZero
 from jdist._src import context
 from jdist._src import errors
 from jdist._src import host_values
+from jdist._src.invariance import MERGE_SCOPE
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
@@ -49,7 +50,8 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
             views.append(leaf)
             continue
         # Every replica gets every replica's value: merge_fn runs SPMD on the same inputs.
-        view = PerReplica._from_stacked(lax.all_gather(jnp.asarray(leaf), axis))
+        with jax.named_scope(MERGE_SCOPE):  # Found by `invariance.check_python_merges`.
+            view = PerReplica._from_stacked(lax.all_gather(jnp.asarray(leaf), axis))
         if (binding.valid_rows is not None and view.stacked.ndim >= 2
                 and view.stacked.shape[1] == binding.padded_rows):
             view._view_valid_rows = lax.all_gather(binding.valid_rows, axis)
@@ -64,8 +66,12 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
             return x.stacked[replica]
         if isinstance(x, Mirrored):
             return x.value
-        # A plain array: if the replica returns it as it is, TF's run returns it unwrapped.
-        return binding.hand_over(x) if isinstance(x, ARRAYS) else x
+        # A plain tensor: if the replica returns it as it is, TF's run returns it unwrapped,
+        # and its collectives take it as one value. A Python number (run's, handed back by a
+        # MEAN) or a NumPy value stays what it is: TF's all_reduce adds the replicas' copies.
+        if isinstance(x, jax.Array) and not binding.python_number(x):
+            return binding.hand_over(x)
+        return x
     return jax.tree_util.tree_map(unpack, result, is_leaf=is_distributed)
 
 

@@ -58,6 +58,8 @@ def classify_leaf(leaf, place):
                 leaf.sharding != place.replicated_sharding):
             leaf = place.place_replicated(leaf)
         return ARRAY, leaf, (leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False)), traced
+    if type(leaf) is bool:  # A flag (``training=True``): TF's replica function branches on
+        return STATIC, None, ("static", bool, leaf), False  # it in Python, so it is compiled in.
     if isinstance(leaf, SCALARS):
         if type(leaf) is int and not -2**31 <= leaf < 2**31:  # TF's int64 (JAX's, with x64).
             python_numbers_as_tf(leaf)  # Raises without x64, as TF's int64 would be wrapped.

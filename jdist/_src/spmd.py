@@ -412,6 +412,7 @@ class ReplicatedRunner:
         by_var = dict(zip(traced.jaxpr.invars, python_in + [False] * has_lengths))
         python = [by_var.get(v, False) for v in eqn.invars]
         invariance.check_python_float_arithmetic(inner, python)
+        invariance.check_python_merges(inner, python)
         plain = invariance.python_outputs(inner, python)
         plain = [p or one for p, one in zip(plain, record["unwrapped"])]
         # The CPU guard waits on the smallest output (every output of a device is ready at

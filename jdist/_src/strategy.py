@@ -276,8 +276,9 @@ class Strategy(TF1Methods):
         for column in columns:
             check_placeable(column)
         # Each records its int64 numbers (every worker's), which TF sums in int64.
-        leaves = [keep_python_numbers(self._extended._distribute_components(c), c)
-                  for c in columns]
+        leaves = [keep_python_numbers(self._extended._distribute_components(
+            [python_numbers_as_tf(x) if is_python_number(x) else x for x in c]), c)
+            for c in columns]  # Python numbers as TF's tensors of them (3: int32).
         return jax.tree_util.tree_unflatten(trees[0], leaves)
 
     def _one_replica_value(self, host):

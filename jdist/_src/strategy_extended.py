@@ -38,6 +38,7 @@ from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
+from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.int64_values import holds_tf_int64
 from jdist._src.int64_values import record_int64_magnitude
 from jdist._src.values import is_step_output
@@ -321,7 +322,8 @@ class StrategyExtended:
         ``tf.function`` converts it)."""
         if self._plain_values_as_they_are:
             return number
-        return keep_python_numbers(self._distribute_components([number]), [number])
+        return keep_python_numbers(self._distribute_components([python_numbers_as_tf(number)]),
+                                   [number])
 
     def _wait_all(self):
         """Waits for the programs this strategy dispatched (the default strategy runs replica

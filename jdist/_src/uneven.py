@@ -406,6 +406,7 @@ def _one_tensor(trace, dynamic, kinds):
               for kind, i in trace.sources]
     passed = [j is not None and kinds[j] in (ARRAY, SHARED) for j in trace.out_passed]
     invariance.check_python_float_arithmetic(trace.jaxpr, python)
+    invariance.check_python_merges(trace.jaxpr, python)
     return [u or p or a for u, p, a in zip(trace.out_unwrapped, passed,
                                            invariance.python_outputs(trace.jaxpr, python))]
 
