@@ -10,7 +10,7 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist.testing import REPLICA_COUNTS, mirrored, per_replica
+from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, per_replica
 
 
 @pytest.mark.parametrize("n", REPLICA_COUNTS)
@@ -188,3 +188,15 @@ def test_gather_takes_one_axis(how, axis):
                   lambda x: jdist.get_replica_context().all_gather(x, axis=axis), args=(v,))}
     with pytest.raises(errors.InvalidArgumentError, match="one axis"):
         gather[how]()
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+def test_gather_leaves_the_value_it_gathers(n):
+    # One replica's value on the gathering device was the program's donated input: it was
+    # deleted by the first gather (RuntimeError on the second).
+    s = mirrored(n)
+    rows = [np.full((2, 3), r, np.float32) for r in range(n)]
+    v = jdist.PerReplica([jax.device_put(x, d) for x, d in zip(rows, s.extended.worker_devices)])
+    for _ in range(2):
+        np.testing.assert_array_equal(np.asarray(s.gather(v, axis=0)), np.concatenate(rows))
+    assert_local_results(s, v, rows)

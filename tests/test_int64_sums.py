@@ -416,7 +416,8 @@ def test_a_constant_is_summed_once_per_replica(n):
 
 @pytest.mark.parametrize("source", ["dataset", "values from a function", "numpy dataset"])
 def test_one_replicas_plain_int64_values_are_checked_too(source):
-    # One replica gets plain arrays, as in TF: they remember their int64 numbers all the same.
+    # One replica gets plain arrays from datasets, as in TF (values from a function: a
+    # PerReplica of one, as TF's): they remember their int64 numbers all the same.
     s = mirrored(1)
 
     def made(rows):
@@ -426,7 +427,8 @@ def test_one_replicas_plain_int64_values_are_checked_too(source):
                    else [rows])  # An iterable of global batches.
         return next(iter(s.experimental_distribute_dataset(batches)))
     small, large = made(np.full(4, 1000, np.int64)), made(np.full(4, 2**29, np.int64))
-    assert isinstance(large, jax.Array)
+    assert isinstance(large, jdist.PerReplica if source == "values from a function"
+                      else jax.Array)
     assert int(s.run(jnp.sum, args=(small,))) == 4000
     with pytest.raises(errors.X64RequiredError):
         s.run(jnp.sum, args=(large,))

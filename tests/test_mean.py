@@ -137,13 +137,28 @@ def test_along_an_axis_the_count_is_every_row(n, dtype):
             s.reduce(MEAN, per_replica(s, comps), axis=0)
 
 
-@pytest.mark.parametrize("entry", ["strategy.reduce", "all_reduce in run", "merge_call",
+@pytest.mark.parametrize("entry", ["all_reduce in run", "merge_call",
                                    "ReductionToOneDevice", "NcclAllReduce unpacked"])
 @pytest.mark.parametrize("dtype", NARROW + WIDE)
 def test_one_replica_returns_the_value_itself(entry, dtype):
     s = mirrored(1)
     (value,) = even(1, dtype)
     assert_every_result(s, ELEMENT_WISE[entry](s, per_replica(s, [value])), value)
+
+
+@pytest.mark.parametrize("dtype", NARROW + WIDE)
+def test_one_replicas_per_replica_value_is_divided_by_strategy_reduce(dtype):
+    # TF's MirroredStrategy wraps one replica's value from a function in a PerReplica, whose
+    # MEAN strategy.reduce divides (its dtype TF's truediv's); a plain value is handed back.
+    s = mirrored(1)
+    (value,) = even(1, dtype)
+    with jax.enable_x64(True):
+        assert_every_result(s, s.reduce(MEAN, per_replica(s, [value]), axis=None),
+                            tf_mean([value]))
+    if dtype in WIDE:
+        with pytest.raises(errors.X64RequiredError):
+            s.reduce(MEAN, per_replica(s, [value]), axis=None)
+    assert_every_result(s, s.reduce(MEAN, value, axis=None), value)
 
 
 @pytest.mark.parametrize("device", [0, 1])

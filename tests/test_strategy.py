@@ -167,13 +167,20 @@ def test_local_results_of_a_nest_of_another_strategys_values_raises():
                                   lambda: jdist.OneDeviceStrategy("cpu:3")],
                          ids=["mirrored", "one_device"])
 def test_one_replica_values_from_function_are_placed_on_its_device(make):
-    # One replica's value is the value itself (no PerReplica), already where run takes it.
-    # A Python number is TF's: as it is on one device, a PerReplica of it (TF's
-    # MirroredStrategy wraps it) on a mirrored strategy, whose local result is the number.
+    # As TF's: OneDeviceStrategy hands the value back as it is, MirroredStrategy wraps it in
+    # a PerReplica of one (arithmetic on it outside run raises; a MEAN of ints is float64);
+    # either way on the replica's device, where run takes it, and a Python number's local
+    # result is the number.
     s = make()
     v = s.experimental_distribute_values_from_function(
         lambda ctx: {"x": np.arange(3, dtype=np.float32), "k": 2})
-    assert isinstance(v["x"], jax.Array) and v["x"].devices() == {jax.devices()[3]}
-    np.testing.assert_array_equal(v["x"], [0., 1., 2.])
-    assert isinstance(v["k"], jdist.PerReplica) == isinstance(s, jdist.MirroredStrategy)
+    wrapped = isinstance(s, jdist.MirroredStrategy)
+    assert isinstance(v["x"], jdist.PerReplica) == wrapped == isinstance(v["k"], jdist.PerReplica)
+    (x,) = s.experimental_local_results(v["x"])
+    assert x.devices() == {jax.devices()[3]}
+    np.testing.assert_array_equal(x, [0., 1., 2.])
     assert s.experimental_local_results(v["k"]) == (2,)
+    np.testing.assert_array_equal(s.run(lambda x: x * 2, args=(v["x"],)), [0., 2., 4.])
+    if wrapped:
+        with pytest.raises(errors.CrossReplicaArithmeticError):
+            v["x"] + 1

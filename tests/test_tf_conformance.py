@@ -1118,3 +1118,18 @@ def test_python_ints_per_replica_multiplied(n):
     want = outcome(ts, lambda: tf.function(tf.autograph.experimental.do_not_convert(body(ts)))(
         ts.experimental_distribute_values_from_function(value_fn)))
     assert_matches(got, want)
+
+
+def test_one_replicas_values_from_a_function_are_a_per_replica_of_one():
+    """TF's MirroredStrategy wraps one replica's value in a PerReplica: arithmetic on it in the
+    cross-replica context raises, and a MEAN of its ints is float64."""
+    s, ts = both(1)
+    for value_fn in (lambda ctx: np.int32([1, 2]), lambda ctx: np.float32(0.5)):
+        v = s.experimental_distribute_values_from_function(value_fn)
+        tv = ts.experimental_distribute_values_from_function(value_fn)
+        assert_matches(outcome(s, lambda: v), outcome(ts, lambda: tv))
+        for op in ("SUM", "MEAN"):
+            assert_matches(outcome(s, lambda: s.reduce(op, v, axis=None)),
+                           outcome(ts, lambda: ts.reduce(op, tv, axis=None)))
+        assert isinstance(outcome(s, lambda: v + 1), Exception)
+        assert isinstance(outcome(ts, lambda: tv + 1), Exception)

@@ -202,7 +202,9 @@ class ReplicaMesh:
             gathered = self.guard.dispatch(self._all_gather_program(axis), stacked)
         else:
             on_one = self.guard.dispatch(jax.device_put, stacked, device)
-            gathered = self.guard.dispatch(_gather_program(axis), on_one)
+            # A value already on that device alone is not copied: it is the caller's, kept.
+            copied = stacked.sharding.device_set != {self.devices[0]}
+            gathered = self.guard.dispatch(_gather_program(axis, copied), on_one)
         if lengths is None:
             return gathered
         padded = stacked.shape[1]
@@ -219,12 +221,12 @@ class ReplicaMesh:
 
 
 @functools.lru_cache(maxsize=None)
-def _gather_program(axis):
+def _gather_program(axis, donated):
     def concatenate(stacked):  # (N, *shape) on one device: the N blocks joined along axis.
         moved = jnp.moveaxis(stacked, 0, axis)
         return moved.reshape(moved.shape[:axis] + (-1,) + moved.shape[axis + 2:])
-    # Donated: the copy on one device becomes the result (no second buffer of its size).
-    return jax.jit(concatenate, donate_argnums=0)
+    # Donated where it is a copy: it becomes the result (no second buffer of its size).
+    return jax.jit(concatenate, donate_argnums=0 if donated else ())
 
 
 @jax.jit

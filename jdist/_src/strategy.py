@@ -33,7 +33,6 @@ from jdist._src.values import is_distributed
 from jdist._src.values import is_python_number
 from jdist._src.values import keep_python_numbers
 from jdist._src.values import local_results
-from jdist._src.int64_values import record_int64_magnitude
 
 
 class Strategy(TF1Methods):
@@ -244,7 +243,9 @@ class Strategy(TF1Methods):
             carry their true lengths, so ``reduce(..., axis=0)`` and ``gather`` stay exact.
 
         Returns:
-          The nest with `PerReplica` leaves (plain values on a one-replica strategy).
+          The nest with `PerReplica` leaves (on one replica: a `PerReplica` of one on
+          `MirroredStrategy`, the value itself on `OneDeviceStrategy`, as in TF). Python
+          numbers are held as they are: local results give them back.
 
         Example:
           >>> import numpy as np, jdist
@@ -265,8 +266,8 @@ class Strategy(TF1Methods):
                 f"{trees[0]} vs {next(t for t in trees if t != trees[0])}.")
         for leaf in jax.tree_util.tree_leaves(per_replica):
             check_host_numbers(leaf)  # Before any transfer: JAX would wrap 64-bit integers.
-        if n == 1:  # The value itself, on the replica's device (as TF's device scope puts it).
-            return jax.tree_util.tree_map(self._one_replica_value, per_replica[0])
+        if n == 1:  # As TF's strategy holds one replica's value (`one_replica_value`).
+            return jax.tree_util.tree_map(self._extended.one_replica_value, per_replica[0])
         if dispatch.under_a_staging_trace():
             raise errors.WrongContextError(
                 "experimental_distribute_values_from_function was called while a function is "
@@ -280,13 +281,6 @@ class Strategy(TF1Methods):
             [python_numbers_as_tf(x) if is_python_number(x) else x for x in c]), c)
             for c in columns]  # Python numbers as TF's tensors of them (3: int32).
         return jax.tree_util.tree_unflatten(trees[0], leaves)
-
-    def _one_replica_value(self, host):
-        if is_python_number(host):
-            return self._extended.place_one_replica_number(host)
-        value = self._extended.place_one_replica_value(host)
-        record_int64_magnitude(value, [host])  # TF's int64 numbers, held as int32 (plain).
-        return value
 
     # ----- Distributed input: thin delegations to jdist._src.input (see that module). -----
     def experimental_distribute_dataset(self, dataset, options=None):

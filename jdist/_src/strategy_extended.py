@@ -38,9 +38,11 @@ from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
+from jdist._src.host_values import check_placeable
 from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.int64_values import holds_tf_int64
 from jdist._src.int64_values import record_int64_magnitude
+from jdist._src.values import is_python_number
 from jdist._src.values import is_step_output
 from jdist._src.values import keep_python_numbers
 from jdist._src.values import local_results
@@ -315,15 +317,20 @@ class StrategyExtended:
         where its replica's programs take it; the default strategy has no devices of its own."""
         return value
 
-    def place_one_replica_number(self, number):
-        """A Python number a one-replica strategy's value function returned: TF's one-device
-        and default strategies hand it back as it is; its mirrored strategies hold it in a
-        `PerReplica` of one (local results: the number; a program takes it as an array, as
-        ``tf.function`` converts it)."""
-        if self._plain_values_as_they_are:
-            return number
-        return keep_python_numbers(self._distribute_components([python_numbers_as_tf(number)]),
-                                   [number])
+    def one_replica_value(self, host):
+        """A value a one-replica strategy's value function returned, as TF's strategy holds it:
+        its mirrored strategies wrap it in a `PerReplica` of one (a Python number's local result
+        is the number; a program takes TF's tensor of it); its one-device and default
+        strategies hand it back as it is (an array placed where `run` takes it)."""
+        if not self._plain_values_as_they_are:
+            check_placeable([host])  # What a device cannot hold raises, as on several.
+            tensor = python_numbers_as_tf(host) if is_python_number(host) else host
+            return keep_python_numbers(self._distribute_components([tensor]), [host])
+        if is_python_number(host):
+            return host
+        value = self.place_one_replica_value(host)
+        record_int64_magnitude(value, [host])  # TF's int64 numbers, held as int32 (plain).
+        return value
 
     def _wait_all(self):
         """Waits for the programs this strategy dispatched (the default strategy runs replica
@@ -475,9 +482,9 @@ class StrategyExtended:
         n = self._num_replicas
         asked = op
         value = self.as_worker_value(value)
-        if n == 1 and axis is None:  # TF returns one replica's value as it is (an int MEAN
-            op = ReduceOp.SUM        # stays int): the sum of one value.
-        if isinstance(value, PerReplica):
+        if n == 1 and axis is None and not isinstance(value, PerReplica):
+            op = ReduceOp.SUM  # TF returns one replica's plain value as it is (an int MEAN
+        if isinstance(value, PerReplica):  # stays int); a PerReplica of one it divides.
             self._check_components(value)
             value = across_workers(self, value)
             if value.ragged:  # Sum inside each replica, combine the sums with the strategy's ops.
