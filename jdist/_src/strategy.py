@@ -183,6 +183,8 @@ class Strategy(TF1Methods):
                 jnp.broadcast_to(value.value, (value.num_replicas,) + value.value.shape))
         if not isinstance(value, PerReplica):
             return value
+        if value.num_replicas == 1 == self.num_replicas_in_sync:
+            return value.values[0]  # TF's one value, handed back as a plain value is.
         value = across_workers(self._extended, value)
         if value.ragged:
             return collectives.ragged_gather(value.values, axis)
