@@ -486,6 +486,8 @@ class StrategyExtended:
             op = ReduceOp.SUM  # TF returns one replica's plain value as it is (an int MEAN
         if isinstance(value, PerReplica):  # stays int); a PerReplica of one it divides.
             self._check_components(value)
+            if n == 1 and axis is None and op is ReduceOp.SUM and not value.ragged:
+                return value.stacked[0]  # TF's add_n of one value: the value (a bool too).
             value = across_workers(self, value)
             if value.ragged:  # Sum inside each replica, combine the sums with the strategy's ops.
                 partials, count = collectives.ragged_partials(value.values, axis)
