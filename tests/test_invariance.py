@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdist._src import invariance
 from jdist._src.base import REPLICA_AXIS as AXIS
-from jdist._src.uneven_trace import merge_p
+from jdist._src.uneven_merge import merge_p
 
 SAME, DIFFER = True, False
 

@@ -173,7 +173,7 @@ def _collectives(eqn, ins, n, checks):
 
 
 def _merge(body, ins, n, checks):
-    """An uneven step's merge_call (`uneven_trace.MergeBody`): its merge_fn's program over
+    """An uneven step's merge_call (`uneven_merge.MergeBody`): its merge_fn's program over
     every replica's operands, each bounded as this replica's are (a bound of an argument's
     numbers holds on every replica); each output bounded by its bounds over the replicas."""
     inner = invariance.open_jaxpr(body.jaxpr)

@@ -231,10 +231,7 @@ def check_python_merges(jaxpr, inputs_python):
       jaxpr: a ``jax.extend.core.Jaxpr`` (the per-replica body).
       inputs_python: per input, whether it is a Python number argument.
     """
-    def rule(eqn, ins):
-        inner = call_body(eqn)
-        if inner is not None:
-            return propagate(inner, ins, rule, _CONSTANT)
+    def check(eqn, ins, outs):
         name = eqn.primitive.name
         merged = name == "jdist_merge" or (
             name == "all_gather" and MERGE_SCOPE in str(eqn.source_info.name_stack))
@@ -247,8 +244,7 @@ def check_python_merges(jaxpr, inputs_python):
                 "Pass the number itself, compute it before strategy.run, or make it an array "
                 "of its dtype (jnp.int32(k), jnp.float32(lr)), which TF holds per replica as "
                 "jdist does.")
-        return _eqn_python(eqn, ins)
-    propagate(jaxpr, [_PYTHON if p else _ARRAY for p in inputs_python], rule, _CONSTANT)
+    _walk_python(jaxpr, inputs_python, check)
 
 
 def check_python_float_arithmetic(jaxpr, inputs_python):
@@ -264,11 +260,7 @@ def check_python_float_arithmetic(jaxpr, inputs_python):
       jaxpr: a ``jax.extend.core.Jaxpr`` (the per-replica body).
       inputs_python: per input, whether it is a Python number argument.
     """
-    def rule(eqn, ins):
-        inner = call_body(eqn)
-        if inner is not None:
-            return propagate(inner, ins, rule, _CONSTANT)
-        outs = _eqn_python(eqn, ins)  # A strong convert (jnp.float32(lr)) is TF's tensor.
+    def check(eqn, ins, outs):
         inexact = any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.outvars)
         if eqn.primitive.name in _ROUNDING and outs[0] == _PYTHON and inexact:
             raise errors.InvalidArgumentError(
@@ -278,5 +270,17 @@ def check_python_float_arithmetic(jaxpr, inputs_python):
                 "float64 (lr / 3) where jdist computes in float32, and the numbers differ. "
                 "Compute it before strategy.run and pass the result, or make the number an "
                 "array first (jnp.float32(lr)), which TF's ops compute in float32 as jdist does.")
+    _walk_python(jaxpr, inputs_python, check)
+
+
+def _walk_python(jaxpr, inputs_python, check):
+    """`python_outputs`' dataflow over ``jaxpr``, into jitted calls, with ``check(eqn, ins,
+    outs)`` called on each other equation (its operands' and results' states)."""
+    def rule(eqn, ins):
+        inner = call_body(eqn)
+        if inner is not None:
+            return propagate(inner, ins, rule, _CONSTANT)
+        outs = _eqn_python(eqn, ins)  # A strong convert (jnp.float32(lr)) is TF's tensor.
+        check(eqn, ins, outs)
         return outs
     propagate(jaxpr, [_PYTHON if p else _ARRAY for p in inputs_python], rule, _CONSTANT)

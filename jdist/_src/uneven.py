@@ -49,7 +49,7 @@ from jdist._src.uneven_mesh import SQUEEZE
 from jdist._src import uneven_multi_worker
 from jdist._src import uneven_schedule
 from jdist._src import uneven_trace
-from jdist._src.uneven_trace import merge_p
+from jdist._src.uneven_merge import merge_p
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import keep_python_numbers

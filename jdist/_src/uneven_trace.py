@@ -11,7 +11,6 @@ checks what every replica must agree on (the sequence of collectives, an all-red
 import dataclasses
 import functools
 import itertools
-import operator
 from typing import Any
 
 import jax
@@ -21,12 +20,13 @@ from jax import lax
 from jax.extend import core
 from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend import source_info_util
-from jax.interpreters import ad
 
 from jdist._src import context
 from jdist._src import errors
 from jdist._src import host_values
 from jdist._src import uneven_schedule
+from jdist._src.uneven_merge import MergeBody
+from jdist._src.uneven_merge import merge_p
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import ARRAYS
@@ -37,42 +37,6 @@ from jdist._src.values import is_distributed
 COLLECTIVES = frozenset({"psum", "pmax", "pmin", "all_gather", "ppermute", "all_to_all",
                          "psum_scatter", "reduce_scatter", "pgather", "psum_invariant",
                          "all_gather_invariant"})
-
-# A merge_call inside one replica's trace of an uneven step (its outputs come from `Merge`).
-merge_p = core.Primitive("jdist_merge")
-merge_p.multiple_results = True
-# ``merge_body``: the merge's `MergeBody` (what the int64 analysis reads of merge_fn).
-merge_p.def_abstract_eval(
-    lambda *operands, index, out_avals, out_same, gathers, merge_body: list(out_avals))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class MergeBody:
-    """A merge_call's traced ``merge_fn`` over every replica's operands (``jaxpr``: replica by
-    replica, ``count`` operands each), and per replica the indices of its outputs among the
-    jaxpr's (``outputs``)."""
-    jaxpr: Any
-    count: int
-    outputs: tuple
-
-    def __repr__(self):  # Part of an equation's description (`output_forms`): by identity.
-        return f"MergeBody({id(self):x})"
-
-
-def _merge_jvp(primals, tangents, **params):
-    """No gradient flows through a merge_call (TF runs merge_fn outside the replica's tape).
-    Its tangents are zeros tied to the arguments', so a gradient that comes back through the
-    result reaches `merge.without_gradient`'s check, which raises; an unused result's gradient
-    is a symbolic zero and passes."""
-    outs = merge_p.bind(*primals, **params)
-    tied = [jnp.sum(t) * 0 for t in tangents if not isinstance(t, ad.Zero)]
-    zero = functools.reduce(operator.add, tied)
-    return outs, [jnp.broadcast_to(zero, a.shape).astype(a.dtype)
-                  if jnp.issubdtype(a.dtype, jnp.inexact) else ad.Zero(a.to_tangent_aval())
-                  for a in params["out_avals"]]
-
-
-ad.primitive_jvps[merge_p] = _merge_jvp
 
 _OPERAND = object()  # Marks the array positions among a merge_call's flattened arguments.
 OUTPUT = object()  # Marks the arrays among a replica function's output leaves (`spmd.trace`).
