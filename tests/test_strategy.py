@@ -184,3 +184,32 @@ def test_one_replica_values_from_function_are_placed_on_its_device(make):
     if wrapped:
         with pytest.raises(errors.CrossReplicaArithmeticError):
             v["x"] + 1
+
+
+_ENTRY_POINTS = {
+    "reduce": lambda s, v: s.reduce("sum", v, axis=None),
+    "reduce_mean": lambda s, v: s.reduce("mean", v, axis=None),
+    "gather": lambda s, v: s.gather(v, axis=0),
+    "run": lambda s, v: s.run(lambda x: x * 2, args=(v,)),
+    "run_in_function": lambda s, v: jdist.function(lambda x: s.run(lambda y: y * 2, args=(x,)))(v),
+    "reduce_to": lambda s, v: s.extended.reduce_to("sum", v, "cpu:0"),
+    "batch_reduce_to": lambda s, v: s.extended.batch_reduce_to("sum", [(v, "cpu:0")]),
+}
+
+
+@pytest.mark.parametrize("made_on, used_on", [(2, 3), (3, 2), (1, 4), (8, 4)])
+@pytest.mark.parametrize("kind", ["step_output", "mirror", "per_replica"])
+@pytest.mark.parametrize("entry", sorted(_ENTRY_POINTS))
+def test_a_value_of_another_strategy_raises_at_every_entry_point(made_on, used_on, kind, entry):
+    # Issue 50: s3.reduce("sum", m) of a 2-replica Mirrored gave 15.0 (TF: 10.0, the sum of its
+    # own 2 copies; TF's s3.run raises IndexError). No number of s3 is right: jdist raises.
+    made = mirrored(made_on)
+    value = {"step_output": lambda: made.run(lambda: jnp.float32([5.0])),
+             "mirror": lambda: jdist.mirror(np.float32([5.0]), made),
+             "per_replica": lambda: jdist.testing.per_replica(
+                 made, [np.float32([i]) for i in range(made_on)])}[kind]()
+    if made_on == 1 and kind != "mirror":
+        value = jdist.Mirrored([np.float32([5.0])])  # One replica's outputs are plain arrays.
+    with pytest.raises(jdist.errors.InvalidArgumentError,
+                       match=f"of {made_on} replicas on a strategy of {used_on}"):
+        _ENTRY_POINTS[entry](mirrored(used_on), value)

@@ -19,6 +19,7 @@ from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
+from jdist._src.values import check_replica_count
 from jdist._src.values import is_step_output
 from jdist._src.values import ragged_components
 
@@ -39,6 +40,7 @@ def classify_leaf(leaf, place):
                                     components[0].dtype),
                 any(isinstance(c, jax.core.Tracer) for c in components))
     if isinstance(leaf, (PerReplica, Mirrored)):
+        check_replica_count(leaf, place.num_replicas, "strategy.run")
         per_replica = isinstance(leaf, PerReplica)
         value = leaf.stacked if per_replica else leaf.value
         traced = isinstance(value, jax.core.Tracer)
@@ -89,6 +91,7 @@ def placed(leaf, place):
     if isinstance(leaf, PerReplica):
         stacked = place.place_per_replica(leaf.stacked)
         return leaf if stacked is leaf.stacked else PerReplica._from_stacked(stacked)
+    check_replica_count(leaf, place.num_replicas, "strategy.run")
     value = place.place_replicated(leaf.value)
     return leaf if value is leaf.value else Mirrored._from_value(
         value, leaf.num_replicas, is_step_output(leaf))

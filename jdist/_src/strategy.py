@@ -29,6 +29,7 @@ from jdist._src.tf1_api import TF1Methods
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
+from jdist._src.values import check_replica_count
 from jdist._src.values import is_distributed
 from jdist._src.values import is_python_number
 from jdist._src.values import keep_python_numbers
@@ -178,6 +179,8 @@ class Strategy(TF1Methods):
 
     def _gather_value(self, value, axis):
         value = self._extended.as_worker_value(value)
+        if isinstance(value, DistributedValues):
+            check_replica_count(value, self.num_replicas_in_sync, "strategy.gather")
         if isinstance(value, Mirrored):
             value = PerReplica._from_stacked(
                 jnp.broadcast_to(value.value, (value.num_replicas,) + value.value.shape))

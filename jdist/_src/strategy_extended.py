@@ -37,6 +37,7 @@ from jdist._src.run_arguments import SCALARS
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
+from jdist._src.values import check_replica_count
 from jdist._src.values import is_distributed
 from jdist._src.host_values import check_placeable
 from jdist._src.host_values import python_numbers_as_tf
@@ -423,9 +424,9 @@ class StrategyExtended:
             i for i, (v, _) in enumerate(pairs)
             if not isinstance(getattr(v, "stacked", v), jax.core.Tracer)
             and (isinstance(v, PerReplica) or op is ReduceOp.SUM)]
-        for i in batch:
-            if isinstance(pairs[i][0], PerReplica):
-                self._check_components(pairs[i][0])
+        for value, _ in pairs:
+            if isinstance(value, DistributedValues):
+                check_replica_count(value, self._num_replicas, "extended.batch_reduce_to")
         results = dict(zip(batch, ops.batch_reduce(
             op, [(pairs[i][0], targets[i]) for i in batch], options) if batch else []))
         return [results[i] if i in results else self._reduce_to(op, v, t, options)
@@ -472,10 +473,7 @@ class StrategyExtended:
         return destinations_lib.place(result, target)
 
     def _check_components(self, value):
-        if value.num_replicas != self._num_replicas:
-            raise errors.InvalidArgumentError(
-                f"the PerReplica value has {value.num_replicas} components but the strategy has "
-                f"{self._num_replicas} replicas; reduce it with the strategy that produced it.")
+        check_replica_count(value, self._num_replicas, "reduce")
 
     def _reduce_value(self, op: ReduceOp, value: PyTree, axis: Axis):
         """The reduce rules of ``docs/semantics.md`` for one value (not a nest)."""
@@ -500,6 +498,7 @@ class StrategyExtended:
             return self._reduce_per_replica(op, value, axes)
         step_output = is_step_output(value)
         if isinstance(value, Mirrored):
+            check_replica_count(value, n, "reduce")
             if op is ReduceOp.SUM and axis is None and n > 1 and not step_output:
                 raise errors.InvalidArgumentError(
                     "A Mirrored value (a reduce_to or broadcast_to result, a jdist.Mirrored) "

@@ -557,6 +557,24 @@ def wrap_at(leaves, mirrored_at, num_replicas, per_replica_at=()):
         leaves[i] = PerReplica._from_stacked(leaves[i])
 
 
+def check_replica_count(value: DistributedValues, num_replicas: int, what: str) -> None:
+    """Raises where a distributed value made by a strategy of another replica count reaches
+    ``what`` of a strategy of ``num_replicas``: TF's ``run`` raises ``IndexError`` there and
+    its ``reduce`` combines the value's own copies, so no number of this strategy is right.
+
+    Example:
+      >>> check_replica_count(Mirrored([np.float32(1)] * 2), 3, "strategy.reduce")
+      Traceback (most recent call last):
+      jdist.errors.InvalidArgumentError: ...
+    """
+    if value.num_replicas != num_replicas:
+        kind = type(value).__name__ if isinstance(value, PerReplica) else "Mirrored"
+        raise errors.InvalidArgumentError(
+            f"{what} got a {kind} value of {value.num_replicas} replicas on a strategy of "
+            f"{num_replicas}: it was made by another strategy. Make it with this one (pass it "
+            "through this strategy's run, or jdist.mirror(value.value, strategy) for state).")
+
+
 def is_distributed(x):
     """Whether ``x`` is a `DistributedValues` (used as ``is_leaf`` when flattening nests)."""
     return isinstance(x, DistributedValues)
