@@ -22,7 +22,9 @@ work competes with the devices for the host's cores (``docs/design.md``, "Batch 
 accelerators the prefetch thread does, overlapping the copy and transfer with the steps.
 """
 
+import itertools
 import math
+from typing import Any
 import weakref
 
 import jax
@@ -34,6 +36,7 @@ from jdist._src import context
 from jdist._src import dispatch
 from jdist._src import errors
 from jdist._src import input_batches
+from jdist._src import input_steps
 from jdist._src.input_options import InputContext
 from jdist._src.input_options import InputOptions
 from jdist._src.input_options import InputReplicationMode
@@ -434,6 +437,55 @@ class DistributedIterator:
         except StopIteration:
             raise errors.OutOfRangeError("End of sequence: the distributed iterator has no more "
                                          "elements.") from None
+
+    def get_next_steps(self, num_steps: int) -> Any:
+        """The next ``num_steps`` elements as one, each replica's batches stacked on a new
+        leading step axis, ``(num_steps, batch, ...)``: K steps in one program, by a
+        ``lax.scan`` inside the replica function (jdist's form of TF's steps per execution).
+
+        A group holds batches of one shape: it ends early before the last partial batch, which
+        comes alone in the next group, and at the end of the data. A scan with collectives
+        cannot run that partial group (its replicas' shapes differ): batch with
+        ``drop_remainder=True``, or run its one step as ``step(state, xs[0])`` in the replica
+        function (``docs/quickstart.md``, steps per execution).
+
+        Args:
+          num_steps: how many batches to stack, at least 1.
+
+        Returns:
+          The element structure, with per-replica values of shape ``(k, batch, ...)``, ``k``
+          at most ``num_steps``.
+
+        Raises:
+          OutOfRangeError: no element is left.
+
+        Example:
+          >>> import jax, numpy as np, jdist
+          >>> from jax import lax
+          >>> s = jdist.MirroredStrategy(jax.devices()[:2])
+          >>> it = iter(s.experimental_distribute_dataset(
+          ...     s.experimental_make_numpy_dataset(np.arange(12.0, dtype=np.float32)).batch(4)))
+          >>> xs = it.get_next_steps(3)  # Each replica: (3, 2).
+          >>> total = s.run(lambda xs: lax.scan(lambda c, x: (c + x.sum(), None), 0.0, xs)[0],
+          ...               args=(xs,))
+          >>> float(s.reduce("sum", total, axis=None))
+          66.0
+        """
+        if num_steps < 1:
+            raise errors.InvalidArgumentError(f"get_next_steps needs num_steps >= 1, got "
+                                              f"{num_steps}.")
+        group = []
+        for element in self:
+            if group and input_steps.signature(element) != input_steps.signature(group[0]):
+                self._ready = itertools.chain([element], self._ready or ())  # Next group's.
+                break
+            group.append(element)
+            if len(group) == num_steps:
+                break
+        if not group:
+            raise errors.OutOfRangeError("End of sequence: the distributed iterator has no more "
+                                         "elements.")
+        return input_steps.stack_steps(group)
 
     def get_next_as_optional(self):
         """An `Optional` with the next element, or an empty one once the data has ended.

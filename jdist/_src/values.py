@@ -209,6 +209,11 @@ class PerReplica(DistributedValues):
     __neg__ = __abs__ = __lt__ = __le__ = __gt__ = __ge__ = _raise_arithmetic
     __array__ = __jax_array__ = __float__ = __int__ = __bool__ = _raise_arithmetic
 
+    def __getitem__(self, index):
+        raise errors.CrossReplicaArithmeticError(
+            "A PerReplica value cannot be indexed in the cross-replica context: its first axis "
+            "is the replicas. Index each replica's value inside strategy.run. " + STEPS_RECIPE)
+
 
 _UNSET = object()  # `Mirrored`'s marker for "no value given" (a node's value may be None).
 
@@ -499,22 +504,42 @@ def _flatten_per_replica(v):
     if v._int64_bounds is not None:  # What the value rebuilt from its leaves inherits.
         int64_values.follow(v, v._components or (v._stacked,))
     if v._components is not None:
-        return v._components, ("ragged", len(v._components))
-    return (v._stacked,), ("stacked", v._lengths)
+        return v._components, ("ragged", len(v._components), None)
+    return (v._stacked,), ("stacked", v._lengths, np.shape(v._stacked))
 
 
 def _unflatten_per_replica(aux, children):
-    kind, lengths = aux
+    kind, lengths, shape = aux
     self = object.__new__(PerReplica)
     if kind == "ragged":
         self._init(None, tuple(children), None)
     else:
+        _check_not_sliced(shape, children[0])
         self._init(children[0], None, lengths)
     int64_values.inherit(self, children)
     return self
 
 
 jax.tree_util.register_pytree_node(PerReplica, _flatten_per_replica, _unflatten_per_replica)
+
+STEPS_RECIPE = (
+    "To run K steps in one program, give each replica its K batches stacked, (K, batch, ...) "
+    "(`iterator.get_next_steps(K)`), and scan over them inside the replica function: "
+    "strategy.run(lambda state, xs: lax.scan(step, state, xs), args=(state, xs)). "
+    "Or call strategy.run once per step in a Python loop inside jdist.function.")
+
+
+def _check_not_sliced(shape, stacked):
+    """Raises where JAX rebuilds a `PerReplica` from an array of another shape than the one it
+    flattened to: ``lax.scan``, ``vmap`` or a ``tree_map`` sliced its stacked array, whose
+    first axis is the replicas, not steps (a scan over a ``(K, b)`` batch per replica would
+    scan the replicas: transposed data when K equals the replica count)."""
+    new_shape = getattr(stacked, "shape", None)  # JAX also unflattens with non-array leaves.
+    if new_shape is not None and shape is not None and tuple(new_shape) != shape:
+        raise errors.InvalidArgumentError(
+            f"a PerReplica of stacked shape {shape} (replicas first) was rebuilt with shape "
+            f"{tuple(new_shape)}: lax.scan, vmap, fori_loop or a tree_map sliced or reshaped "
+            "it, which would cut across replicas, not steps. " + STEPS_RECIPE)
 
 
 @functools.lru_cache(maxsize=None)
