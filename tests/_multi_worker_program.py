@@ -3,10 +3,13 @@
 
 Global results (reduce, gather, Mirrored values) go under ``"global"``; per-replica results under
 ``"replicas"`` keyed by replica id, since each worker sees only its own replicas. A fault mode
-(``--fault die|stall|shapes``) makes worker 1 misbehave for the fault tests.
+(``--fault die|stall|raise|shapes``) makes worker 1 misbehave for the fault tests, ``chief``
+kills worker 0 (which hosts JAX's coordination service).
 """
 
 import json
+import os
+import signal
 import sys
 import time
 
@@ -461,7 +464,7 @@ def _fault(s, jdist, np, fault):
     time."""
     worker = s.extended.worker_index
     step = lambda x: jdist.get_replica_context().all_reduce("sum", x)  # noqa: E731
-    size = 3 if (worker == 1 and fault == "shapes") else 2
+    size = 3 if (worker == 1 and fault in ("shapes", "uncaught")) else 2
     v = s.experimental_distribute_values_from_function(lambda c: np.ones((2, size), np.float32))
     for _ in range(3):
         s.run(step, args=(v,))
@@ -470,10 +473,12 @@ def _fault(s, jdist, np, fault):
     if worker == 1 and fault == "raise":  # Uncaught: the main thread ends with it.
         raise RuntimeError("worker 1's own bug")
     if worker == 1 and fault == "die":
-        import os  # pylint: disable=import-outside-toplevel
         os._exit(3)
     if worker == 1 and fault == "stall":
         time.sleep(120)
+    if worker == 0 and fault == "chief":  # SIGKILL: the coordination service dies with it.
+        print(f"fault at {time.time()}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     print("survived", float(s.reduce("sum", s.run(step, args=(v,)), axis=None)[0, 0]), flush=True)
 
 
@@ -489,6 +494,9 @@ def main(out_path, fault=None):
             _fault(s, jdist, np, fault)
         except jdist.errors.JdistError as e:
             print(f"typed error {type(e).__name__}: {e}", flush=True)
+            if fault == "uncaught":  # sys.excepthook prints it; exit status 1. Worker 1 later:
+                time.sleep(0.5 * s.extended.worker_index)  # the chief must not end first.
+                raise
             sys.exit(5)
         return
     results = {}

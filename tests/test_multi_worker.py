@@ -311,22 +311,28 @@ def _fault_run(fault, folder, port):
 
 
 def _wait_survivors(runs, timeout):
-    """When each run's worker 0 ended (wall clock); every process is ended by PID at the end."""
+    """When each process ended (wall clock, by (fault, worker)); every process still running at
+    the deadline is killed, by PID."""
+    procs = {(fault, i): p for fault, ps in runs.items() for i, p in enumerate(ps)}
     deadline, ended = time.monotonic() + timeout, {}
     try:
-        while len(ended) < len(runs) and time.monotonic() < deadline:
-            for fault, procs in runs.items():
-                if fault not in ended and procs[0].poll() is not None:
-                    ended[fault] = time.time()
-            time.sleep(0.1)
+        while len(ended) < len(procs) and time.monotonic() < deadline:
+            for key, p in procs.items():
+                if key not in ended and p.poll() is not None:
+                    ended[key] = time.time()
+            time.sleep(0.05)
     finally:
-        for p in (p for procs in runs.values() for p in procs):
-            try:
-                p.wait(15)  # Worker 1 of "stall" ends itself once worker 0 has failed.
-            except subprocess.TimeoutExpired:
+        for p in procs.values():
+            if p.poll() is None:
                 p.kill()
                 p.wait()
     return ended
+
+
+def _fatal(out):
+    """JAX's fatal log (absl's ``F<mmdd> ...`` line, its C++ stack) in a worker's output."""
+    return any(line[:1] == "F" and line[1:5].isdigit() for line in out.splitlines()) or any(
+        text in out for text in ("Check failure", "Terminating process", "Fatal Python"))
 
 
 def test_faults_end_in_bounded_time_with_typed_errors(tmp_path):
@@ -346,13 +352,13 @@ def test_faults_end_in_bounded_time_with_typed_errors(tmp_path):
     assert runs["raise"][0].returncode == runtime.UNAVAILABLE_EXIT_CODE, out["raise0"]
     assert "worker 1 (task worker:1" in out["raise0"] and "ended with an error" in out["raise0"]
     fault_at = float(out["raise1"].split("fault at ")[1].split()[0])
-    assert ended["raise"] - fault_at < 6, (ended["raise"] - fault_at, out["raise0"])
+    assert ended["raise", 0] - fault_at < 6, (ended["raise", 0] - fault_at, out["raise0"])
     for fault in ("die", "stall"):
         assert runs[fault][0].returncode == runtime.UNAVAILABLE_EXIT_CODE, out[f"{fault}0"]
         assert "jdist.errors.UnavailableError: worker 1 (task worker:1" in out[f"{fault}0"]
         # Within the timeout plus 10 s of worker 1 dying or stalling.
         fault_at = float(out[f"{fault}1"].split("fault at ")[1].split()[0])
-        assert ended[fault] - fault_at < 8 + 10, (ended[fault] - fault_at, out[f"{fault}0"])
+        assert ended[fault, 0] - fault_at < 8 + 10, (ended[fault, 0] - fault_at, out[f"{fault}0"])
     assert "stopped sending heartbeats" in out["die0"]
     assert "alive but stuck" in out["stall0"]
     assert runs["die"][1].returncode == 3
@@ -362,6 +368,29 @@ def test_faults_end_in_bounded_time_with_typed_errors(tmp_path):
         # error), raised on both workers before any collective program runs.
         assert "typed error ShapeMismatchError" in out[name]
         assert "(2, 3)" in out[name] and "(2, 2)" in out[name]
+        assert not _fatal(out[name]), out[name]
+
+
+def test_chief_death_and_typed_failures_end_every_worker_typed(tmp_path):
+    """Worker 0, which hosts JAX's coordination service, killed (SIGKILL): worker 1 ends with
+    UnavailableError and status 14 at once (JAX's client aborted it, SIGABRT: 134). Both workers
+    ending with an uncaught ShapeMismatchError, worker 1 half a second later: status 1 on both
+    and no JAX fatal log (worker 0's end closed the service under worker 1, which aborted)."""
+    runs = {fault: _fault_run(fault, tmp_path, port)
+            for fault, port in zip(("chief", "uncaught"), free_ports(2))}
+    ended = _wait_survivors(runs, 60)
+    out = {f"{fault}{i}": (tmp_path / f"{fault}{i}.txt").read_text(errors="replace")
+           for fault in runs for i in range(2)}
+    assert runs["chief"][0].returncode == -9, out["chief0"]
+    assert runs["chief"][1].returncode == runtime.UNAVAILABLE_EXIT_CODE, out["chief1"]
+    assert ("jdist.errors.UnavailableError: worker 0 (task worker:0, 127.0.0.1:" in out["chief1"]
+            and "which hosts the coordination service, has died" in out["chief1"])
+    fault_at = float(out["chief0"].split("fault at ")[1].split()[0])
+    assert ended["chief", 1] - fault_at < 5, (ended["chief", 1] - fault_at, out["chief1"])
+    for i in range(2):
+        assert runs["uncaught"][i].returncode == 1, out[f"uncaught{i}"]
+        assert "ShapeMismatchError: a collective" in out[f"uncaught{i}"]
+        assert not _fatal(out[f"uncaught{i}"]), out[f"uncaught{i}"]
 
 
 def test_launcher_stops_the_others_when_one_fails(tmp_path):

@@ -9,6 +9,8 @@ waits in) or has stopped beating, with no change for ``timeout_seconds``, is rep
 thread prints `errors.UnavailableError` naming it and ends the process with exit status
 `UNAVAILABLE_EXIT_CODE` (the main thread is blocked inside the collective and cannot raise).
 If the coordination service itself is gone, the coordinator's worker has died: reported at once.
+JAX's client notices that first and aborts the process (SIGABRT) within 0.1 s, so on the other
+workers a SIGABRT handler reports it instead, when the service's port refuses connections.
 
 The thread is stopped and joined by `stop`, which runs at interpreter exit before
 ``jax.distributed``'s shutdown barrier: the worker announces that it ends and waits until every
@@ -18,9 +20,13 @@ process. A worker that fails publishes it first, so its peers end at once: one t
 peer, and one whose main thread ends with an uncaught exception (its traceback printed by
 ``sys.excepthook``, then exit status 1 without waiting for peers that would wait for it); a
 collective's runtime error is most likely a dead peer's doing, which the exit then names.
+Worker 0 ends after its failing peers (its end closes the service under them).
 """
 
+import ctypes
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -48,6 +54,9 @@ class Watchdog:
         self.failed = False  # The main thread ended with an uncaught exception (`start`).
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="jdist-watchdog", daemon=True)
+        # Only worker 0 hosts the coordination service; the others' JAX client aborts the
+        # process the moment its connection drops (`_on_abort`).
+        self._abort_handler = _ABORT_HANDLER(self._on_abort) if cluster.index else None
 
     def note_launch(self):
         """Counts one collective program launched by this worker (called by the guard)."""
@@ -56,6 +65,10 @@ class Watchdog:
     def start(self):
         """Starts the thread, and notes an uncaught exception that ends the main thread."""
         self._thread.start()
+        if self._abort_handler is not None and os.name == "posix":
+            libc = ctypes.CDLL(None)
+            libc.signal.argtypes = (ctypes.c_int, _ABORT_HANDLER)
+            libc.signal(signal.SIGABRT, self._abort_handler)
         hook = sys.excepthook
 
         def failing(kind, value, traceback):
@@ -77,6 +90,16 @@ class Watchdog:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)  # Python's status for an uncaught exception.
+
+    def _on_abort(self, signum):  # pylint: disable=unused-argument
+        """SIGABRT on a worker other than 0: when worker 0, and with it the coordination
+        service, has died, JAX's client logs a fatal error (within 0.1 s, far before any
+        poll could notice) and aborts. If the service's port refuses connections, that is
+        what happened: end with `errors.UnavailableError` and exit status 14 instead. Any
+        other abort goes on (the handler returns, and ``abort`` ends the process)."""
+        if not _accepts(self._cluster.coordinator):
+            self._fail(f"{self._cluster.name(0)}, which hosts the coordination service, has "
+                       "died: the job cannot go on without it.")
 
     def _loop(self):
         client, me, beat = _client(), self._cluster.index, 0
@@ -121,11 +144,24 @@ class Watchdog:
             client.key_value_set(f"jdist/watchdog/{self._cluster.index}",
                                  f"{beat} {self.launched} {_FAILED}", allow_overwrite=True)
             # Let the peers read it before this process's end closes its connections (a peer's
-            # collective would fail untyped) or, on worker 0, the service (JAX's client would
-            # abort them, SIGABRT).
+            # collective would fail untyped).
             time.sleep(2 * self._poll)
+            if self._cluster.index == 0:
+                self._outlive_peers(client)
         except Exception:  # pylint: disable=broad-except
             pass  # The service is gone: the peers find out themselves.
+
+    def _outlive_peers(self, client):
+        """Worker 0's end closes the coordination service, and JAX's client aborts a peer
+        still running (SIGABRT, its fatal log): wait until every peer has announced its own
+        failure (each does within a poll of reading this one's; a dead one never does: at most
+        a second more), then as long as each waits before ending."""
+        peers = [f"jdist/watchdog/{w}" for w in range(1, self._cluster.num_workers)]
+        deadline = time.monotonic() + self._poll + 1
+        while time.monotonic() < deadline and not all(
+                _try_get(client, key).endswith(f" {_FAILED}") for key in peers):
+            time.sleep(_EXIT_POLL_S)
+        time.sleep(2 * self._poll + 0.2)
 
     def _fail(self, message, client=None, beat=0):
         if client is not None:
@@ -137,6 +173,7 @@ class Watchdog:
         os._exit(UNAVAILABLE_EXIT_CODE)
 
 
+_ABORT_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
 _ENDED, _FAILED = 1, 2  # What a worker publishes as its third field: it ends / it failed.
 _EXIT_POLL_S = 0.05
 
@@ -149,6 +186,16 @@ def _try_get(client, key):
         if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
             return ""
         raise
+
+
+def _accepts(address):
+    """Whether ``host:port`` accepts a TCP connection within a second."""
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 class _Peer:
