@@ -416,6 +416,24 @@ def _disagreeing(s, worker):
         np.float32)
 
 
+def _plain_refused(s, jdist, np, worker):
+    """A plain value of rank 0, 1 or 2 at every cross-replica entry point on two replicas per
+    worker: the error each raises (TF takes it as this worker's one replica value)."""
+    ext, refused = s.extended, set()
+    for rank in (0, 1, 2):
+        x = np.full((2,) * rank, 1.0 + worker, np.float32)
+        for call in (lambda: s.reduce("sum", x, None), lambda: s.reduce("sum", x, 0),
+                     lambda: s.gather(x, 0), lambda: ext.reduce_to("sum", x, "CPU:0"),
+                     lambda: ext.batch_reduce_to("sum", [(x, "CPU:0"), (x, "CPU:0")])):
+            try:
+                call()
+                refused.add(None)
+            except jdist.errors.JdistError as e:
+                refused.add(type(e).__name__ + (": several replicas per worker" if
+                                                "several replicas per worker" in str(e) else ""))
+    return sorted(refused, key=str)
+
+
 def _per_worker(s, jdist, np):
     """PER_WORKER pipelines of different lengths (worker 0: 3 batches, worker 1: 5), host values
     that differ between workers, and workers out of step; only meaningful on 2 workers."""
@@ -454,6 +472,7 @@ def _per_worker(s, jdist, np):
             out["errors"].append(None)
         except jdist.errors.JdistError as e:
             out["errors"].append([type(e).__name__, str(e)])
+    out["plain_refused"] = _plain_refused(s, jdist, np, worker)
     out["equal_host_values"] = float(s.reduce("sum", s.run(
         lambda x, y: x * y, args=(np.ones(2, np.float32), 0.5)), axis=None)[0])
     return {"_per_worker": out}

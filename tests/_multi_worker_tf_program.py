@@ -146,8 +146,9 @@ def collective_dtypes(strategy, context, compiled, np):
 def plain_values(strategy, context, compiled, np, worker):
     """A plain (non-distributed) array that differs between workers, one that does not, the
     plain result of a merge_call, an all-reduced result of run, a reduce_to result and a
-    broadcast_to of a worker's own array, reduced (SUM / MEAN, axis None / 0) and gathered in
-    the cross-replica context: TF takes each as this worker's one replica value."""
+    broadcast_to of a worker's own array, and arrays of rank 0 and 2, reduced (SUM / MEAN, axis
+    None / 0; reduce_to, batch_reduce_to) and gathered in the cross-replica context: TF takes
+    each as this worker's one replica value."""
     mine, same = np.float32([1.0 + worker, 10.0]), np.float32([3.0, 4.0])
     replica = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.float32([ctx.replica_id_in_sync_group, 5.0]))
@@ -159,12 +160,20 @@ def plain_values(strategy, context, compiled, np, worker):
         "all_reduced": compiled(lambda v: strategy.run(
             lambda x: context().all_reduce("SUM", x * 1.5), args=(v,)))(replica),
         "broadcast": strategy.extended.broadcast_to(mine, replica)}
+    for rank in (0, 2):  # Each result keeps the value's shape (no leading axis of one).
+        values[f"rank {rank}"] = np.full((2,) * rank, 1.0 + worker, np.float32)
+    ext = strategy.extended
     for name, value in values.items():
         for op in ("SUM", "MEAN"):
-            for axis in (None, 0):
+            for axis in (None, 0) if name != "rank 0" else (None,):
                 results[f"{op} {name} {axis}"] = np.asarray(
                     strategy.reduce(op, value, axis=axis)).tolist()
-        results[f"gather {name}"] = np.asarray(strategy.gather(value, 0)).tolist()
+            results[f"reduce_to {op} {name}"] = [np.asarray(v).tolist() for v in (
+                strategy.experimental_local_results(ext.reduce_to(op, value, replica)))]
+            results[f"batch_reduce_to {op} {name}"] = [np.asarray(v).tolist() for v in (
+                ext.batch_reduce_to(op, [(value, replica), (value, ext.worker_devices[0])]))]
+        if name != "rank 0":
+            results[f"gather {name}"] = np.asarray(strategy.gather(value, 0)).tolist()
     return results
 
 
@@ -234,7 +243,8 @@ def main():
         "worker_devices": len(ext.worker_devices), "parameter_devices": len(
             ext.parameter_devices), "should_checkpoint": ext.should_checkpoint,
         "should_save_summary": ext.should_save_summary,
-        "should_init": ext.experimental_should_init,
+        "should_init": [ext.experimental_should_init,  # TF has no plain should_init.
+                        getattr(ext, "should_init", ext.experimental_should_init)],
         "between_graph": ext.experimental_between_graph,
         "task": [resolver.task_type, resolver.task_id],
         "cluster": {job: len(tasks) for job, tasks in  # The launchers pick other ports.

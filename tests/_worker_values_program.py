@@ -21,17 +21,22 @@ def main(out):
         lambda strategy, y: strategy.reduce("SUM", y, None), args=(x,)), args=(replica,))
     mine = np.float32([1.0 + worker, 10.0])
     values = {"mine": mine, "same": np.float32([3.0, 4.0]), "number": 2.0 + worker,
+              "scalar": np.float32(1.0 + worker), "matrix": np.full((2, 2), 1.0 + worker,
+                                                                   np.float32),
               "merged": merged, "reduce_to": s.extended.reduce_to("SUM", replica, replica),
               "broadcast": s.extended.broadcast_to(mine, replica)}  # Mirrored, TF's plain.
     results = {}
     for name, value in values.items():
+        rank0 = name in ("number", "scalar")
         for op in ("SUM", "MEAN"):
-            for axis in (None, 0) if name != "number" else (None,):
+            for axis in (None, 0) if not rank0 else (None,):
                 results[f"reduce {op} {name} {axis}"] = np.asarray(
                     s.reduce(op, value, axis=axis)).tolist()
             results[f"reduce_to {op} {name}"] = [np.asarray(v).tolist() for v in (
                 s.experimental_local_results(s.extended.reduce_to(op, value, replica)))]
-        if name != "number":
+            results[f"batch_reduce_to {op} {name}"] = [np.asarray(v).tolist() for v in (
+                s.extended.batch_reduce_to(op, [(value, replica), (value, "CPU:0")]))]
+        if not rank0:
             results[f"gather {name}"] = np.asarray(s.gather(value, 0)).tolist()
     try:  # float64: TF adds it in float64; JAX would hold it as float32.
         results["float64 reduce None"] = np.asarray(
@@ -49,6 +54,9 @@ def main(out):
                 results[case] = np.asarray(compute()).tolist()
             except jdist.errors.X64RequiredError:
                 results[case] = "X64RequiredError"
+    ext = s.extended  # TF's roles: checkpoints and summaries on the chief, init everywhere.
+    results["_roles"] = [ext.should_checkpoint, ext.should_save_summary, ext.should_init,
+                         ext.experimental_should_init]
     with open(f"{out}.{worker}", "w", encoding="utf-8") as f:
         json.dump(results, f)
 

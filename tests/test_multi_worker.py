@@ -113,21 +113,28 @@ def test_a_plain_value_is_each_workers_own(tmp_path):
     logs = _finish([launcher], TIMEOUT)
     assert launcher.returncode == 0, logs
     got = [json.load(open(f"{out}.{w}", encoding="utf-8")) for w in range(2)]
+    assert [g.pop("_roles") for g in got] == [[True] * 4, [False, False, True, True]]
     assert got[0] == got[1]  # Every worker gets the result.
     per_worker = {"mine": [np.float32([1, 10]), np.float32([2, 10])],
                   "same": [np.float32([3, 4])] * 2, "number": [np.float32(2), np.float32(3)],
+                  "scalar": [np.float32(1), np.float32(2)],
+                  "matrix": [np.full((2, 2), 1, np.float32), np.full((2, 2), 2, np.float32)],
                   "merged": [np.float32([1, 10])] * 2,  # The merge's SUM of [0, 5] and [1, 5].
                   "reduce_to": [np.float32([1, 10])] * 2,
                   "broadcast": [np.float32([1, 10]), np.float32([2, 10])]}
     for name, (a, b) in per_worker.items():
         expected = {f"reduce SUM {name} None": a + b, f"reduce MEAN {name} None": (a + b) / 2,
-                    f"reduce_to SUM {name}": [a + b], f"reduce_to MEAN {name}": [(a + b) / 2]}
-        if name != "number":
-            expected.update({f"reduce SUM {name} 0": a.sum() + b.sum(),
-                             f"reduce MEAN {name} 0": (a.sum() + b.sum()) / (a.size + b.size),
+                    f"reduce_to SUM {name}": [a + b], f"reduce_to MEAN {name}": [(a + b) / 2],
+                    # Each result keeps the value's shape (rank 0 too), as in TF.
+                    f"batch_reduce_to SUM {name}": [a + b] * 2,
+                    f"batch_reduce_to MEAN {name}": [(a + b) / 2] * 2}
+        if name not in ("number", "scalar"):
+            expected.update({f"reduce SUM {name} 0": a.sum(0) + b.sum(0),
+                             f"reduce MEAN {name} 0": (a.sum(0) + b.sum(0)) / (len(a) + len(b)),
                              f"gather {name}": np.concatenate([a, b])})
         for case, want in expected.items():
             np.testing.assert_array_equal(got[0][case], want, err_msg=case)
+            assert np.shape(got[0][case]) == np.shape(want), case  # (No broadcasting.)
     for case in ("reduce 1048576 None", "reduce 1048576 0", "reduce_to 1048576"):
         assert np.ravel(got[0][f"int64 {case}"]).tolist() == [1 + 2**20]
     assert got[0]["float64 reduce None"] == "X64RequiredError"  # Was float32's 1.2000000477.
@@ -298,6 +305,7 @@ def _check_per_worker(workers):
     assert "float 1.5" in number[1]
     assert out_of_step[0] == "InvalidArgumentError" and "out of step" in out_of_step[1]
     assert w0["equal_host_values"] == 2.0
+    assert w0["plain_refused"] == ["InvalidArgumentError: several replicas per worker"]
 
 
 def _fault_run(fault, folder, port):

@@ -141,8 +141,7 @@ class MultiWorkerExtended(MirroredExtended):
         """True on the chief (worker 0 when there is no chief): only it saves checkpoints."""
         return self._cluster.index == 0
 
-    should_save_summary = should_checkpoint
-    should_init = should_checkpoint
+    should_save_summary = should_checkpoint  # should_init stays true: every worker initialises.
 
     @property
     def experimental_between_graph(self):

@@ -77,13 +77,14 @@ class StrategyExtended:
     _plain_values_as_they_are: bool = True
     #: The ``jax.sharding.Mesh`` of the replicas; None for the default strategy (no mesh).
     mesh: Optional[jax.sharding.Mesh] = None
-    #: Whether this process writes checkpoints / summaries and initialises state (TF): true on
-    #: one worker; a multi-worker strategy says so on its chief only.
+    #: Whether this process writes checkpoints / summaries (TF): true on one worker; a
+    #: multi-worker strategy says so on its chief only.
     should_checkpoint: bool = True
     should_save_summary: bool = True
-    should_init: bool = True
-    #: TF's: every worker initialises its own copy (TF's multi-worker strategy too).
+    #: TF's: every worker initialises its own copy (TF's multi-worker strategy too, so
+    #: ``should_init``, jdist's name for it, is true on every worker as well).
     experimental_should_init: bool = True
+    should_init: bool = True
     #: TF's: whether every worker runs its own copy of the program (several workers).
     experimental_between_graph: bool = False
 
