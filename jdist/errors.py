@@ -18,6 +18,7 @@ from jdist._src.errors import UnknownDeviceError
 from jdist._src.errors import UnsupportedJaxError
 from jdist._src.errors import UnsupportedValueError
 from jdist._src.errors import WrongContextError
+from jdist._src.errors import X64CastWarning
 from jdist._src.errors import X64RequiredError
 
 __all__ = (
@@ -39,5 +40,6 @@ __all__ = (
     "UnsupportedJaxError",
     "UnsupportedValueError",
     "WrongContextError",
+    "X64CastWarning",
     "X64RequiredError",
 )

@@ -101,11 +101,11 @@ def test_a_negative_axis_raises_where_tfs_collective_ops_gather(n, axis, dtype, 
 @pytest.mark.parametrize("source", ["values", "dataset batch"])
 @pytest.mark.parametrize("axis", [-1, -2])
 @pytest.mark.parametrize("n", [2, 3])
-def test_a_negative_axis_raises_on_int64_host_numbers_as_tf_keeps_them(n, axis, source, numbers):
-    # TF holds int64 as it is and gathers it with its collective ops, which raise on a negative
-    # axis (measured: TF 2.21, "Requires start <= limit"); without x64 JAX holds the numbers as
-    # int32, which TF would concatenate. jdist records where they came from, whatever they are
-    # (a batch of labels that are all 0 raises as the others do).
+def test_a_negative_axis_follows_the_dtype_jax_holds_int64_host_numbers_in(
+        n, axis, source, numbers):
+    # Dtypes are JAX's: with x64, int64, which TF gathers with its collective ops, which raise
+    # on a negative axis (measured: TF 2.21, "Requires start <= limit"); without it, int32,
+    # which TF concatenates (the axis counts from the end).
     s = mirrored(n)
     comps = [np.arange(6, dtype=np.int64).reshape(2, 3) + 10 * i + 1 for i in range(n)]
     if numbers == "zeros":
@@ -116,10 +116,13 @@ def test_a_negative_axis_raises_on_int64_host_numbers_as_tf_keeps_them(n, axis, 
         data = np.concatenate(comps)
         value = next(iter(s.experimental_distribute_dataset(
             s.experimental_make_numpy_dataset(data).batch(len(data)))))
-    with pytest.raises(errors.InvalidArgumentError, match=f"axis={axis + 2}"):
-        s.gather(value, axis=axis)
-    np.testing.assert_array_equal(s.gather(value, axis=axis + 2),
-                                  np.concatenate(comps, axis=axis + 2))
+    np.testing.assert_array_equal(s.gather(value, axis=axis), np.concatenate(comps, axis=axis))
+    with jax.enable_x64(True):
+        value = per_replica(s, comps)
+        with pytest.raises(errors.InvalidArgumentError, match=f"axis={axis + 2}"):
+            s.gather(value, axis=axis)
+        np.testing.assert_array_equal(s.gather(value, axis=axis + 2),
+                                      np.concatenate(comps, axis=axis + 2))
 
 
 @pytest.mark.parametrize("how", list(AXIS_GATHERS))

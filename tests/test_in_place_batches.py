@@ -18,7 +18,6 @@ from jdist._src import batch_blocks
 from jdist._src import errors
 from jdist._src import host_values
 from jdist._src import in_place_batches
-from jdist._src import int64_values
 from jdist.testing import count_compiles, mirrored
 
 REPLICAS = (1, 2, 3, 4, 8)
@@ -238,27 +237,18 @@ def test_batches_donated_to_a_function_are_made_again_and_the_data_left_as_it_wa
 
 
 @pytest.mark.parametrize("n", (1, 2, 4))
-def test_int64_batches_read_in_place_carry_their_numbers_magnitudes(n):
-    # TF computes with int64 labels in int64: JAX holds them as int32, so each batch records
-    # the magnitudes of its numbers (sum, largest, largest sum on one replica), and a step
-    # whose int32 sum could wrap raises, as with blocks; small ones compute TF's numbers.
+def test_int64_batches_read_in_place_are_int32_without_x64(n):
+    # Dtypes are JAX's: int64 labels are held as int32 (read in place from an int32 copy made
+    # once), and computed with as jax.jit would.
     s = mirrored(n)
     y = (np.arange(16 * n * 6, dtype=np.int64) * 7919) % 1000 - 500
     rows = s.experimental_make_numpy_dataset({"y": y}).batch(16 * n)
     dist = s.experimental_distribute_dataset(rows)
-    for _ in range(2):  # The second epoch reads the kept values, records and all.
+    for _ in range(2):  # The second epoch reads the kept values.
         for i, element in enumerate(dist):
             assert not batch_blocks.in_block(element["y"])
+            assert s.experimental_local_results(element["y"])[0].dtype == np.int32
             batch = y[i * 16 * n:(i + 1) * 16 * n]
-            parts = np.abs(batch).reshape(n, -1).sum(axis=1)
-            assert int64_values._stored(element["y"]) == (
-                parts.sum(), np.abs(batch).max(), parts.max())
             total = s.run(lambda v: jdist.get_replica_context().all_reduce("sum", jnp.sum(v)),
                           args=(element["y"],))
             assert int(s.experimental_local_results(total)[0]) == batch.sum()
-    large = s.experimental_make_numpy_dataset(np.full(16 * n * 2, 2**30, np.int64)).batch(16 * n)
-    element = next(iter(s.experimental_distribute_dataset(large)))
-    assert not batch_blocks.in_block(element)
-    with pytest.raises(errors.X64RequiredError):
-        s.run(lambda v: jdist.get_replica_context().all_reduce("sum", jnp.sum(v)),
-              args=(element,))

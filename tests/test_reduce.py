@@ -417,12 +417,12 @@ def test_a_batch_with_an_int32_value_raises_as_in_tf(n, how):
 
 @pytest.mark.parametrize("how", list(INT32_BATCHES))
 @pytest.mark.parametrize("n", [1, 3])
-def test_without_x64_an_int32_batch_asks_for_x64(n, how):
-    # Without x64 JAX holds TF's int64 values as int32; TF reduces int64 values in a batch.
+def test_without_x64_an_int32_batch_raises_as_with_it(n, how):
+    # Dtypes are JAX's: an int64 host value is int32 without x64, and TF refuses int32 batches.
     s = mirrored(n)
-    comps = [np.int32([r, 1]) for r in range(n)]
+    comps = [np.int64([r, 1]) for r in range(n)]
     v = per_replica(s, comps) if n > 1 else jnp.asarray(comps[0])
-    with pytest.raises(errors.X64RequiredError, match="jax_enable_x64"):
+    with pytest.raises(errors.InvalidArgumentError, match="Inputs to batch_reduce_to"):
         INT32_BATCHES[how](s, v)
 
 

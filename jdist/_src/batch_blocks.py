@@ -15,7 +15,7 @@ itself, with no copy and no transfer, and the step's program reads each replica'
 position in place. On several accelerators it is sharded over the replica axis (dimension 1),
 each device receiving its replicas' rows. A block holds no more batches than one pass over
 the data gives, and a short last block is the block's worth of rows ending with it, its
-batches at the last positions. Shuffled rows, int64 data and rows that are not a block's worth
+batches at the last positions. Shuffled rows, 64-bit data (without x64) and rows that are not a block's worth
 in order (padded) are copied into the layout first.
 
 An element is a `BlockedPerReplica`: a `PerReplica` in every respect (``values``, ``stacked``,
@@ -45,11 +45,9 @@ import jax
 from jax import lax
 import numpy as np
 
-from jdist._src.host_values import (aliased, aligned_empty, held_copy, int64_magnitudes,
-                                    placed_as_is, placed_replicated)
-from jdist._src import int64_values
+from jdist._src.host_values import (aliased, aligned_empty, held_copy, placed_as_is,
+                                    placed_replicated)
 from jdist._src import in_place_batches
-from jdist._src.int64_values import record_int64_bounds
 from jdist._src.values import PerReplica
 
 BLOCK_BYTES = 4 << 20  # A block holds at most this many bytes of batches...
@@ -127,11 +125,10 @@ class BlockedPerReplica(PerReplica):
     __slots__ = ("_block", "_position", "_taken")
 
     @classmethod
-    def _at(cls, block, position, int64_bounds=None):
+    def _at(cls, block, position):
         self = object.__new__(cls)
         self._block, self._position, self._taken = block, position, None
         self._lengths = self._view_valid_rows = self._components = self._numbers = None
-        self._int64_bounds = int64_bounds  # As `PerReplica` records them (`int64_values`).
         return self
 
     @property
@@ -152,16 +149,12 @@ class BlockedPerReplica(PerReplica):
 def _flatten(value):
     if reading.active or not isinstance(value._block, jax.Array):  # JAX's placeholders (an
         return (value._block, value._position), _IN_BLOCK  # ArgInfo, ...) keep their form.
-    if value._int64_bounds is not None:  # What the value rebuilt from its leaf inherits.
-        int64_values.follow(value, (value._stacked,))
     return (value._stacked,), None
 
 
 def _unflatten(aux, children):
     if aux != _IN_BLOCK:
-        rebuilt = PerReplica._from_stacked(children[0])
-        int64_values.inherit(rebuilt, children)
-        return rebuilt
+        return PerReplica._from_stacked(children[0])
     block, position = children
     if isinstance(block, jax.Array) and isinstance(position, jax.Array):  # Tracers included.
         return PerReplica._from_stacked(_row(block, position))
@@ -256,25 +249,22 @@ class BlockFeed:
         start, first, blocks = self._as_is(leaves, rows, number)
         if blocks is not None and self.on_loop_thread and self._plain is None:
             placed = self._kept_placement(kept, start, blocks)  # At the first epoch only.
-            return self._blocked_elements(tree, placed, first, number, (None,) * len(leaves))
-        magnitudes = (None,) * len(leaves)  # Placed as is: dtypes JAX holds as they are.
+            return self._blocked_elements(tree, placed, first, number)
         if blocks is None:
             self._guard.wait()  # The copy then has the cores to itself (`__call__`).
-            blocks, magnitudes = zip(*(self._copied(leaf, rows, number) for leaf in leaves))
+            blocks = [self._copied(leaf, rows, number) for leaf in leaves]
         if self._plain is not None:
-            return Elements(_plain_elements(tree, self._plain(blocks, first, number),
-                                            magnitudes))
+            return Elements(tree.unflatten(batch)
+                            for batch in self._plain(blocks, first, number))
         blocks = (placed_replicated(blocks, self._sharding) if self.on_loop_thread
                   else jax.device_put(list(blocks), self._sharding))
-        return self._blocked_elements(tree, blocks, first, number, magnitudes)
+        return self._blocked_elements(tree, blocks, first, number)
 
-    def _blocked_elements(self, tree, blocks, first, number, magnitudes):
+    def _blocked_elements(self, tree, blocks, first, number):
         """The `BlockedPerReplica` elements of ``number`` batches of placed ``blocks`` (one per
-        leaf), from position ``first``, with their int64 ``magnitudes`` (None per leaf)."""
+        leaf), from position ``first``."""
         at, positions = BlockedPerReplica._at, self._positions[first:first + number]
-        per_leaf = [(b, (None,) * number if m is None else m) for b, m in zip(blocks, magnitudes)]
-        return Elements(tuple(tree.unflatten([at(b, p, m[i]) for b, m in per_leaf])
-                              for i, p in enumerate(positions)))
+        return Elements(tuple(tree.unflatten([at(b, p) for b in blocks]) for p in positions))
 
     def _kept_placement(self, kept, start, blocks):
         """``blocks`` (the data's rows from row ``start``, read in place) placed replicated
@@ -326,8 +316,8 @@ class BlockFeed:
         return start, self.size - number, blocks
 
     def _copied(self, leaf, rows, number):
-        """``(block, int64 magnitudes)``: ``leaf``'s ``rows`` as ``number`` full batches copied
-        into the block's layout (int64 numbers as JAX holds them, their magnitudes kept)."""
+        """``leaf``'s ``rows`` as ``number`` full batches copied into the block's layout, in the
+        dtype JAX holds them in."""
         shape = (self.size,) + self._split + leaf.shape[1:]
         block = aligned_empty(shape, leaf.dtype)
         if isinstance(rows, slice):
@@ -335,9 +325,7 @@ class BlockFeed:
         else:  # The dataset's own row indices, in range: "wrap" only spares numpy a buffer.
             np.take(leaf, rows.reshape((number,) + shape[1:3]), axis=0, out=block[:number],
                     mode="wrap")
-        # TF computes with int64 batches in int64: steps and reduces check what JAX's int32
-        # holds against these (`int64_values`).
-        return held_copy(block), int64_magnitudes(block[:number])
+        return held_copy(block)
 
 
 CUT = 8  # One replica: the batches one launch cuts out of a block (its compile grows with it).
@@ -368,16 +356,6 @@ def _positions(mesh, size):
     a dataset made each epoch paid each epoch). They are never donated (`dispatch.function`)."""
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.device_put([np.int32(i) for i in range(size)], replicated)
-
-
-def _plain_elements(tree, batches, magnitudes):
-    """One replica's elements: ``batches`` (each its leaves' arrays) as nests of ``tree``,
-    each array with its int64 numbers' magnitudes recorded (`int64_values`)."""
-    for i, batch in enumerate(batches):
-        for array, m in zip(batch, magnitudes):
-            if m is not None:
-                record_int64_bounds(array, *m[i])
-        yield tree.unflatten(batch)
 
 
 class Elements:

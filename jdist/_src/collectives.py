@@ -82,27 +82,18 @@ def gather_axis(axis, ndim: int) -> int:
 # ------------------------------------------------------------------------------ the rules
 def mean_dtype(dtype) -> np.dtype:
     """The dtype of a MEAN, TF's ``truediv``: floats keep theirs, 8- and 16-bit integers give
-    float32, 32- and 64-bit integers float64.
-
-    Raises:
-      X64RequiredError: the MEAN is float64 and ``jax_enable_x64`` is off (JAX has no float64
-        then; a float32 result would be a number TF does not give).
+    float32, 32- and 64-bit integers float64 with ``jax_enable_x64``; without it JAX's default
+    float, float32, as ``jnp.mean`` gives.
 
     Example:
-      >>> str(mean_dtype("int8")), str(mean_dtype("float16"))
-      ('float32', 'float16')
+      >>> str(mean_dtype("int8")), str(mean_dtype("float16")), str(mean_dtype("int32"))
+      ('float32', 'float16', 'float32')
     """
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.inexact):
         return dtype
-    if dtype.itemsize <= 2:
+    if dtype.itemsize <= 2 or not jax.config.jax_enable_x64:
         return jnp.dtype(jnp.float32)
-    if not jax.config.jax_enable_x64:
-        raise errors.X64RequiredError(
-            f"a MEAN of {dtype} values is float64 in TF ({dtype} / {dtype} divides in float64), "
-            "and JAX has float64 only in 64-bit mode. Enable it before creating arrays "
-            "(jax.config.update('jax_enable_x64', True)), or reduce float values for a float32 "
-            "mean (x.astype(jnp.float32)), or reduce with SUM and divide.")
     return jnp.dtype(jnp.float64)
 
 

@@ -492,8 +492,7 @@ class ReplicaContext:
         op = ReduceOp.from_any(reduce_op)
         packing.as_options(options)  # Checked on one replica too, which reduces nothing.
         self._strategy.extended.check_batch_reduce(value, "all_reduce")  # A nest is one batch.
-        check_reducible(op, value, adds=self.num_replicas_in_sync > 1,
-                        copies=self.num_replicas_in_sync)
+        check_reducible(op, value, adds=self.num_replicas_in_sync > 1)
         self._strategy.extended.check_collective_dtypes(value, "all_reduce")
         if self.num_replicas_in_sync == 1:  # TF: one replica's value reduces to itself, dtype
             return jax.tree_util.tree_map(jnp.asarray, value)  # too (an int MEAN stays int).
@@ -523,11 +522,9 @@ class ReplicaContext:
         packing.as_options(options)
         host_values.check_arrays(value, "all_gather")
         self._strategy.extended.check_gather(value, axis, "all_gather")
-        with self._strategy.extended.negative_axis_scope(axis):
-            if self._binding is None or self.num_replicas_in_sync == 1:
-                return self._collectives.all_gather(value, axis)
-            return self._binding.each_own(value,
-                                          lambda own: self._collectives.all_gather(own, axis))
+        if self._binding is None or self.num_replicas_in_sync == 1:
+            return self._collectives.all_gather(value, axis)
+        return self._binding.each_own(value, lambda own: self._collectives.all_gather(own, axis))
 
     def merge_call(self, merge_fn, args=(), kwargs=None):
         """Runs ``merge_fn(strategy, *args, **kwargs)`` once in the cross-replica context.

@@ -30,7 +30,6 @@ from jdist._src import context
 from jdist._src import errors
 from jdist._src import function_numbers
 from jdist._src import host_values
-from jdist._src import int64_sums
 from jdist._src.run_arguments import SCALARS
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
@@ -322,13 +321,10 @@ def function(fun=None, **jit_kwargs):
 
 class _GuardedFunction:
     """What `function` compiles: ``fun`` under ``jax.jit``, each call sent through the CPU
-    guard and held to the int64 checks its traces found; a call on values of different shapes
-    per replica runs ``fun`` as Python."""
+    guard; a call on values of different shapes per replica runs ``fun`` as Python."""
 
     def __init__(self, fun, jit_kwargs):
         self._fun, self._jit_kwargs = fun, jit_kwargs
-        self._sums = int64_sums.FunctionChecks()  # What its int64 numbers need, per tree.
-        self._new_trace = False  # Set by a trace: the next call reads its program's integers.
         self.jitted = self._jit(None)
         # Python-number arguments are compiled in, as tf.function's (`function_numbers`).
         self._by_numbers = function_numbers.ProgramsByNumbers(
@@ -371,21 +367,17 @@ class _GuardedFunction:
     def _traced(self, args, kwargs):
         if _holds_ragged_values((args, kwargs)):
             raise _RaggedArguments()  # Before ``fun`` is traced: the call runs it as Python.
-        self._new_trace = True
         batch_blocks.blocks_read()  # Arguments flattened: what ``fun`` captures reads plainly.
-        with int64_sums.function_trace((args, kwargs), self._sums):
-            outputs = _checked_outputs(self._fun(*args, **kwargs))
-            int64_sums.traced_outputs(outputs)
-            return outputs
+        return _checked_outputs(self._fun(*args, **kwargs))
 
     def __call__(self, args, kwargs):
         try:
             with _inside_function(), batch_blocks.reading_blocks(self._blocks):
-                # Every call: jax.jit would run a float64 array on a float32 one's program.
+                # Every call: an int64 host number int32 cannot hold raises (JAX would wrap it).
                 jitted, call, numbers = self._program(args, kwargs)
                 if self._guard.inside_launch():  # Traced by a launch: part of its program.
                     return jitted(*call[0], **call[1])
-                return self._launch(jitted, (args, kwargs), call, numbers)
+                return self._launch(jitted, call)
         except (_RaggedArguments, TypeError):
             # Values of different shapes per replica (a partial batch): no program has them,
             # so ``fun`` runs as Python for this call and each ``run`` in it computes them
@@ -393,26 +385,12 @@ class _GuardedFunction:
             # replicas, `jax.ShapeDtypeStruct`s, make jax.jit raise TypeError first.)
             if not _holds_ragged_values((args, kwargs)):
                 raise
-        outputs = _as_python(self._fun, args, kwargs)
-        if self._sums:  # Eager, so unread: what the programs of its even calls computed itself.
-            int64_sums.check_function(self._sums, (args, kwargs), outputs)
-        return outputs
+        return _as_python(self._fun, args, kwargs)
 
-    def _launch(self, jitted, given, call, numbers):
-        """Launches ``jitted`` on ``call`` (the ``given`` call, its Python ``numbers`` out)."""
-        outputs = self._guard.dispatch(lambda: jitted(*call[0], **call[1]),
-                                       spans_all_devices=False)
-        if self._new_trace:  # Its program, as traced (JAX's cache: ``fun`` does not run).
-            self._new_trace = False
-            static = self._static_for(len(given[0]))
-            taken = function_numbers.paths(numbers)  # Not inputs of the program either.
-            with batch_blocks.reading_blocks(self._blocks):  # The trace cleared it.
-                int64_sums.function_checks(
-                    self._sums, jitted.trace(*call[0], **call[1]).jaxpr, given, outputs,
-                    lambda path: static(path) or path in taken)
-        if self._sums:  # Found by this call's trace or an earlier one.
-            int64_sums.check_function(self._sums, given, outputs)
-        return outputs
+    def _launch(self, jitted, call):
+        """Launches ``jitted`` on ``call`` (the call with its Python numbers out)."""
+        return self._guard.dispatch(lambda: jitted(*call[0], **call[1]),
+                                    spans_all_devices=False)
 
     def lower(self, *args, **kwargs):
         """``jax.jit``'s ``lower``; the lowered program's ``compile()`` takes what the function

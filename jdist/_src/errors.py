@@ -19,8 +19,8 @@ class ShapeMismatchError(InvalidArgumentError):
 
 
 class X64RequiredError(InvalidArgumentError):
-    """TF's result needs a 64-bit type (an int64 value, the float64 MEAN of int32 values) that
-    JAX has only with ``jax_enable_x64``; the message names that and the other ways out."""
+    """An int64 host number does not fit the int32 that JAX without ``jax_enable_x64`` holds it
+    in (JAX would wrap it); the message names 64-bit mode and the other ways out."""
 
 
 class UnknownDeviceError(InvalidArgumentError):
@@ -105,3 +105,8 @@ class RetracingWarning(UserWarning):
     """A `jdist.function` has compiled a program for each of several values of its Python-number
     arguments, as ``tf.function`` retraces for them; pass a number that changes between calls as
     an array (``jnp.float32(lr)``) to share one program."""
+
+
+class X64CastWarning(UserWarning):
+    """Without ``jax_enable_x64``, jdist holds float64 host values as float32, as ``jax.jit``
+    does, and says so once per dtype and process (TF computes with them in float64)."""

@@ -7,6 +7,9 @@ as others. Both raise typed errors at the call that placed the value.
 """
 
 import functools
+import os
+import sys
+import warnings
 from typing import Iterator
 
 import jax
@@ -45,7 +48,7 @@ def _dtype_kind(dtype):
 _NUMPY = (np.ndarray, np.generic)  # Host values: what JAX converts to its own dtypes.
 
 
-def _held_narrower(value):
+def held_narrower(value) -> "np.dtype | None":
     """The dtype JAX holds the NumPy ``value`` in where it is narrower than the value's own
     (64-bit numbers without x64), else None: the one place that rule is read."""
     if not isinstance(value, _NUMPY) or value.dtype.kind not in "iufc":
@@ -103,17 +106,17 @@ def read_only(array):
 
 
 def held_copy(array: np.ndarray) -> np.ndarray:
-    """``array`` in the dtype JAX holds it in (int64 as int32 without x64), in aligned memory,
-    so JAX's CPU client places it without another copy; ``array`` itself where JAX holds it as
-    it is. Its numbers must fit that dtype (`check_host_numbers` says whether they do).
+    """``array`` in the dtype JAX holds it in (int64 as int32, float64 as float32 without x64),
+    in aligned memory, so JAX's CPU client places it without another copy; ``array`` itself
+    where JAX holds it as it is. Its numbers must fit that dtype (`check_host_numbers`).
 
     Example:
       >>> held_copy(np.arange(3)).dtype, held_copy(np.ones(2, np.float32)).dtype
       (dtype('int32'), dtype('float32'))
     """
-    if not held_as_int32(array):  # Floats JAX would narrow are refused before this.
+    if held_narrower(array) is None:
         return array
-    copy = aligned_empty(array.shape, _held_narrower(array))
+    copy = aligned_empty(array.shape, held_narrower(array))
     np.copyto(copy, array, casting="unsafe")
     return copy
 
@@ -129,7 +132,7 @@ def placed_as_is(array: np.ndarray) -> bool:
       (True, False, False)
     """
     return (array.flags.c_contiguous and not array.flags.writeable
-            and array.ctypes.data % ALIGNMENT == 0 and _held_narrower(array) is None)
+            and array.ctypes.data % ALIGNMENT == 0 and held_narrower(array) is None)
 
 
 def aliased(arrays: np.ndarray, sharding: jax.sharding.Sharding) -> Iterator[jax.Array]:
@@ -207,71 +210,84 @@ def _placed(array, sharding, devices, parts=None):
 
 
 def check_host_numbers(value) -> None:
-    """Raises `X64RequiredError` when JAX would hold host numbers as other numbers, or compute
-    with them in a precision TF does not.
+    """Holds host numbers to JAX's dtypes, as ``jax.jit`` holds them, loudly where that changes
+    them.
 
-    Without ``jax_enable_x64`` JAX holds 64-bit values in 32 bits, where TF keeps int64, float64
-    and complex128 and computes with them:
+    Without ``jax_enable_x64`` JAX holds 64-bit host values in 32 bits:
 
-    - float64 and complex128 values are rounded to 32 bits (``0.1`` becomes ``0.100000001``), and
-      even values that 32 bits hold exactly are then computed with in 32 bits (the mean of
-      ``[0.5, 1.5, 2.0]`` is 1.3333334, TF's is 1.3333333333333333). Such a value raises
-      whatever its numbers: the rule is its dtype, so data that happens to be round (``np.ones``)
-      fails as real data would, at the first call.
-    - int64 values keep only their low bits (``2**40 + 5`` becomes ``5``); values int32 holds
-      pass (``np.arange(3)``, labels), since integer arithmetic on them gives TF's numbers.
+    - float64 and complex128 values are held (and computed with) as float32 and complex64, as
+      ``jax.jit`` holds them: jdist warns once per dtype and process (`X64CastWarning`),
+      naming ``jax_enable_x64`` (TF's 64-bit numbers) and the cast that silences it.
+    - int64 values are held as int32; one that does not fit raises `X64RequiredError`, since
+      JAX would keep only its low bits (``jnp.asarray(np.array([2**40]))`` is ``[0]``).
 
     Every host array jdist places (batches, per-replica components, ``run`` arguments, values to
     reduce) passes here.
 
     Args:
-      value: anything; only NumPy arrays and scalars of 64-bit dtypes are checked.
+      value: anything; only NumPy arrays and scalars of 64-bit dtypes are looked at.
 
     Example:
-      >>> import numpy as np
-      >>> check_host_numbers(np.arange(3))  # int64 values that fit in 32 bits: fine.
-      >>> check_host_numbers(np.ones(2, np.float32))
-      >>> check_host_numbers(np.ones(2))  # doctest: +IGNORE_EXCEPTION_DETAIL
+      >>> import numpy as np, warnings
+      >>> check_host_numbers(np.arange(3))  # int64 values that fit in 32 bits: int32.
+      >>> with warnings.catch_warnings():
+      ...   warnings.simplefilter("ignore")
+      ...   check_host_numbers(np.ones(2))  # float64: held as float32, with a warning.
+      >>> check_host_numbers(np.array([2**40]))  # doctest: +IGNORE_EXCEPTION_DETAIL
       Traceback (most recent call last):
-      jdist.errors.X64RequiredError: a host value of dtype float64 ...
+      jdist.errors.X64RequiredError: a host value of dtype int64 ...
     """
-    held = _held_narrower(value)
+    held = held_narrower(value)
     if held is None:
         return
-    if value.dtype.kind in "iu":
-        if not value.size:
-            return
-        low, high, limits = value.min(), value.max(), np.iinfo(held)
-        if low >= limits.min and high <= limits.max:
-            return
-        found = f"holds numbers from {low} to {high}; JAX without 64-bit mode holds it as " \
-                f"{held} and would wrap them to other numbers"
-        fix = "bring the values into range in the input pipeline (e.g. ids modulo a table size)"
-    else:
-        found = f"would be held and computed with as {held} by JAX without 64-bit mode (a " \
-                f"float32 mean of [0.5, 1.5, 2.0] is 1.3333334, TF's float64 one " \
-                "1.3333333333333333)"
-        fix = (f"cast to {held} where the data is made (x.astype(np.{held}); tf.cast in a "
-               "tf.data pipeline, as a Keras layer casts its inputs)")
-    raise errors.X64RequiredError(
-        f"a host value of dtype {value.dtype} {found}, where TF keeps {value.dtype}. Enable "
-        "64-bit mode before creating arrays (jax.config.update('jax_enable_x64', True)), or "
-        f"{fix}.")
+    if value.dtype.kind not in "iu":
+        _warn_narrowed(value.dtype, held)
+        return
+    if not value.size:
+        return
+    low, high, limits = value.min(), value.max(), np.iinfo(held)
+    if low < limits.min or high > limits.max:
+        raise errors.X64RequiredError(
+            f"a host value of dtype {value.dtype} holds numbers from {low} to {high}; JAX "
+            f"without 64-bit mode holds it as {held} and would wrap them to other numbers. "
+            "Enable 64-bit mode before creating arrays (jax.config.update('jax_enable_x64', "
+            "True)), or bring the values into range in the input pipeline (e.g. ids modulo a "
+            "table size).")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_narrowed(dtype, held) -> None:
+    """Warns once per process and dtype that JAX holds ``dtype`` host values as ``held``."""
+    warnings.warn(
+        f"jdist holds {dtype} host values as {held}, as jax.jit does without 64-bit mode (TF "
+        f"computes with {dtype}). Enable jax_enable_x64 for TF's 64-bit numbers, or cast the "
+        f"data to {held} where it is made (x.astype(np.{held})) to silence this.",
+        errors.X64CastWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside jdist: the user's call that placed it."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../jdist
 
 
 def check_host_leaves(leaves, types=None) -> None:
     """`check_host_numbers` of each of a call's flattened ``leaves`` (``types``: the set of
     their types, where the caller has it), for calls that must check on every call because
-    nothing else sees the dtypes: ``jax.jit`` keys its programs on the 32-bit types it holds
-    values as, so a float64 array given where a float32 one was traced reuses that program.
-    Where no leaf is a NumPy value (arrays already on devices, the usual case) the cost is a
-    look at the set of leaf types.
+    nothing else sees the host values (``jdist.function``'s arguments). Where no leaf is a
+    NumPy value (arrays already on devices, the usual case) the cost is a look at the set of
+    leaf types.
 
     Example:
       >>> check_host_leaves([np.ones(2, np.float32), 3])
-      >>> check_host_leaves([np.ones(2)])  # doctest: +IGNORE_EXCEPTION_DETAIL
+      >>> check_host_leaves([np.array([2**40])])  # doctest: +IGNORE_EXCEPTION_DETAIL
       Traceback (most recent call last):
-      jdist.errors.X64RequiredError: a host value of dtype float64 ...
+      jdist.errors.X64RequiredError: a host value of dtype int64 ...
     """
     if jax.config.jax_enable_x64:
         return  # JAX holds every host value as it is.
@@ -280,66 +296,6 @@ def check_host_leaves(leaves, types=None) -> None:
     if any(issubclass(kind, _NUMPY) for kind in types):
         for leaf in leaves:
             check_host_numbers(leaf)
-
-
-WRAPS_AT = 2**31  # A sum of int32 values whose magnitudes add up to this may wrap.
-
-
-def int64_magnitude(values) -> int:
-    """The sum of the magnitudes of the int64 (and uint64) host arrays among ``values`` that
-    JAX holds as int32 (0 with x64 on, or for other values).
-
-    TF sums such values in int64; held as int32, a sum of them is TF's number while this
-    magnitude is under `WRAPS_AT`, and may wrap above it. `values` being checked first
-    (`check_host_numbers`), each number fits int32 and the total fits int64.
-
-    Example:
-      >>> int64_magnitude([np.array([2**30, -2**30]), np.float32(1.0)]) == 2**31
-      True
-    """
-    return sum(int(np.abs(v.astype(np.int64)).sum(dtype=np.int64))
-               for v in values if held_as_int32(v))
-
-
-def int64_largest(values) -> int:
-    """The largest magnitude of a number in the int64 host arrays among ``values`` that JAX
-    holds as int32 (`int64_magnitude`'s values), else 0.
-
-    Example:
-      >>> int64_largest([np.array([3, -7]), np.array([5], np.int32)])
-      7
-    """
-    return max((int(np.max(np.abs(v.astype(np.int64)), initial=0))
-                for v in values if held_as_int32(v)), default=0)
-
-
-def held_as_int32(value) -> bool:
-    """Whether ``value`` is an int64 (or uint64) host array that JAX holds as int32 (x64 off).
-
-    Example:
-      >>> held_as_int32(np.zeros(3, np.int64)), held_as_int32(np.zeros(3, np.int32))
-      (True, False)
-    """
-    return _held_narrower(value) is not None and value.dtype.kind in "iu"
-
-
-def int64_magnitudes(batches):
-    """Per batch of a dataset block's ``batches`` (``(count, replicas, ...)``), the magnitudes
-    of its int64 numbers: ``(sum, largest, largest sum on one replica)``
-    (`int64_values.record_int64_bounds`), or None where JAX holds their numbers as they are.
-
-    Example:
-      >>> int64_magnitudes(np.array([[[1, -2], [5, 0]], [[3, 4], [0, 0]]]))
-      [(8, 5, 5), (7, 4, 7)]
-      >>> int64_magnitudes(np.ones((2, 2, 2), np.int32)) is None
-      True
-    """
-    if not held_as_int32(batches):
-        return None
-    parts = np.abs(batches.astype(np.int64)).reshape(batches.shape[:2] + (-1,))
-    sums = parts.sum(axis=2, dtype=np.int64)
-    return list(zip(sums.sum(axis=1).tolist(), parts.max(axis=(1, 2), initial=0).tolist(),
-                    sums.max(axis=1).tolist()))
 
 
 def python_numbers_as_tf(value) -> np.ndarray:

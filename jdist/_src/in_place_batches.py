@@ -12,8 +12,8 @@ batches at once, so the arrays are made once, a block's batches at a time while 
 idle, and kept with the data (`NumpyDataset.placements`): they hold no memory the dataset does
 not hold already, and every later epoch, of any distributed dataset over it, reads them. A
 dataset whose arrays would be more than `KEPT_BUFFERS` device buffers is read in blocks instead
-(`batch_blocks`), as are shuffled rows and parts that are not aligned. int64 data is read from
-an int32 copy (as JAX holds it), each batch recording its numbers' magnitudes (`int64_values`).
+(`batch_blocks`), as are shuffled rows and parts that are not aligned. 64-bit data is read from
+a 32-bit copy without x64 (as JAX holds it).
 
 Measured with the benchmark's dispatch-bound step (``docs/design.md``, "Batches read in place").
 """
@@ -24,9 +24,8 @@ import operator
 import jax
 import numpy as np
 
-from jdist._src.host_values import (ALIGNMENT, held_as_int32, held_copy, int64_magnitudes,
-                                    placed_as_is, placed_split, read_only)
-from jdist._src.int64_values import record_int64_bounds
+from jdist._src.host_values import (ALIGNMENT, held_copy, held_narrower, placed_as_is,
+                                    placed_split, read_only)
 from jdist._src.values import PerReplica
 
 KEPT_BUFFERS = 1 << 15  # The most device buffers a dataset's kept batches may hold.
@@ -56,17 +55,17 @@ class InPlaceBatches:
 
     def readable(self, leaves) -> bool:
         """Whether the batches of ``leaves`` (the dataset's arrays) can be read in place: every
-        leaf its own aligned read-only memory (int64 ones: their int32 copy, `_held`), every
+        leaf its own aligned read-only memory (64-bit ones: their 32-bit copy, `_held`), every
         replica's part of a batch a multiple of `host_values.ALIGNMENT` bytes as JAX holds
         it, and at most `KEPT_BUFFERS` buffers in all."""
         return self._buffers * len(leaves) <= KEPT_BUFFERS and all(
             map(self._aligned_as_held, leaves))
 
     def _aligned_as_held(self, leaf) -> bool:
-        """`readable`'s rule for one leaf: its memory as it is, or an int64 one's int32 copy
+        """`readable`'s rule for one leaf: its memory as it is, or a 64-bit one's 32-bit copy
         (half its bytes), and a replica's part a multiple of `ALIGNMENT` bytes."""
         part = leaf[:self._rows // self._n].nbytes
-        if held_as_int32(leaf):
+        if held_narrower(leaf):
             return leaf.flags.c_contiguous and part // 2 % ALIGNMENT == 0
         return placed_as_is(leaf) and part % ALIGNMENT == 0
 
@@ -96,23 +95,13 @@ class InPlaceBatches:
                 for leaf in held]
         wrap = self._wrap or (lambda array: array)
         for r, arrays in zip(missing, zip(*made)):
-            values = tuple(map(wrap, arrays))
-            for leaf, value in zip(leaves, values):
-                if held_as_int32(leaf):  # TF computes with them in int64: checked against these.
-                    record_int64_bounds(value, *self._magnitudes(leaf, r))
-            kept[r] = arrays, values
-
-    def _magnitudes(self, leaf, first):
-        """The magnitudes of the int64 numbers of ``leaf``'s batch from row ``first``:
-        ``(sum, largest, largest sum on one replica)`` (`host_values.int64_magnitudes`)."""
-        rows = leaf[first:first + self._rows]
-        return int64_magnitudes(rows.reshape((1, self._n, -1) + leaf.shape[1:]))[0]
+            kept[r] = arrays, tuple(map(wrap, arrays))
 
     @staticmethod
     def _held(leaves, kept):
-        """``leaves`` as JAX holds them: each int64 one's int32 copy (made once, kept with the
-        arrays over it: int32 holds its numbers, which `input_batches` checked), others as they
-        are."""
+        """``leaves`` as JAX holds them: each 64-bit one's 32-bit copy without x64 (made once,
+        kept with the arrays over it; an int64 one's numbers fit, which `input_batches`
+        checked), others as they are."""
         if "held" not in kept:
             kept["held"] = tuple(read_only(held_copy(leaf)) for leaf in leaves)
         return kept["held"]

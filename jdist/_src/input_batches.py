@@ -37,7 +37,6 @@ from jdist._src.values import DistributedValues
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
 from jdist._src.values import pad_components
-from jdist._src.int64_values import record_int64_magnitude
 
 
 def _is_tf_dataset(obj):
@@ -322,16 +321,6 @@ class Placer:
                 for a, (_, lengths, kind) in zip(arrays, leaves)]
 
 
-def placed(placer, parts, columns):
-    """``placer.place(parts)``, each value recording the int64 numbers of its leaf's column
-    (``columns[j]``: every replica's chunk, or ``[leaf]`` for a leaf given whole). TF sums int64
-    batches in int64 (`int64_values`); the columns hold every worker's replicas, so each worker
-    records numbers that bound the whole step's, not only its own replicas'."""
-    values = placer.place(parts)
-    for value, column in zip(values, columns):
-        record_int64_magnitude(value, column)
-    return values
-
 
 class GlobalBatchSplitter:
     """Splits global batches by TF's rule and pads each replica's chunk (see module doc).
@@ -359,13 +348,12 @@ class GlobalBatchSplitter:
         if is_unbatched(leaves):
             if n > 1 and not placer.plain:
                 raise unbatched_error(n)
-            whole = placed(placer, [placer.whole(a) for a in leaves], [[a] for a in leaves])
+            whole = placer.place([placer.whole(a) for a in leaves])
             return jax.tree_util.tree_unflatten(tree, whole)
         size = batch_size(leaves)
         per_replica = -(-size // n)
         self.rows = rows = per_replica if self.rows is None else max(self.rows, per_replica)
         if placer.plain or (n == 1 and (size == rows or not placer.pad)):
-            columns = [[a] for a in leaves]
             parts = [placer.whole(a) for a in leaves]
         elif size == n * rows:  # A full batch: a free reshape, no padding, lengths None.
             columns = [a.reshape((n, rows) + a.shape[1:])[self._stacked] for a in leaves]
@@ -375,7 +363,7 @@ class GlobalBatchSplitter:
                       for i in self._chunks]
             columns = [[a[lo:hi] for lo, hi in bounds] for a in leaves]
             parts = [placer.split(c, rows) for c in columns]
-        return jax.tree_util.tree_unflatten(tree, placed(placer, parts, columns))
+        return jax.tree_util.tree_unflatten(tree, placer.place(parts))
 
     def spec(self, batch):
         """The per-replica element spec that ``batch`` would give (nothing is transferred)."""
@@ -436,17 +424,15 @@ class PerReplicaDealer:
         if not scalar:
             sizes = {batch_size(c) for c in columns if c is not None}
             self.rows = max(sizes | ({self.rows} if self.rows is not None else set()))
-        placer, parts, leaf_columns = self.placer, [], []
+        placer, parts = self.placer, []
         for j, t in enumerate(template):
             chunks = [c[j] if c is not None else _empty_like(t) for c in columns]
             if placer.plain or (self.n == 1 and (
                     scalar or not placer.pad or chunks[0].shape[0] == self.rows)):
                 parts.append(placer.whole(chunks[0]))
-                leaf_columns.append(chunks[:1])
             else:
                 parts.append(placer.split(chunks, None if scalar else self.rows))
-                leaf_columns.append(chunks)
-        return jax.tree_util.tree_unflatten(tree, placed(placer, parts, leaf_columns))
+        return jax.tree_util.tree_unflatten(tree, placer.place(parts))
 
     def spec(self, batch):
         leaves, tree = jax.tree_util.tree_flatten(batch)

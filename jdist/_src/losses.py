@@ -49,8 +49,8 @@ def compute_average_loss(per_example_loss: ArrayLike, sample_weight: Optional[Ar
         replica's batch size times ``num_replicas_in_sync``, which needs a replica context.
 
     Returns:
-      A scalar of the losses' dtype (float64 for 32- and 64-bit integer losses, float32 for
-      smaller ones, as TF's division): the weighted sum over ``global_batch_size``, or 0 when
+      A scalar of the losses' dtype (for integer losses, float64 for 32- and 64-bit ones with
+      ``jax_enable_x64``, float32 for smaller ones or without it): the weighted sum over ``global_batch_size``, or 0 when
       that is 0.
 
     Raises:

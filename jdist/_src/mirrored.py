@@ -23,7 +23,6 @@ from jdist._src import replica_mesh
 from jdist._src import spmd
 from jdist._src.base import REPLICA_AXIS
 from jdist._src.base import ReplicaCollectives
-from jdist._src.int64_values import record_int64_magnitude
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.strategy import Strategy
 from jdist._src.strategy_extended import StrategyExtended
@@ -99,22 +98,18 @@ class MirroredExtended(StrategyExtended):
 
     def _distribute_components(self, components):
         """One value per replica, each on its replica's device: one sharded array when their
-        shapes agree, else a ragged `PerReplica` (TF holds replicas of different shapes). It
-        records their int64 numbers, which TF sums in int64 (`int64_values`)."""
+        shapes agree, else a ragged `PerReplica` (TF holds replicas of different shapes)."""
         arrays = [np.asarray(c) if not isinstance(c, jax.Array) else c for c in components]
         dtypes = {a.dtype for a in arrays}  # JAX's dtypes: typed PRNG keys too.
         if len(dtypes) != 1:
             raise errors.InvalidArgumentError(
                 f"replica values must share a dtype, got {sorted(map(str, dtypes))}.")
         if len({tuple(a.shape) for a in arrays}) != 1:
-            value = PerReplica._from_components(jax.device_put(arrays, list(self._devices)))
-        else:
-            blocks = [jax.device_put(a[None], d) for a, d in zip(arrays, self._devices)]
-            value = PerReplica._from_stacked(jax.make_array_from_single_device_arrays(
-                (len(blocks),) + tuple(blocks[0].shape[1:]),
-                self._programs.per_replica_sharding, blocks))
-        record_int64_magnitude(value, arrays)
-        return value
+            return PerReplica._from_components(jax.device_put(arrays, list(self._devices)))
+        blocks = [jax.device_put(a[None], d) for a, d in zip(arrays, self._devices)]
+        return PerReplica._from_stacked(jax.make_array_from_single_device_arrays(
+            (len(blocks),) + tuple(blocks[0].shape[1:]), self._programs.per_replica_sharding,
+            blocks))
 
     def place_one_replica_value(self, value):
         """Arrays go onto the replica's device as `run`'s programs take them (no transfer per

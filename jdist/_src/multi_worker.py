@@ -35,8 +35,6 @@ from jdist._src import uneven_multi_worker
 from jdist._src.cluster_resolver import TFConfigClusterResolver
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import python_numbers_as_tf
-from jdist._src.int64_values import int64_parts
-from jdist._src.int64_values import record_int64_parts
 from jdist._src.mirrored import MirroredExtended
 from jdist._src.strategy import Strategy
 from jdist._src.run_arguments import SCALARS
@@ -207,29 +205,23 @@ class MultiWorkerExtended(MirroredExtended):
         if self._agreement is None:
             return super()._distribute_components(components)
         arrays = [np.asarray(c) for c in components]
-        parts = int64_parts(arrays) or [None] * len(arrays)  # Every worker's, as TF sums them.
         shapes = self._agreement.exchange(
             "experimental_distribute_values_from_function",
-            [[list(a.shape), str(a.dtype), p] for a, p in zip(arrays, parts)])
+            [[list(a.shape), str(a.dtype)] for a in arrays])
         _check_one_dtype(self._cluster, shapes)
-        everyone = [tuple(s) for worker in shapes for s, _, _ in worker]
+        everyone = [tuple(s) for worker in shapes for s, _ in worker]
         if len(set(everyone)) != 1:  # Ragged (TF holds replicas of different shapes).
-            value = uneven_multi_worker.ragged_from_local(
+            return uneven_multi_worker.ragged_from_local(
                 self._devices, self._local_ids, arrays, everyone, arrays[0].dtype)
-        else:
-            local = np.stack(arrays)
-            value = PerReplica._from_stacked(jax.make_array_from_process_local_data(
-                self._programs.per_replica_sharding, local,
-                (self._num_replicas,) + local.shape[1:]))
-        parts = [p for worker in shapes for _, _, p in worker]
-        record_int64_parts(value, None if None in parts else parts)
-        return value
+        local = np.stack(arrays)
+        return PerReplica._from_stacked(jax.make_array_from_process_local_data(
+            self._programs.per_replica_sharding, local, (self._num_replicas,) + local.shape[1:]))
 
 
 def _check_one_dtype(cluster, shapes):
     """Raises unless every worker's replica values share one dtype (typed, on every worker:
     each raises from the same exchanged dtypes)."""
-    flat = [(w, tuple(s), d) for w, worker in enumerate(shapes) for s, d, _ in worker]
+    flat = [(w, tuple(s), d) for w, worker in enumerate(shapes) for s, d in worker]
     dtypes = sorted({d for _, _, d in flat})
     if len(dtypes) != 1:
         raise errors.InvalidArgumentError(

@@ -27,7 +27,6 @@ import numpy as np
 from jdist._src import errors
 from jdist._src import input_batches
 from jdist._src import prefetch
-from jdist._src.host_values import int64_largest
 from jdist._src.values import PerReplica
 from jdist._src.values import pad_components
 
@@ -138,7 +137,7 @@ class _Lockstep:
         if group is not None:
             self._template = _template(group[0])
             for k, batch in enumerate(group):
-                slots[k] = [[list(a.shape), str(a.dtype), int64_largest([a])]
+                slots[k] = [[list(a.shape), str(a.dtype)]
                             for a in jax.tree_util.tree_leaves(batch)]
         template = self._template if group is not None else self._known_template()
         everyone = self._agreement.exchange("distribute_datasets_from_function (PER_WORKER)", {
@@ -186,9 +185,7 @@ class _Lockstep:
 
     def _global_group(self, group, everyone, template):
         """N per-replica batches: this worker's own, stand-ins for the others'. A stand-in has
-        the batch's shape and is never placed; every number in it is the largest magnitude of
-        the batch's int64 numbers (0 for other dtypes), so its magnitudes bound the batch's
-        and the element's int64 record covers every worker's replicas (`int64_values`)."""
+        the batch's shape and dtype (zeros, broadcast: no memory) and is never placed."""
         tree, specs = template
         out = [None] * sum(len(i) for i in self._ids)
         for w, payload in enumerate(everyone):
@@ -197,8 +194,8 @@ class _Lockstep:
                     out[replica] = group[k] if group is not None and k < len(group) else None
                 elif payload["slots"][k] is not None:
                     out[replica] = jax.tree_util.tree_unflatten(tree, [
-                        np.broadcast_to(np.asarray(largest, dtype), shape)
-                        for (shape, _, largest), (_, dtype) in zip(payload["slots"][k], specs)])
+                        np.broadcast_to(np.zeros((), dtype), shape)
+                        for (shape, _), (_, dtype) in zip(payload["slots"][k], specs)])
         return out
 
 

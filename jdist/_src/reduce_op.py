@@ -7,7 +7,6 @@ import numpy as np
 
 from jdist._src import errors
 from jdist._src import host_values
-from jdist._src import int64_sums
 
 
 class ReduceOp(enum.Enum):
@@ -47,11 +46,10 @@ class ReduceOp(enum.Enum):
         raise errors.InvalidArgumentError(f"{op!r} is not a valid ReduceOp; use {hint}.")
 
 
-def check_reducible(op, value, adds: bool = True, places: bool = True, copies: int = 1):
+def check_reducible(op, value, adds: bool = True, places: bool = True) -> None:
     """Raises `UnsupportedValueError` when ``value`` (a nest) holds bools, which TF cannot reduce,
-    or values no device holds (strings, objects: `host_values.is_placeable`); and
-    `X64RequiredError` for 64-bit host values JAX would hold in 32 bits
-    (`host_values.check_host_numbers`: TF reduces a float64 array in float64).
+    or values no device holds (strings, objects: `host_values.is_placeable`); host values
+    pass `host_values.check_host_numbers` (JAX's dtypes).
 
     TF adds the replicas' values (``add_n``), which has no bool kernel, so both SUM and MEAN of
     bool values raise there; every other dtype is summed in its own dtype (a MEAN of integers
@@ -64,7 +62,6 @@ def check_reducible(op, value, adds: bool = True, places: bool = True, copies: i
         adds: whether the reduction adds values (False: one replica, no axis).
         places: whether the call places ``value`` on devices (False: it hands a plain value
           back as it is, as TF's MEAN of one does).
-        copies: how many copies of a plain value the reduction adds (one per replica).
 
     Example:
         >>> import numpy as np
@@ -74,8 +71,6 @@ def check_reducible(op, value, adds: bool = True, places: bool = True, copies: i
         ...
         jdist._src.errors.UnsupportedValueError: ReduceOp.SUM of bool values ...
     """
-    if adds and op is ReduceOp.SUM:
-        int64_sums.check_reduce(op, value, copies)
     for leaf in jax.tree_util.tree_leaves(value):  # One walk of the nest: reduce is per step.
         if isinstance(leaf, jax.Array):  # On a device: only its dtype can be refused.
             kind = host_values.dtype_kind(leaf.dtype)
@@ -83,7 +78,7 @@ def check_reducible(op, value, adds: bool = True, places: bool = True, copies: i
             host_values.check_array(leaf, str(op))
             dtype = getattr(leaf, "dtype", None)
             kind = host_values.dtype_kind(np.asarray(leaf).dtype if dtype is None else dtype)
-            if places:  # TF reduces them in 64 bits.
+            if places:
                 host_values.check_host_numbers(leaf)
         if kind == "bool" and adds:
             raise errors.UnsupportedValueError(

@@ -29,7 +29,6 @@ from jdist._src import context
 from jdist._src import dispatch
 from jdist._src import errors
 from jdist._src import fn_cache
-from jdist._src import int64_sums
 from jdist._src import invariance
 from jdist._src import merge
 from jdist._src import run_arguments
@@ -78,7 +77,6 @@ class _Program:
     collected_args: tuple
     num_replicas: int
     token_index: Optional[int]  # The output the CPU guard waits on (the fast path's).
-    int64_checks: int64_sums.Checks = int64_sums.NONE  # Its int64 numbers' checks.
 
     def __post_init__(self):
         # How the outputs are wrapped, worked out once (in `values.wrap_at`).
@@ -89,8 +87,7 @@ class _Program:
         self.padded_at = tuple(i for i, (_, inh, _) in enumerate(kinds) if inh)
         self.has_statics = any(st is not OUTPUT for st in self.out_statics)
         self.passed_at = tuple((k, j) for k, j in enumerate(self.out_passed) if j is not None)
-        self.wraps_more = bool(self.passed_at or self.padded_at or self.int64_checks
-                               or self.has_statics)
+        self.wraps_more = bool(self.passed_at or self.padded_at or self.has_statics)
 
     @functools.cached_property
     def jitted(self):
@@ -419,9 +416,8 @@ class ReplicatedRunner:
         # once), picked out after the call: returning it twice would cost a copy.
         sizes = [math.prod(shape) * (1 if s else n) for s, shape in zip(same, record["shapes"])]
         token = min(range(len(sizes)), key=sizes.__getitem__, default=None)
-        sums = int64_sums.program_checks(traced, eqn.invars, inner, kinds, n)
         return _Program(program, record["tree"], varying, inherits, record["statics"],
-                        tuple(plain), record["passed"], record["collected"], n, token, sums)
+                        tuple(plain), record["passed"], record["collected"], n, token)
 
     def trace(self, fn, in_tree, kinds, statics, abstract, has_lengths, padded, exact=None,
               staged=False):
@@ -528,9 +524,7 @@ class ReplicatedRunner:
                         for r in range(self._n)]
             plan = cache.programs[key] = uneven.plan(self, cache.fn, in_tree, kinds, statics,
                                                      dynamic, abstract)
-        outputs = plan(dynamic)  # Checked after its collectives, which every worker must run.
-        int64_sums.check(plan.int64_checks, leaves, outputs)
-        return outputs
+        return plan(dynamic)
 
     @staticmethod
     def _output_rows(traced, eqn, kinds, leaves, has_lengths):
@@ -555,7 +549,7 @@ class ReplicatedRunner:
         return program.out_tree.unflatten(wrapped)
 
     def _wrap_more(self, program, outputs, wrapped, lengths, leaves):
-        """`_wrap_outputs`' rarer cases: arguments, padded batches, int64 checks, objects."""
+        """`_wrap_outputs`' rarer cases: arguments, padded batches, objects."""
         if program.passed_at and not isinstance(leaves, list):  # `run` gives the call.
             leaves = jax.tree_util.tree_flatten(leaves, is_leaf=is_distributed)[0]
         for k, j in program.passed_at:  # A plain argument returned as it is is TF's one
@@ -565,8 +559,6 @@ class ReplicatedRunner:
             x = wrapped[i]
             wrapped[i] = PerReplica._from_stacked(
                 x if program.out_varying[i] else x[None], lengths)
-        if program.int64_checks:  # Before any output is seen: TF's numbers or an error.
-            int64_sums.check(program.int64_checks, leaves, wrapped)
         if program.has_statics:
             arrays = iter(wrapped)
             wrapped = [next(arrays) if st is OUTPUT else st for st in program.out_statics]

@@ -148,8 +148,7 @@ class Strategy(TF1Methods):
             # TF adds no plain value without an axis: MEAN hands it back, SUM refuses it.
             distributed = is_distributed(leaf)
             check_reducible(op, leaf, adds=across if distributed else axis is not None,
-                            places=distributed or axis is not None,
-                            copies=self.num_replicas_in_sync)
+                            places=distributed or axis is not None)
         self._extended.check_collective_dtypes(value, "strategy.reduce", reduces_one=True)
         if axis is not None and not _is_single_value(value):
             raise errors.UnsupportedValueError(
@@ -281,7 +280,6 @@ class Strategy(TF1Methods):
         columns = [list(c) for c in zip(*(jax.tree_util.tree_leaves(v) for v in per_replica))]
         for column in columns:
             check_placeable(column)
-        # Each records its int64 numbers (every worker's), which TF sums in int64.
         leaves = [keep_python_numbers(self._extended._distribute_components(
             [python_numbers_as_tf(x) if is_python_number(x) else x for x in c]), c)
             for c in columns]  # Python numbers as TF's tensors of them (3: int32).

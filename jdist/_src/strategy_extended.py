@@ -7,7 +7,6 @@ values itself. How values move between devices is the concern of the concrete st
 subclass (`jdist._src.mirrored`, `jdist._src.multi_worker`).
 """
 
-import contextlib
 from typing import Any, List, Optional, Sequence, Tuple
 
 import jax
@@ -20,7 +19,6 @@ from jdist._src import cross_device_ops as cross_device_ops_lib
 from jdist._src import destinations as destinations_lib
 from jdist._src import devices as devices_lib
 from jdist._src import errors
-from jdist._src import int64_bounds
 from jdist._src import plain_values
 from jdist._src import uneven_multi_worker
 from jdist._src.base import Axis
@@ -41,8 +39,6 @@ from jdist._src.values import check_replica_count
 from jdist._src.values import is_distributed
 from jdist._src.host_values import check_placeable
 from jdist._src.host_values import python_numbers_as_tf
-from jdist._src.int64_values import holds_tf_int64
-from jdist._src.int64_values import record_int64_magnitude
 from jdist._src.values import is_python_number
 from jdist._src.values import is_step_output
 from jdist._src.values import keep_python_numbers
@@ -210,24 +206,14 @@ class StrategyExtended:
                 "jnp.int32); a MirroredStrategy given cross_device_ops=jdist.ReductionToOneDevice()"
                 " takes every dtype, as in TF.")
 
-    def negative_axis_scope(self, axis: int):
-        """A context around an in-step ``all_gather`` along ``axis``: where TF would gather
-        int64 numbers with its collective ops, which raise on a negative axis, it marks the
-        gather (`int64_bounds.NEGATIVE_AXIS_SCOPE`), so ``run`` raises on each call whose int64
-        arguments reach it (a traced value's origin is known only then)."""
-        if _negative(axis) and self._by_collective_ops(np.dtype(np.int64)):
-            return jax.named_scope(int64_bounds.NEGATIVE_AXIS_SCOPE)
-        return contextlib.nullcontext()
-
     def check_gather(self, value: PyTree, axis: int, what: str) -> None:
         """Raises where TF's own gather of ``value`` fails: on a dtype its collective ops refuse
         (`check_collective_dtypes`) or on a negative ``axis``.
 
         TF's ``CollectiveAllReduce`` moves the gathered axis first with ``range(axis)``, which
         fails on a negative axis; ``ReductionToOneDevice`` concatenates, which takes one. Which
-        of the two gathers a value is the strategy's (`_by_collective_ops`), by the dtype TF
-        holds it in: int64 for int64 host numbers that JAX without x64 holds as int32 (known
-        where jdist made the value from them, `holds_tf_int64`; not inside a step).
+        of the two gathers a value is the strategy's (`_by_collective_ops`), by its dtype (JAX's:
+        int32 for int64 host numbers without x64).
 
         Args:
           value: what ``what`` gathers (a nest of arrays or `DistributedValues`).
@@ -245,8 +231,7 @@ class StrategyExtended:
             one = leaf.values[0] if is_distributed(leaf) else leaf  # One replica's value.
             if not hasattr(one, "dtype"):
                 continue
-            tf_dtype = np.dtype(np.int64) if holds_tf_int64(leaf) else np.dtype(one.dtype)
-            if self._by_collective_ops(tf_dtype):
+            if self._by_collective_ops(np.dtype(one.dtype)):
                 raise errors.InvalidArgumentError(
                     f"{what}(axis={axis}): TensorFlow gathers this value with its collective "
                     "ops (CollectiveAllReduce), which raise on a negative axis. Count it from "
@@ -277,8 +262,6 @@ class StrategyExtended:
 
         Raises:
           InvalidArgumentError: an int32 value among two or more values.
-          X64RequiredError: that without ``jax_enable_x64``, where a JAX int32 may hold TF's
-            int64 values (which TF reduces in a batch).
         """
         if not self._ops_per_value:
             return
@@ -286,16 +269,11 @@ class StrategyExtended:
         ones = [x for x in jax.tree_util.tree_leaves(values) if not isinstance(x, SCALARS)]
         if len(ones) < 2 or not any(np.dtype(x.dtype) == np.int32 for x in ones):
             return
-        refused = (f"{what} of {len(ones)} values, some int32: TensorFlow's MirroredStrategy "
-                   "reduces an int32 value with a ReductionToOneDevice of its own and refuses the "
-                   "batch (\"Inputs to batch_reduce_to must be either all on the host or all on "
-                   "the compute devices\"). Reduce each int32 value in a call of its own, or cast "
-                   "it to float32")
-        if jax.config.jax_enable_x64:
-            raise errors.InvalidArgumentError(refused + ".")
-        raise errors.X64RequiredError(
-            refused + "; if it holds TF's int64 values (which TF reduces in a batch), enable "
-            "64-bit mode (jax.config.update('jax_enable_x64', True)) to keep them int64.")
+        raise errors.InvalidArgumentError(
+            f"{what} of {len(ones)} values, some int32: TensorFlow's MirroredStrategy reduces an "
+            "int32 value with a ReductionToOneDevice of its own and refuses the batch (\"Inputs "
+            "to batch_reduce_to must be either all on the host or all on the compute devices\"). "
+            "Reduce each int32 value in a call of its own, or cast it to float32.")
 
     def _by_collective_ops(self, dtype: np.dtype, reduces_one: bool = False) -> bool:
         """Whether TF reduces or gathers a value of ``dtype`` with ``CollectiveAllReduce``
@@ -307,9 +285,7 @@ class StrategyExtended:
         return jnp.concatenate(value.values, axis=axis)
 
     def _distribute_components(self, components):
-        value = PerReplica._from_stacked(np.stack([np.asarray(c) for c in components]))
-        record_int64_magnitude(value, components)  # TF sums int64 values in int64.
-        return value
+        return PerReplica._from_stacked(np.stack([np.asarray(c) for c in components]))
 
     def _replicate(self, value):
         return jnp.asarray(value)
@@ -330,9 +306,7 @@ class StrategyExtended:
             return keep_python_numbers(self._distribute_components([tensor]), [host])
         if is_python_number(host):
             return host
-        value = self.place_one_replica_value(host)
-        record_int64_magnitude(value, [host])  # TF's int64 numbers, held as int32 (plain).
-        return value
+        return self.place_one_replica_value(host)
 
     def _wait_all(self):
         """Waits for the programs this strategy dispatched (the default strategy runs replica

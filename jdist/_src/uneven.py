@@ -36,7 +36,6 @@ from jax.sharding import PartitionSpec as P
 
 from jdist._src import errors
 from jdist._src import host_values
-from jdist._src import int64_sums
 from jdist._src import invariance
 from jdist._src.run_arguments import ARRAY
 from jdist._src.run_arguments import PER_REPLICA
@@ -71,22 +70,7 @@ def plan(runner, fn, in_tree, kinds, statics, dynamic, abstract):
       A `_Plan`, called with the dynamic arguments of each later call of the same signature.
     """
     traces, merges = uneven_trace.trace_replicas(runner, fn, in_tree, kinds, statics, abstract)
-    built = _Plan.build(runner.programs, traces, merges, dynamic, kinds)
-    return dataclasses.replace(built, int64_checks=_int64_checks(traces, kinds))
-
-
-def _int64_checks(traces, kinds):
-    """`int64_sums.step_checks` of every distinct trace, keyed by the argument leaves (its
-    outputs by their leaves in the step's output nest)."""
-    leaf_of = int64_sums.dynamic_leaves(kinds)
-    checks = []
-    for t in {id(t): t for t in traces}.values():
-        args = {v: leaf_of[i] for v, (kind, i) in zip(t.jaxpr.invars, t.sources) if kind == "arg"}
-        consts = {v: x for v, (kind, x) in zip(t.jaxpr.invars, t.sources) if kind == "const"}
-        inputs = int64_sums.argument_inputs(t.jaxpr.invars, args, consts)
-        out_leaves = [i for i, static in enumerate(t.out_statics) if static is uneven_trace.OUTPUT]
-        checks.append(int64_sums.step_checks(t.jaxpr, inputs, len(traces), out_leaves))
-    return int64_sums.merged(checks)
+    return _Plan.build(runner.programs, traces, merges, dynamic, kinds)
 
 
 # ------------------------------------------------------------------------ pieces and steps
@@ -278,7 +262,6 @@ class _Plan:
     ragged_args: frozenset
     stacked_args: frozenset  # Even per-replica arguments: their stacked array, a block each.
     mesh_pieces: Any  # A `uneven_mesh.MeshPieces` where it serves; None: one device at a time.
-    int64_checks: int64_sums.Checks = int64_sums.NONE  # Its int64 numbers' checks.
 
     @classmethod
     def build(cls, programs, traces, merges, dynamic, kinds):

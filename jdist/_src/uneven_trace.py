@@ -231,8 +231,7 @@ def _call_body(eqn):
 
 def _eval_inlined(jaxpr, consts, args):
     """Evaluates ``jaxpr``, inlining the calls that contain a cut (used while re-tracing).
-    Each equation keeps its name stack, as ``jax.core.eval_jaxpr`` keeps it: the int64
-    analysis reads an all_gather's mark there (`int64_bounds.NEGATIVE_AXIS_SCOPE`)."""
+    Each equation keeps its name stack, as ``jax.core.eval_jaxpr`` keeps it."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 

@@ -25,8 +25,6 @@ from jdist._src.host_values import check_arrays
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.host_values import dtype_kind
-from jdist._src import int64_values
-from jdist._src.int64_values import record_int64_magnitude
 
 
 ARRAYS = (jax.Array, np.ndarray, np.generic)  # What jdist takes as an array leaf.
@@ -95,13 +93,9 @@ class PerReplica(DistributedValues):
 
     # `_components`: the per-replica arrays of a ragged value (then `_stacked` is None).
     # `_view_valid_rows`: traced real-row counts of a merge_call view (see spmd.merge_call).
-    # `_int64_bounds`: the magnitudes of the int64 host numbers it was made from or computed
-    # from (TF holds it as int64, though its numbers may all be 0), else None (`int64_values`).
     # `_numbers`: the Python numbers it was made of, one per local replica, which TF's
     # PerReplica holds as they are (its local results), or None.
-    __slots__ = ("_stacked", "_lengths", "_view_valid_rows", "_components", "_int64_bounds",
-                 "_numbers")
-    _int64_per_copy = False  # Its recorded total counts every replica's numbers.
+    __slots__ = ("_stacked", "_lengths", "_view_valid_rows", "_components", "_numbers")
 
     def __init__(self, values):
         if isinstance(values, DistributedValues) or not isinstance(values, (tuple, list)):
@@ -111,7 +105,6 @@ class PerReplica(DistributedValues):
         if not values:
             raise errors.InvalidArgumentError("PerReplica needs at least one replica value.")
         self._init(*_stack_or_keep(values), None)
-        record_int64_magnitude(self, values)
         keep_python_numbers(self, values)
 
     def _init(self, stacked, components, lengths):
@@ -119,7 +112,6 @@ class PerReplica(DistributedValues):
         self._components = components
         self._lengths = None if lengths is None else tuple(int(n) for n in lengths)
         self._view_valid_rows = None
-        self._int64_bounds = None
         self._numbers = None
 
     @classmethod
@@ -238,10 +230,8 @@ class Mirrored(DistributedValues):
     # The replica count is the class's, not the instance's: a `Mirrored` of N replicas is an
     # instance of `_mirrored_class(N, ...)`. JAX compares a pytree node's metadata on every
     # jitted call, and a metadata field made each `Mirrored` parameter cost 0.18 us more per call.
-    # So is whether `run` returned it (see `is_step_output`). `_int64_bounds`: as
-    # `PerReplica`'s, of one copy, where set (`int64_values`).
-    __slots__ = ("_value", "_int64_bounds")
-    _int64_per_copy = True
+    # So is whether `run` returned it (see `is_step_output`).
+    __slots__ = ("_value",)
     _num_replicas = 1
     _step_output = False
 
@@ -252,10 +242,8 @@ class Mirrored(DistributedValues):
         return object.__new__(cls)
 
     def __init__(self, values=None, *, _value=_UNSET):
-        self._int64_bounds = None
         if _value is not _UNSET:  # JAX unflattening the node (see `_mirrored_class`).
             self._value = _value
-            int64_values.inherit(self, (_value,))
             return
         if values is None:
             raise errors.InvalidArgumentError("Mirrored needs a value (or one per replica).")
@@ -272,12 +260,11 @@ class Mirrored(DistributedValues):
             values = values[0]
         check_host_numbers(values)
         self._value = jax.numpy.asarray(values)
-        record_int64_magnitude(self, [values])
 
     @classmethod
     def _from_value(cls, value, num_replicas, step_output=False):
         self = object.__new__(_mirrored_class(num_replicas, step_output))
-        self._value, self._int64_bounds = value, None
+        self._value = value
         return self
 
     def __reduce__(self):
@@ -447,11 +434,9 @@ def _stack(arrays):
             (len(arrays), *arrays[0].shape), sharding, [a[None] for a in arrays])
     if jax.dtypes.issubdtype(arrays[0].dtype, jax.dtypes.extended):
         return jax.numpy.stack(arrays)  # Typed PRNG keys have no NumPy form.
-    # Dtypes of one kind that JAX canonicalises alike (int32 and int64 without x64) are
-    # stacked in that dtype, as JAX would place each of them.
-    dtype = (None if len({a.dtype for a in arrays}) == 1
-             else jax.dtypes.canonicalize_dtype(arrays[0].dtype))
-    return np.stack([np.asarray(a) for a in arrays], dtype=dtype)
+    # In the dtype JAX holds them in (float64 as float32 without x64), as it would place each.
+    return np.stack([np.asarray(a) for a in arrays],
+                    dtype=jax.dtypes.canonicalize_dtype(arrays[0].dtype))
 
 
 def _spans_processes(array):
@@ -501,8 +486,6 @@ def pad_components(chunks, rows=None):
 
 
 def _flatten_per_replica(v):
-    if v._int64_bounds is not None:  # What the value rebuilt from its leaves inherits.
-        int64_values.follow(v, v._components or (v._stacked,))
     if v._components is not None:
         return v._components, ("ragged", len(v._components), None)
     return (v._stacked,), ("stacked", v._lengths, np.shape(v._stacked))
@@ -516,7 +499,6 @@ def _unflatten_per_replica(aux, children):
     else:
         _check_not_sliced(shape, children[0])
         self._init(children[0], None, lengths)
-    int64_values.inherit(self, children)
     return self
 
 
@@ -576,7 +558,7 @@ def wrap_at(leaves, mirrored_at, num_replicas, per_replica_at=()):
     new, cls = object.__new__, _mirrored_class(num_replicas, True)
     for i in mirrored_at:
         m = new(cls)
-        m._value, m._int64_bounds = leaves[i], None  # Both set: reading an unset slot raises.
+        m._value = leaves[i]
         leaves[i] = m
     for i in per_replica_at:
         leaves[i] = PerReplica._from_stacked(leaves[i])
@@ -589,6 +571,7 @@ def check_replica_count(value: DistributedValues, num_replicas: int, what: str) 
 
     Example:
       >>> check_replica_count(Mirrored([np.float32(1)] * 2), 3, "strategy.reduce")
+      ... # doctest: +IGNORE_EXCEPTION_DETAIL
       Traceback (most recent call last):
       jdist.errors.InvalidArgumentError: ...
     """
