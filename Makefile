@@ -1,5 +1,5 @@
 # Every target installs what it needs into .venv first, so a fresh clone needs only Python.
-PYTHON ?= python3
+PYTHON ?= python3  # Any 3.11 or later, whichever patch release (Debian 12 has 3.11.2).
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed

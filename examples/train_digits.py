@@ -160,7 +160,7 @@ def main():
         epoch_loss = float(np.mean([float(loss) for loss in losses]))
         if chief:  # Through tqdm, so a progress bar in a terminal is not broken.
             epochs.write(f"epoch {epoch:3d}  loss {epoch_loss:.4f}  "
-                         f"({time.perf_counter() - start:.1f} s)")
+                         f"({time.perf_counter() - start:.1f} s elapsed)")
 
     log(f"final training loss {epoch_loss:.10g}")  # Enough digits to compare runs to 1e-6.
     correct = []

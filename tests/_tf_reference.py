@@ -1,7 +1,7 @@
 """TensorFlow's own MirroredStrategy over eight logical CPU devices, for tests that compare with it,
 and the comparison itself (`outcome`, `assert_matches`).
 
-Import it after ``pytest.importorskip("tensorflow")``. The logical devices can only be configured
+Import it after ``_tf_skip.tf_or_skip()``. The logical devices can only be configured
 before TF initialises its runtime, so this module configures them when it is imported: pytest
 imports every test module (and so this one) before any test runs TF, in every xdist worker, so the
 order of the tests does not matter. If TF was initialised earlier anyway, `tf_devices` is None.
@@ -17,7 +17,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import pytest  # noqa: E402
 
-tf = pytest.importorskip("tensorflow")
+from _tf_skip import tf_or_skip  # noqa: E402
+
+tf = tf_or_skip()
 
 from jdist import errors  # noqa: E402
 from jdist.testing import mirrored  # noqa: E402

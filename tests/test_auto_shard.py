@@ -13,6 +13,8 @@ from jdist._src import input_batches
 from jdist._src.auto_shard import AutoShardPolicy as P
 from jdist.testing import mirrored
 
+from _tf_skip import tf_or_skip
+
 try:  # TF's logical devices are configured when _tf_reference is imported, before any TF op.
     import tensorflow  # noqa: F401
 except ImportError:
@@ -203,7 +205,7 @@ def test_one_replica_is_never_rebatched(policy):
 
 
 def test_tf_dataset_policy():
-    tf = pytest.importorskip("tensorflow")
+    tf = tf_or_skip()
     dataset = tf.data.Dataset.range(8).batch(4)
     assert auto_shard.tf_dataset_policy(dataset) is None  # TF's default AUTO: not asked.
     for tf_policy, policy in ((tf.data.experimental.AutoShardPolicy.OFF, P.OFF),
@@ -227,7 +229,7 @@ def _tf_pipeline_rows(tf, dataset, workers, replicas, index):
 @pytest.mark.parametrize("batch_sizes", [[8, 8], [7, 7, 4], [6, 3]])
 def test_data_order_is_tf_s_data_sharding(workers, replicas, batch_sizes):
     """The chunk order jdist splits in (`_tf_data_shards`) against TF's per-worker pipelines."""
-    tf = pytest.importorskip("tensorflow")
+    tf = tf_or_skip()
     dataset = tf.data.Dataset.range(sum(batch_sizes)).batch(batch_sizes[0])
     expected = _tf_data_shards(
         [min(batch_sizes[0], sum(batch_sizes) - i) for i in range(0, sum(batch_sizes),
@@ -284,7 +286,7 @@ def _jdist_rows(share, source, index, replicas=2):
 def test_tf_data_gives_tf_s_rows(name, split, index, tmp_path):
     """Sharded by data (DATA, or AUTO without readers): the global split in TF's order, no
     pipeline of its own; otherwise TF's own pipeline. Either way TF's rows."""
-    tf = pytest.importorskip("tensorflow")
+    tf = tf_or_skip()
     dataset = _tf_datasets(tf, tmp_path)[name]
     share = auto_shard.worker_share(_source(dataset), None, _worker(index))
     assert (share.pipeline is None) == split
@@ -298,7 +300,7 @@ def test_tf_data_gives_tf_s_rows(name, split, index, tmp_path):
 @pytest.mark.parametrize("asked, on_dataset", [
     (P.OFF, "range_off"), (P.DATA, "range_data"), (P.DATA, "files_data")])
 def test_a_policy_asked_in_input_options_is_tf_s(asked, on_dataset, tmp_path):
-    tf = pytest.importorskip("tensorflow")
+    tf = tf_or_skip()
     datasets = _tf_datasets(tf, tmp_path)
     plain = datasets["files_auto" if on_dataset.startswith("files") else "range"]
     share = auto_shard.worker_share(_source(plain), asked, _TwoWorkers)
@@ -307,7 +309,7 @@ def test_a_policy_asked_in_input_options_is_tf_s(asked, on_dataset, tmp_path):
 
 
 def test_reads_files(tmp_path):
-    tf = pytest.importorskip("tensorflow")
+    tf = tf_or_skip()
     datasets = _tf_datasets(tf, tmp_path)
     files = [str(f) for f in sorted(tmp_path.glob("*.tfrecord"))]
     interleaved = tf.data.Dataset.from_tensor_slices(files).interleave(tf.data.TFRecordDataset)
@@ -318,7 +320,7 @@ def test_reads_files(tmp_path):
 
 
 def test_too_few_files_is_tf_s_error(tmp_path):
-    tf = pytest.importorskip("tensorflow")
+    tf = tf_or_skip()
     path = str(tmp_path / "one.tfrecord")
     with tf.io.TFRecordWriter(path) as writer:
         writer.write(b"x")
@@ -345,7 +347,7 @@ def _policy_dataset(tf, dataset, policy):
 def test_one_worker_tf_split(n, name, policy, tmp_path):
     """jdist's MirroredStrategy against TF's on one worker, per step and replica: TF's rebatch
     (OFF, FILE, HINT, AUTO on files) and its legacy one (DATA, AUTO without files)."""
-    tf = pytest.importorskip("tensorflow")
+    tf = tf_or_skip()
     s, tf_strategy = strategies(n)
     if tf_strategy is None:
         pytest.skip("TensorFlow's devices were configured before this test.")

@@ -17,7 +17,10 @@ COUNTS = DATASET_REPLICA_COUNTS
 
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-tf = pytest.importorskip("tensorflow")
+
+from _tf_skip import tf_or_skip  # noqa: E402
+
+tf = tf_or_skip()
 
 from _tf_reference import strategies  # noqa: E402
 

@@ -237,6 +237,7 @@ def test_digits_example_two_workers_equal_one_process():
     two, one = _finish([launcher, single], TIMEOUT)
     # One epoch does not reach the example's accuracy target (exit status 1); both runs agree.
     assert launcher.returncode == single.returncode and single.returncode in (0, 1), (two, one)
+    assert "[Gloo]" not in two  # gloo's 4 "Rank i is connected" lines: the launcher drops them.
     assert abs(_final_loss(two) - _final_loss(one)) <= 1e-6, (two, one)
     accuracy = [line.split("test accuracy ")[1].split()[0] for line in two.splitlines()
                 if "test accuracy" in line]

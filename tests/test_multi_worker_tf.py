@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from jdist.launch import free_ports
+from _tf_skip import tf_or_skip
 from test_multi_worker import _env
 from test_multi_worker import _finish
 from test_multi_worker import _start
 
-tf = pytest.importorskip("tensorflow")
+tf = tf_or_skip()
 
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_multi_worker_tf_program.py")
 TIMEOUT = 180

@@ -19,7 +19,10 @@ from jdist import errors
 from jdist._src.numpy_dataset import NumpyDataset
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-tf = pytest.importorskip("tensorflow")
+
+from _tf_skip import tf_or_skip  # noqa: E402
+
+tf = tf_or_skip()
 
 from _tf_reference import assert_matches  # noqa: E402
 from _tf_reference import local_results  # noqa: E402

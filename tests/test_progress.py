@@ -2,6 +2,7 @@
 
 import io
 import logging
+import re
 import sys
 
 import jax.numpy as jnp
@@ -43,10 +44,17 @@ def mean_step(x):
     return total / ctx.all_reduce("sum", jnp.sum(mask.astype(jnp.float32)))
 
 
+class Terminal(io.StringIO):
+    """Captured output that says it is a terminal, where the bar is redrawn in place."""
+
+    def isatty(self):
+        return True
+
+
 @pytest.mark.parametrize("chief", (True, False))
 def test_progress_bar_draws_on_the_chief_only(chief, monkeypatch):
     strategy = strategy_as(chief, monkeypatch)
-    out = io.StringIO()
+    out = Terminal()
     losses = []
     with jdist.ProgressBar(dataset(strategy), strategy, desc="train", examples_per_step=4,
                            file=out, mininterval=0) as bar:
@@ -64,6 +72,32 @@ def test_progress_bar_draws_on_the_chief_only(chief, monkeypatch):
     final = text.rstrip().split("\r")[-1]
     assert "train: 100%" in final and "3/3" in final and "loss=8.5" in final
     assert "examples/s=" in final and "step/s" in final
+
+
+@pytest.mark.parametrize("steps, shown", [
+    (25, [3, 6, 9, 12, 15, 18, 21, 24, 25]),  # Each tenth (3 steps), then the last.
+    (100, list(range(10, 101, 10))),
+    (3, [1, 2, 3]),
+    (None, [7]),  # Unknown length: every 30 s (not reached here), then the last.
+])
+def test_progress_bar_off_a_terminal_prints_plain_lines(steps, shown):
+    """Into a log (not a TTY) the bar prints whole lines, no carriage return, at most 11."""
+    out = io.StringIO()
+    data = [np.float32(i) for i in range(steps or 7)]
+    bar = jdist.ProgressBar(data if steps else iter(data), desc="train", file=out,
+                            mininterval=0)
+    for x in bar:
+        bar.set_loss(x)
+    bar.close()
+    text = out.getvalue()
+    assert "\r" not in text
+    notice, *lines = text.splitlines()
+    assert notice == jdist.ProgressBar.COMPILE_NOTICE
+    total = f"/{steps}" if steps else ""
+    assert [re.search(r"(\d+(/\d+)?)(step)? \[", line)[1] for line in lines] == [
+        f"{n}{total}" for n in shown], text
+    assert [line.split("loss=")[1].rstrip("]") for line in lines] == [
+        f"{n - 1:.4g}" for n in shown]
 
 
 @pytest.mark.parametrize("chief", (True, False))

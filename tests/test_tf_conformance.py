@@ -41,7 +41,10 @@ from jdist import errors
 from jdist.testing import REPLICA_COUNTS
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-tf = pytest.importorskip("tensorflow")
+
+from _tf_skip import tf_or_skip  # noqa: E402
+
+tf = tf_or_skip()
 
 from _tf_reference import assert_matches  # noqa: E402
 from _tf_reference import both_reducing_to_one_device  # noqa: E402

@@ -3,17 +3,19 @@
 Each worker is a child process with its own ``TF_CONFIG`` (a ``worker`` job on free loopback
 ports, 127.0.0.1 only; worker 0 hosts JAX's coordination service), optionally
 ``--xla_force_host_platform_device_count=K`` in ``XLA_FLAGS`` (K simulated CPU devices), and
-unbuffered output. Output lines are prefixed with ``[worker i]``. When a worker fails, the
-launcher terminates the others (by PID: only the processes it started), waits for them and
-exits with the failed worker's status; when it is interrupted or terminated itself it does the
-same. On Linux the children also receive SIGKILL if the launcher dies abruptly, so no worker is
-left behind.
+unbuffered output. Output lines are prefixed with ``[worker i]``; gloo's line saying a rank is
+connected to all its peers (printed by its C++ code, no setting turns it off) is dropped. When
+a worker fails, the launcher terminates the others (by PID: only the processes it started),
+waits for them and exits with the failed worker's status; when it is interrupted or terminated
+itself it does the same. On Linux the children also receive SIGKILL if the launcher dies
+abruptly, so no worker is left behind.
 """
 
 import argparse
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +25,9 @@ import time
 
 _GRACE_SECONDS = 5.0
 _PR_SET_PDEATHSIG = 1
+# Printed once per local device when gloo's collectives connect; kept when the counts differ.
+_GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                             rb"Expected number of connected peer ranks is : \1\n?")
 
 
 def parse_args(argv):
@@ -81,9 +86,12 @@ def _die_with_parent():
 
 
 def _pump(stream, index, out):
-    """Copies ``stream`` to ``out`` line by line, prefixed with the worker index."""
+    """Copies ``stream`` to ``out`` line by line, prefixed with the worker index, but for
+    gloo's line saying a rank connected to every peer."""
     prefix = f"[worker {index}] ".encode()
     for line in iter(stream.readline, b""):
+        if _GLOO_CONNECTED.fullmatch(line):
+            continue
         out.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
         out.flush()
     stream.close()

@@ -11,6 +11,7 @@ Inside ``strategy.run`` the helpers print at run time through ``jax.debug.callba
 replica 0 only, so a value is printed once per step, not once per replica.
 """
 
+import io
 import logging
 import sys
 import time
@@ -27,6 +28,8 @@ from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 
 COMPILE_NOTICE = "jdist: compiling the first step (once per input shape)..."
+PLAIN_LINES = 10  # Off a terminal: one line per tenth of the steps (and the last step).
+PLAIN_SECONDS = 30.0  # Off a terminal, the number of steps unknown: one line per 30 s.
 
 
 def is_chief(strategy: Optional[Any] = None) -> bool:
@@ -131,6 +134,17 @@ def _total(dataset):
         return count if count >= 0 else None
 
 
+class _Discard(io.TextIOBase):
+    """Where tqdm draws when ``file`` is not a terminal: `ProgressBar` prints plain lines."""
+
+    def write(self, text):
+        return len(text)
+
+
+def _is_terminal(file):
+    return callable(getattr(file, "isatty", None)) and file.isatty()
+
+
 class ProgressBar:
     """A tqdm progress bar over a (distributed) dataset, drawn by the chief only.
 
@@ -138,6 +152,10 @@ class ProgressBar:
     (when ``examples_per_step`` is given) and the loss last passed to `set_loss`, read from the
     device at most once per refresh (``mininterval``), so it does not stall the step pipeline.
     While the first step compiles, a one-line notice says so. Needs tqdm (the ``progress`` extra).
+
+    On a terminal the bar is redrawn in place. Elsewhere (a log file, CI), where every redraw
+    would be appended to one line after a carriage return, it prints plain lines instead: one
+    per tenth of the steps and one at the last (one per 30 s when their number is unknown).
 
     Args:
       dataset: what to iterate, usually ``strategy.experimental_distribute_dataset(...)``.
@@ -177,9 +195,13 @@ class ProgressBar:
         self._last_postfix = -float("inf")
         self._mininterval = mininterval
         self._notice = compile_notice and self._chief
+        self._file = sys.stderr if file is None else file
+        self._plain = self._chief and not _is_terminal(self._file)
+        self._line_step, self._line_time = 0, time.monotonic()  # Off a terminal: the last line.
         self._bar = tqdm.tqdm(total=_total(dataset) if total is None else total, desc=desc,
-                              unit="step", file=file, mininterval=mininterval,
-                              disable=not self._chief, dynamic_ncols=True)
+                              unit="step", file=_Discard() if self._plain else self._file,
+                              mininterval=mininterval, disable=not self._chief,
+                              dynamic_ncols=True, ascii=self._plain or None)
 
     def set_loss(self, loss: Any) -> None:
         """Records the latest loss (a float, an array or a `Mirrored` value) for the bar.
@@ -204,17 +226,34 @@ class ProgressBar:
             fields["examples/s"] = f"{rate * self._examples:.4g}"
         self._bar.set_postfix(fields, refresh=False)
 
+    def _plain_line(self, last):
+        """Off a terminal: prints the bar as a line at each tenth of the steps, or every
+        `PLAIN_SECONDS` when their number is unknown, and (``last``) at the end."""
+        n, total, now = self._bar.n, self._bar.total, time.monotonic()
+        if n == self._line_step:
+            return
+        due = n % -(-total // PLAIN_LINES) == 0 if total else now - self._line_time >= PLAIN_SECONDS
+        if due or last:
+            self._last_postfix = -float("inf")
+            self._postfix()
+            print(self._bar, file=self._file, flush=True)
+            self._line_step, self._line_time = n, now
+
     def __iter__(self) -> Iterator:
         first = True
         for element in self._dataset:
             if first and self._notice:
-                self._bar.write(COMPILE_NOTICE, file=self._bar.fp)
+                self._bar.write(COMPILE_NOTICE, file=self._file)
             yield element
             first = False
             if self._chief:
                 self._postfix()
             self._bar.update(1)
-        if self._chief:
+            if self._plain:
+                self._plain_line(last=False)
+        if self._plain:
+            self._plain_line(last=True)
+        elif self._chief:
             self._last_postfix = -float("inf")
             self._postfix()
             self._bar.refresh()
