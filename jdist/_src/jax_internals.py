@@ -1,8 +1,8 @@
 """Every use jdist makes of JAX's internals (``jax._src``): no other module imports them.
 
 JAX promises nothing about ``jax._src``; `jax_version` admits only the releases these are tested
-on (the suite runs on both ends of that range). Each access below is here because no public API
-serves, and says what breaks if JAX changes it:
+on (CI runs the suite on each). Each access below is here because no public API serves, and
+says what breaks if JAX changes it:
 
 - `batched_block_until_ready` (``jax._src.lib.xla_client``): what ``jax.block_until_ready``
   calls underneath, one C++ call. The CPU dispatch guard (`dispatch`) waits for the previous
