@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax._src import core
+from jax.extend import core
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 

@@ -3,8 +3,7 @@
 A path is a tuple of dict keys and list or tuple indices from the top of a nest. `run` records
 the paths of the arrays it placed in one call (a batch given as a host array every step) and, on
 the next call, reads and replaces only those, so a call with hundreds of parameters costs no
-Python work per parameter (`spmd.ReplicatedRunner._placed_as_before`); the int64 checks read
-the leaves they bound the same way (`int64_sums`). Only plain dicts, lists and tuples and
+Python work per parameter (`spmd.ReplicatedRunner._placed_as_before`). Only plain dicts, lists and tuples and
 namedtuples (an optax optimizer's state) are walked: other pytree nodes (a dataclass, a custom
 node) have no path here, and such calls are flattened whole as before.
 """

@@ -20,9 +20,6 @@ import inspect
 import threading
 
 import jax
-from jax._src import config as jax_config
-from jax._src import core as jax_core
-from jax._src.lib import xla_client
 from jax.extend import core
 
 from jdist._src import batch_blocks
@@ -30,6 +27,7 @@ from jdist._src import context
 from jdist._src import errors
 from jdist._src import function_numbers
 from jdist._src import host_values
+from jdist._src import jax_internals
 from jdist._src.run_arguments import SCALARS
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
@@ -156,7 +154,7 @@ def _launch_while_tracing(program, args, waited):
     return outputs
 
 
-_ready = xla_client.batched_block_until_ready  # jax.block_until_ready's own (jax._src).
+_ready = jax_internals.batched_block_until_ready  # jax.block_until_ready's own, one C++ call.
 
 
 def _wait(arrays):
@@ -238,16 +236,7 @@ def check_traced_run(guard):
 
 def under_a_trace():
     """Whether a JAX transformation is tracing on this thread (not plain eager evaluation)."""
-    return type(_current_trace.value) is not jax_core.EvalTrace
-
-
-# The ``jax_disable_jit`` flag: its ``.value`` is read in C++ (``jax.config.jax_disable_jit`` is
-# a Python property; every ``run`` asks).
-JIT_DISABLED = jax_config.disable_jit
-
-# What ``core.find_top_trace`` returns, read without its three Python calls (every ``run``
-# asks; ``jax._src``, pinned by `jax_version`).
-_current_trace = jax_core.trace_state_strong_ref
+    return type(core.find_top_trace(())).__name__ != "EvalTrace"  # Eager: the bottom one.
 
 
 def under_a_staging_trace():

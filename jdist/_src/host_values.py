@@ -13,11 +13,10 @@ import warnings
 from typing import Iterator
 
 import jax
-from jax._src import core as jax_core
-from jax._src.lib import xla_client
 import numpy as np
 
 from jdist._src import errors
+from jdist._src import jax_internals
 
 # The dtype kinds a PerReplica may hold: its components must all be of one of them (TF's rule).
 _KINDS = (("bool", np.bool_), ("signed integer", np.signedinteger),
@@ -142,8 +141,8 @@ def aliased(arrays: np.ndarray, sharding: jax.sharding.Sharding) -> Iterator[jax
     that memory while they live.
 
     JAX's public ``jax.device_put`` of a host array costs 36-75 us here, its Python work per
-    call; this is the batched placement it calls underneath (``jax._src``, pinned with the
-    JAX release, `jax_version`), at under 10 us an array.
+    call; this is the batched placement it calls underneath (`jax_internals`), at under 10 us
+    an array.
 
     Example:
       >>> x = aligned_empty((4, 16), np.float32); x[:] = 1; x.flags.writeable = False
@@ -200,13 +199,13 @@ def placed_split(arrays, sharding: jax.sharding.Sharding) -> list:
 
 def _placed(array, sharding, devices, parts=None):
     """``array`` on ``devices`` (``sharding``'s): whole on each, or each device's one of
-    ``parts``, by the batched placement ``jax.device_put`` calls underneath (``jax._src``,
-    pinned with the JAX release). Host arrays only: JAX's Python wrapper of that call
+    ``parts``, by the batched placement ``jax.device_put`` calls underneath
+    (`jax_internals`). Host arrays only: JAX's Python wrapper of that call
     (`pxla.batched_device_put`) first looks for device arrays among them, 8-15 us for 8
     parts here, which this skips."""
-    aval = jax_core.ShapedArray(array.shape, array.dtype)
-    return xla_client.batched_device_put(aval, sharding, parts or [array] * len(devices),
-                                         devices, True)
+    aval = jax.core.ShapedArray(array.shape, array.dtype)
+    return jax_internals.batched_device_put(aval, sharding, parts or [array] * len(devices),
+                                            devices, True)
 
 
 def check_host_numbers(value) -> None:

@@ -7,10 +7,13 @@ releases. An analysis that meets an unknown parameter raises; one that meets a r
 primitive may not, and could mark a value that differs per replica as `Mirrored`: a wrong
 number. So an untested JAX is refused at import, loudly, unless the user asks to try it.
 
-Measured on jax 0.11.2 (2026-11-26): ``lax.scan``'s parameters changed (``num_consts`` and
-``num_carry`` became ``ft_in``; `invariance.scan_counts` reads both since 2026-11-27), and
-XLA's CPU compiler crashed the process (a segmentation fault) on a ``jit(shard_map)`` program
-that takes a zero-size array, which a partial batch's empty replicas give.
+The whole suite runs on both releases in CI (``.ci/run``): jax 0.10 on Python 3.11
+(``make test``) and the newest jax 0.12 on Python 3.13 (``make test-py313``). jax 0.11 is left
+out: its XLA CPU compiler crashes the process (a segmentation fault) on a ``jit(shard_map)``
+program that takes a zero-size array (2026-11-28, jax 0.11.2: ``lambda a, b: a.sum() + b.sum()``
+with ``b`` of shape ``(0,)``; 0.12.0.1 returns the sum), which a partial batch's empty replicas
+give. Also measured on 0.11.2 (2026-11-26): ``lax.scan``'s parameters changed (``num_consts``
+and ``num_carry`` became ``ft_in``; `invariance.scan_counts` reads both since 2026-11-27).
 """
 
 import os
@@ -19,7 +22,8 @@ import warnings
 
 from jdist._src import errors
 
-TESTED = ((0, 10), (0, 11))  # The JAX releases tested: from 0.10 up to, not including, 0.11.
+TESTED = ((0, 10), (0, 12))  # The minor releases tested, each with all its patch releases.
+REQUIREMENT = ">=0.10,<0.13,!=0.11.*"  # TESTED as pip reads it: pyproject.toml's jax and jaxlib.
 OVERRIDE = "JDIST_ALLOW_UNTESTED_JAX"  # Set to 1 to import jdist on another JAX anyway.
 
 
@@ -27,8 +31,8 @@ def minor_release(version: str) -> tuple[int, int]:
     """``(major, minor)`` of a JAX version string such as ``"0.10.2"`` or ``"0.11.0.dev1"``.
 
     Example:
-      >>> minor_release("0.10.2"), minor_release("0.12.0.1"), minor_release("0.11.0rc1")
-      ((0, 10), (0, 12), (0, 11))
+      >>> minor_release("0.10.2"), minor_release("0.12.0.1"), minor_release("0.13.0rc1")
+      ((0, 10), (0, 12), (0, 13))
     """
     found = re.match(r"(\d+)\.(\d+)", version)
     if found is None:
@@ -37,7 +41,7 @@ def minor_release(version: str) -> tuple[int, int]:
 
 
 def check(version: str, environ=os.environ) -> None:
-    """Raises `errors.UnsupportedJaxError` where ``version`` is outside the tested releases
+    """Raises `errors.UnsupportedJaxError` where ``version`` is not of a tested minor release
     (`TESTED`), unless ``environ`` sets `OVERRIDE` to 1: then it warns, once per import.
 
     Args:
@@ -45,16 +49,17 @@ def check(version: str, environ=os.environ) -> None:
       environ: the environment to read `OVERRIDE` from.
 
     Example:
-      >>> check("0.10.2")  # Tested: nothing happens.
+      >>> check("0.10.2"), check("0.12.0.1")  # Tested: nothing happens.
+      (None, None)
       >>> check("0.11.2", environ={})
       Traceback (most recent call last):
       ...
-      jdist._src.errors.UnsupportedJaxError: jdist is tested on jax >=0.10,<0.11, ...
+      jdist._src.errors.UnsupportedJaxError: jdist is tested on jax 0.10 and 0.12 ...
     """
-    low, high = TESTED
-    if low <= minor_release(version) < high:
+    if minor_release(version) in TESTED:
         return
-    tested = f"jax >={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    tested = " and ".join(f"{major}.{minor}" for major, minor in TESTED)
+    tested = f"jax {tested} (jax{REQUIREMENT})"
     if environ.get(OVERRIDE) == "1":
         warnings.warn(f"jdist runs on jax {version}, outside the releases it is tested on "
                       f"({tested}), because {OVERRIDE}=1: its analyses of JAX's programs may "
@@ -63,6 +68,6 @@ def check(version: str, environ=os.environ) -> None:
     raise errors.UnsupportedJaxError(
         f"jdist is tested on {tested}, and this is jax {version}. jdist analyses JAX's "
         "programs (which values are Mirrored, where a partial batch's step is cut), and those "
-        "change between JAX releases, so an untested one could give wrong numbers. Install a "
-        f"tested release: pip install \"jax{tested[4:]}\" \"jaxlib{tested[4:]}\". To try "
-        f"this one anyway, at your own risk, set {OVERRIDE}=1.")
+        "change between JAX releases, so an untested one could give wrong numbers or crash. "
+        f"Install a tested release: pip install \"jax{REQUIREMENT}\" \"jaxlib{REQUIREMENT}\". "
+        f"To try this one anyway, at your own risk, set {OVERRIDE}=1.")

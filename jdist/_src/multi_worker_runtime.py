@@ -20,6 +20,7 @@ import threading
 import jax
 
 from jdist._src import errors
+from jdist._src import jax_internals
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 UNAVAILABLE_EXIT_CODE = 14  # TF's error code for UNAVAILABLE.
@@ -101,9 +102,7 @@ def initialize(cluster, timeout_seconds):
             "arrays, jit) in this process.") from e
 
 
-def _client():
-    from jax._src import distributed  # pylint: disable=import-outside-toplevel
-    return distributed.global_state.client
+_client = jax_internals.distributed_client  # The coordination service's key-value store.
 
 
 class Agreement:

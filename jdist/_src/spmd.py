@@ -136,7 +136,7 @@ class ReplicatedRunner:
         loop's first parameters, host arrays) are made canonical first (`_launch_canonical`),
         so both share one compile. A function whose calls keep needing that skips the direct
         attempt (``cache.flatten_first``); arguments it cannot take go the general path."""
-        if dispatch.JIT_DISABLED.value:
+        if jax.config.jax_disable_jit:
             # The replicas run as one compiled SPMD program: there is no eager one to fall to.
             with jax.disable_jit(False):
                 return self.run(fn, args, kwargs)

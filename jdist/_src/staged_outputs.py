@@ -9,7 +9,7 @@ Re-binding ``shard_map`` with new ``out_specs`` would evaluate the whole body ag
 ``shard_map`` taking the blocks apart adds two array operations per output for XLA to compile
 (with 400 parameters, 11% more operations). `unblock_replicated` instead edits the traced
 program: each replicated output's block is replaced by the value it was made from, and its
-``out_specs`` entry by ``P()``. It uses JAX's jaxpr types (``jax._src.core``), checked against
+``out_specs`` entry by ``P()``. It uses JAX's jaxpr types (``jax.extend.core``), checked against
 the form `spmd.ReplicatedRunner.trace` produces; any other form gives None and the caller keeps
 the second ``shard_map``.
 """
@@ -17,10 +17,10 @@ the second ``shard_map``.
 from typing import Callable, Optional, Sequence
 
 import jax
-from jax._src import core
-from jax._src import shard_map
-from jax._src.lax import lax
+from jax.extend import core
 from jax.sharding import PartitionSpec as P
+
+from jdist._src import jax_internals
 
 
 def staged_program(staged: core.ClosedJaxpr, replicated: Sequence[bool], mesh: jax.sharding.Mesh,
@@ -70,7 +70,7 @@ def unblock_replicated(staged: core.ClosedJaxpr,
     call, mapped = _single_eqn(staged), None
     if call is not None:
         mapped = _single_eqn(call.params["jaxpr"])
-    if mapped is None or mapped.primitive is not shard_map.shard_map_p:
+    if mapped is None or mapped.primitive is not jax_internals.shard_map_p:
         return None
     body = mapped.params["jaxpr"]
     outvars, specs = list(body.outvars), list(mapped.params["out_specs"])
@@ -81,7 +81,7 @@ def unblock_replicated(staged: core.ClosedJaxpr,
             if value is None:
                 return None
             outvars[i], specs[i] = value, P()
-    avals = [shard_map.unshard_aval(mapped.params["mesh"], False, spec, v.aval)
+    avals = [jax_internals.unshard_aval(mapped.params["mesh"], False, spec, v.aval)
              for spec, v in zip(specs, outvars)]
     mapped_out = [core.Var(aval) for aval in avals]
     mapped = mapped.replace(outvars=mapped_out, params={
@@ -103,7 +103,7 @@ def _single_eqn(closed):
 
 def _blocked_value(eqn, block):
     """The value ``block`` is a ``(1, ...)`` broadcast of, or None if ``eqn`` is not that."""
-    if eqn is None or eqn.primitive is not lax.broadcast_in_dim_p:
+    if eqn is None or eqn.primitive is not jax.lax.broadcast_in_dim_p:
         return None
     value = eqn.invars[0]
     rank = len(value.aval.shape)
