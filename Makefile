@@ -17,6 +17,7 @@ example: $(STAMP)
 	$(PY) examples/train_digits.py
 
 test: $(STAMP)
+	$(PY) -m mypy --no-error-summary
 	$(PY) -m pytest -q -n 2
 
 # The suite on Python 3.13 with the newest JAX pyproject.toml admits (pip picks it), in the

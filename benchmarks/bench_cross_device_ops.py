@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jdist  # noqa: E402
+import jdist.testing  # noqa: E402
 from jdist._src import replica_mesh  # noqa: E402
 from jdist._src import packing  # noqa: E402
 
@@ -120,9 +121,9 @@ def count_collectives():
             (f"bytes_per_pack={BYTES_PER_PACK >> 10} KiB", ops, options),
             ("num_packs=1 (TF's default)", jdist.NcclAllReduce(num_packs=1), None),
             ("num_packs=0 (unpacked)", jdist.NcclAllReduce(num_packs=0), None)):
-        lowered, plan = cross_ops.lower_packed_all_reduce(programs, SUM, stacked, opts)
-        count = packing.count_all_reduces(lowered.as_text())
-        compiled = packing.count_all_reduces(lowered.compile().as_text())
+        lowered, plan = cross_ops._lower_packed_all_reduce(programs, SUM, stacked, opts)
+        count = jdist.testing.count_all_reduces(lowered.as_text())
+        compiled = jdist.testing.count_all_reduces(lowered.compile().as_text())
         common.record("cross_device_ops", f"all-reduce ops in the program, {label}", count, "ops",
                       detail=f"{compiled} after XLA compilation; plan: {plan.num_packs} packs")
         print(f"  batch_reduce, {label:28s} {count:4d} / {compiled:4d}   "
@@ -130,7 +131,7 @@ def count_collectives():
 
     # The same packing inside a replica function: ReplicaContext.all_reduce(options=...).
     def replica_fn(*leaves):
-        return ops.replica_all_reduce(strategy.extended.replica_axis, REPLICAS, SUM,
+        return ops._replica_all_reduce(strategy.extended.replica_axis, REPLICAS, SUM,
                                        list(leaves), options)
 
     leaves = [jnp.zeros(g.stacked.shape[1:], g.stacked.dtype) for g in grads]
@@ -138,8 +139,8 @@ def count_collectives():
                                     out_specs=P(), check_vma=False))
     lowered = program.lower(*leaves)
     print(f"  ReplicaContext.all_reduce of {GRADIENTS} leaves, bytes_per_pack="
-          f"{BYTES_PER_PACK >> 10} KiB: {packing.count_all_reduces(lowered.as_text()):4d} / "
-          f"{packing.count_all_reduces(lowered.compile().as_text()):4d}")
+          f"{BYTES_PER_PACK >> 10} KiB: {jdist.testing.count_all_reduces(lowered.as_text()):4d} / "
+          f"{jdist.testing.count_all_reduces(lowered.compile().as_text()):4d}")
 
 
 def main():

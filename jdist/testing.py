@@ -9,6 +9,7 @@ Example:
 
 import contextlib
 import functools
+import re
 
 import jax
 import jax.monitoring
@@ -150,3 +151,32 @@ def count_compiles():
         yield compiles
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+_ALL_REDUCE_PATTERNS = (
+    re.compile(r'"?stablehlo\.all_reduce"?\('),  # Lowered StableHLO (generic or pretty form).
+    re.compile(r"=\s*\S.*?\ball-reduce(?:-start)?\("),  # Compiled HLO (sync or async start).
+)
+
+
+def count_all_reduces(hlo_text: str) -> int:
+    """Counts the all-reduce operations in HLO text.
+
+    Reads either the lowered StableHLO (``jax.jit(f).lower(...).as_text()``) or the compiled HLO
+    (``.compile().as_text()``). The compiler may merge several all-reduces into one variadic
+    all-reduce, so the compiled count can be smaller than the lowered one.
+
+    Args:
+      hlo_text: the program text.
+
+    Returns:
+      The number of all-reduce operations.
+
+    Example:
+      >>> count_all_reduces('%1 = "stablehlo.all_reduce"(%arg0) ...')
+      1
+    """
+    lowered = len(_ALL_REDUCE_PATTERNS[0].findall(hlo_text))
+    if lowered:
+        return lowered
+    return sum(1 for line in hlo_text.splitlines() if _ALL_REDUCE_PATTERNS[1].search(line))

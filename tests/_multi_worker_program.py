@@ -15,7 +15,7 @@ import time
 
 
 def _replicas(strategy, value):
-    ids = strategy.extended.local_replica_ids()
+    ids = strategy.extended._local_replica_ids()
     import numpy as np  # pylint: disable=import-outside-toplevel
     return {str(i): np.asarray(x).tolist()
             for i, x in zip(ids, strategy.experimental_local_results(value))}
@@ -81,7 +81,7 @@ def _in_tf_layout(s, np, data, batch):
     process hands it: the comparisons with 1 process x 4 devices stay one to one. The rule
     itself is checked against TF in ``test_auto_shard.py`` and by ``_auto_shard``."""
     from jdist._src import auto_shard  # pylint: disable=import-outside-toplevel
-    workers = s.extended.input_pipeline()[0]
+    workers = s.extended._input_pipeline()[0]
     order = auto_shard.chunk_order(workers, s.num_replicas_in_sync // workers)
     if order is None:
         return data
@@ -120,7 +120,7 @@ def _dataset(s, jdist, np):
         out[f"batch{i}_local"] = {"replicas": _replicas(s, batch)}
         nests = s.experimental_local_results({"b": batch, "k": 1})  # One per local replica.
         out[f"batch{i}_nest"] = {"replicas": {str(r): [np.asarray(v["b"]).tolist(), v["k"]]
-                                              for r, v in zip(s.extended.local_replica_ids(),
+                                              for r, v in zip(s.extended._local_replica_ids(),
                                                               nests, strict=True)}}
     contexts = []
     s.distribute_datasets_from_function(lambda c: contexts.append(c) or [np.zeros((1,))])
@@ -131,7 +131,7 @@ def _dataset(s, jdist, np):
         lambda c: [np.arange(c.input_pipeline_id + 1, dtype=np.float32)] * 2, per_replica)
     for i, batch in enumerate(fed):
         out[f"per_replica_input{i}"] = {"global": np.asarray(s.gather(batch, 0)).tolist()}
-    out["input_context"] = {"replicas": {str(s.extended.local_replica_ids()[0]): [
+    out["input_context"] = {"replicas": {str(s.extended._local_replica_ids()[0]): [
         contexts[0].num_input_pipelines, contexts[0].input_pipeline_id,
         contexts[0].num_replicas_in_sync]}}
     return out
@@ -363,7 +363,7 @@ def _exact_uneven(s, jdist, np):
     out["exact_values_gather"] = {"global": np.asarray(s.gather(ragged, 0)).tolist()}
     out["exact_values_run"] = {"global": np.asarray(s.gather(s.run(
         lambda v: v * 2 + ctx().all_reduce("sum", v.sum()), args=(ragged,)), 0)).tolist()}
-    out["exact_errors"] = {"replicas": {str(i): errors for i in s.extended.local_replica_ids()}}
+    out["exact_errors"] = {"replicas": {str(i): errors for i in s.extended._local_replica_ids()}}
     per_replica = next(iter(s.distribute_datasets_from_function(  # Rows 1, 2, 3, 4.
         lambda c: [np.arange(c.input_pipeline_id + 1, dtype=np.float32) + 0.5],
         jdist.InputOptions(experimental_replication_mode=jdist.InputReplicationMode.PER_REPLICA))))
@@ -409,7 +409,7 @@ def _disagreeing(s, worker):
     public ways to make one agree on the shapes), which run must refuse on both workers."""
     import numpy as np  # pylint: disable=import-outside-toplevel
     from jdist._src import uneven_multi_worker  # pylint: disable=import-outside-toplevel
-    ids = s.extended.local_replica_ids()
+    ids = s.extended._local_replica_ids()
     shapes = [(1,), (2,), (3,), (4 + worker,)]
     return uneven_multi_worker.ragged_from_local(
         s.extended.replica_devices, ids, [np.zeros(shapes[i], np.float32) for i in ids], shapes,

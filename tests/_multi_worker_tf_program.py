@@ -190,7 +190,7 @@ def main():
         import jdist  # pylint: disable=import-outside-toplevel
         strategy = jdist.MultiWorkerMirroredStrategy()
         context, total = jdist.get_replica_context, jnp.sum
-        worker = strategy.extended.input_pipeline()[1]
+        worker = strategy.extended._input_pipeline()[1]
 
     def host(value):
         return np.asarray(value).tolist()

@@ -87,22 +87,22 @@ class _TwoWorkers:
     replica_devices = (0, 1, 2, 3)
 
     @staticmethod
-    def input_pipeline():
+    def _input_pipeline():
         return 2, 0
 
     @staticmethod
-    def local_replica_ids():
+    def _local_replica_ids():
         return (0, 1)
 
 
 class _OneWorker(_TwoWorkers):
     """One worker with all 4 replicas."""
     @staticmethod
-    def input_pipeline():
+    def _input_pipeline():
         return 1, 0
 
     @staticmethod
-    def local_replica_ids():
+    def _local_replica_ids():
         return (0, 1, 2, 3)
 
 
@@ -263,7 +263,7 @@ def _tf_datasets(tf, tmp_path):
 
 
 def _worker(index):
-    return type("W", (_TwoWorkers,), {"input_pipeline": staticmethod(lambda: (2, index))})
+    return type("W", (_TwoWorkers,), {"_input_pipeline": staticmethod(lambda: (2, index))})
 
 
 def _jdist_rows(share, source, index, replicas=2):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jdist
+import jdist.testing
 from jdist import errors
 from jdist._src import replica_mesh
 from jdist._src import packing
@@ -337,13 +338,13 @@ def test_packed_program_has_one_all_reduce_per_pack(n):
              (jdist.HierarchicalCopyAllReduce(num_packs=4), None, 4),
              (jdist.NcclAllReduce(), jdist.CommunicationOptions(bytes_per_pack=32 << 10), None)]
     for ops, options, expected in cases:
-        lowered, plan = ops.lower_packed_all_reduce(programs, SUM, stacked, options)
+        lowered, plan = ops._lower_packed_all_reduce(programs, SUM, stacked, options)
         if expected is None:  # About bytes_per_pack each: within one value's size of it.
             expected = plan.num_packs
             assert total // (32 << 10) <= expected <= total // (32 << 10) + 1
-        assert packing.count_all_reduces(lowered.as_text()) == expected
+        assert jdist.testing.count_all_reduces(lowered.as_text()) == expected
     # XLA may merge all-reduces further, never split them.
-    assert 1 <= packing.count_all_reduces(lowered.compile().as_text()) <= expected
+    assert 1 <= jdist.testing.count_all_reduces(lowered.compile().as_text()) <= expected
     got = jdist.NcclAllReduce().batch_reduce(
         SUM, [(v, v) for v in values], jdist.CommunicationOptions(bytes_per_pack=32 << 10))
     for v, r in zip(values, got):
@@ -357,14 +358,14 @@ def test_run_packs_all_reduce_when_options_ask():
 
     def body(options):
         def f(*xs):
-            return ops_of(s).replica_all_reduce("replica", 4, SUM, list(xs), options)
+            return ops_of(s)._replica_all_reduce("replica", 4, SUM, list(xs), options)
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=jax.sharding.PartitionSpec(),
                                      out_specs=jax.sharding.PartitionSpec(), check_vma=False))
 
     per_leaf = body(None).lower(*leaves).as_text()
     packed = body(jdist.CommunicationOptions(bytes_per_pack=1 << 20)).lower(*leaves).as_text()
-    assert packing.count_all_reduces(per_leaf) == 4
-    assert packing.count_all_reduces(packed) == 2  # One float32 pack, one int32 pack.
+    assert jdist.testing.count_all_reduces(per_leaf) == 4
+    assert jdist.testing.count_all_reduces(packed) == 2  # One float32 pack, one int32 pack.
 
 
 # ------------------------------------------------------------------------- validation

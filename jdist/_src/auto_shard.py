@@ -175,7 +175,8 @@ def rebatched_for_worker(batches: Iterator, num_workers: int, replicas_per_worke
       >>> [b.tolist() for b in rebatched_for_worker(iter(rows), 2, 2, 1, 7)]
       [[0, 1], [2], [3, 4], [5, 6], [7, 8], [9]]
     """
-    pending, tree, sizes, want = [], None, None, None
+    pending: list = []
+    tree, sizes, want = None, None, None
     for batch in batches:
         leaves, tree = jax.tree_util.tree_flatten(batch)
         if sizes is None:
@@ -247,8 +248,8 @@ def worker_share(source, asked: Optional[AutoShardPolicy], extended) -> Share:
         ``FILE`` across workers on data without files; ``OFF`` across workers on an iterable
         without a declared full batch size (`off_batch_rows`).
     """
-    workers, index = extended.input_pipeline()
-    local = len(extended.local_replica_ids())
+    workers, index = extended._input_pipeline()
+    local = len(extended._local_replica_ids())
     if local * workers == 1:  # TF neither rebatches nor shards for one replica.
         return Share()
     on_dataset = tf_dataset_policy(source.dataset) if source.is_tf else None

@@ -4,7 +4,7 @@ The type aliases say what the cross-replica code accepts (they are documentation
 and type checkers; nothing is checked at run time). `ReplicaCollectives` is what a
 `ReplicaContext` needs from its strategy while a replica function runs: the collectives over
 the replica axis. The strategy hands one to each replica context
-(`StrategyExtended.replica_collectives`).
+(`StrategyExtended._replica_collectives`).
 """
 
 from typing import Any, Callable, Optional, Protocol, Sequence, Tuple, Union

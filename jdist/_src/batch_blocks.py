@@ -39,6 +39,7 @@ replica's part is aligned, CPU devices skip blocks altogether: `in_place_batches
 
 import contextlib
 import functools
+from typing import Optional
 import threading
 
 import jax
@@ -123,6 +124,9 @@ class BlockedPerReplica(PerReplica):
     """A full batch's leaf held as one position of a placed block (see the module doc)."""
 
     __slots__ = ("_block", "_position", "_taken")
+    _block: jax.Array
+    _position: jax.Array
+    _taken: Optional[jax.Array]
 
     @classmethod
     def _at(cls, block, position):

@@ -6,7 +6,7 @@ One rule set, three settings:
   (``strategy.reduce`` / ``strategy.gather``): each device reduces its own block, then
   ``lax.psum`` / ``lax.all_gather`` combine the devices (`jdist._src.replica_mesh`);
 * **inside a replica function** (``ReplicaContext.all_reduce`` / ``all_gather``): the same
-  collectives on the traced per-replica value (`replica_all_reduce`, `replica_all_gather`);
+  collectives on the traced per-replica value (`_replica_all_reduce`, `replica_all_gather`);
 * **inside a merge function**, where arguments are gathered views with the replica axis first,
   so reduction is a sum over that axis with no further communication (`stacked_reduce`).
 
@@ -76,7 +76,9 @@ def gather_axis(axis, ndim: int) -> int:
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         raise errors.InvalidArgumentError(
             f"gather and all_gather concatenate along one axis (an int), got {axis!r}.")
-    return normalize_axis(axis, ndim)[0]
+    axes = normalize_axis(int(axis), ndim)
+    assert axes is not None  # An int gives one axis.
+    return axes[0]
 
 
 # ------------------------------------------------------------------------------ the rules
@@ -92,7 +94,7 @@ def mean_dtype(dtype) -> np.dtype:
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.inexact):
         return dtype
-    if dtype.itemsize <= 2 or not jax.config.jax_enable_x64:
+    if dtype.itemsize <= 2 or not jax.config.read("jax_enable_x64"):
         return jnp.dtype(jnp.float32)
     return jnp.dtype(jnp.float64)
 
@@ -355,9 +357,10 @@ def stacked_gather(stacked, axis: int):
     return jnp.concatenate([stacked[i] for i in range(stacked.shape[0])], axis=axis)
 
 
-def replica_all_reduce(axis_name: str, op: ReduceOp, value: PyTree) -> PyTree:
+def _replica_all_reduce(axis_name: str, op: ReduceOp, value: PyTree) -> PyTree:
     """All-reduces every leaf of ``value`` over ``axis_name`` inside a replica function."""
-    n, divisors = lax.axis_size(axis_name), {}
+    n = lax.axis_size(axis_name)
+    divisors: dict = {}
 
     def reduce_leaf(x):
         x = jnp.asarray(x)
@@ -407,7 +410,7 @@ def all_reduce_with_tfs_gradient(reduce: Callable, op: ReduceOp, num_replicas: i
             reduced = combine(reduce, op, num_replicas, [leaves[i] for i in chosen])
             for i, x in zip(chosen, reduced):
                 results[i] = x
-    return tree.unflatten(results)
+    return jax.tree_util.tree_unflatten(tree, results)
 
 
 _BY_VJP, _BY_JVP = "vjp", "jvp"

@@ -17,7 +17,7 @@ sets a process-wide fallback under it.
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -377,7 +377,7 @@ class ReplicaContext:
         self._replica_id = replica_id_in_sync_group
         self._binding = _binding
         # The collectives over the replica axis (`base.ReplicaCollectives`), from the strategy.
-        self._collectives = strategy.extended.replica_collectives(_binding)
+        self._collectives = strategy.extended._replica_collectives(_binding)
 
     @property
     def strategy(self):
@@ -470,7 +470,7 @@ class ReplicaContext:
             f"{self._strategy!r} was called where {current.strategy!r} is current; use "
             "get_replica_context() where the call is made.")
 
-    def all_reduce(self, reduce_op, value, options=None):
+    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Optional[Any] = None) -> Any:
         """All-reduces a nest of arrays across replicas; every replica gets the result.
 
         Args:
@@ -486,24 +486,27 @@ class ReplicaContext:
         Example (with two replicas):
           replica 0 ``{'a': 1., 'b': [40., 1.]}`` and replica 1 ``{'a': 3., 'b': [2., 98.]}``
           give ``{'a': 4., 'b': [42., 99.]}`` for SUM and ``{'a': 2., 'b': [21., 49.5]}`` for
-          MEAN. A nest is one batch, as in TF (`StrategyExtended.check_batch_reduce`).
+          MEAN. A nest is one batch, as in TF (`StrategyExtended._check_batch_reduce`).
         """
         self._require_current("all_reduce")
         op = ReduceOp.from_any(reduce_op)
         packing.as_options(options)  # Checked on one replica too, which reduces nothing.
-        self._strategy.extended.check_batch_reduce(value, "all_reduce")  # A nest is one batch.
+        self._strategy.extended._check_batch_reduce(value, "all_reduce")  # A nest is one batch.
         check_reducible(op, value, adds=self.num_replicas_in_sync > 1)
-        self._strategy.extended.check_collective_dtypes(value, "all_reduce")
+        self._strategy.extended._check_collective_dtypes(value, "all_reduce")
         if self.num_replicas_in_sync == 1:  # TF: one replica's value reduces to itself, dtype
             return jax.tree_util.tree_map(jnp.asarray, value)  # too (an int MEAN stays int).
         if self._binding is None:
             return self._collectives.all_reduce(op, value, options)
-        refuses = self._strategy.extended.refuses_one_object_in_a_batch
+        # TF's default CollectiveAllReduce raises (IndexError) for a batch holding one tensor
+        # every replica holds as one object beside per-replica values; CrossDeviceOps given to
+        # the strategy reduce such a value on its own.
+        by_collective_ops = self._strategy.extended._tf_collective_ops
         return self._binding.each_own(
             value, lambda own: self._collectives.all_reduce(op, own, options),
-            "all_reduce" if refuses else None)
+            "all_reduce" if by_collective_ops else None)
 
-    def all_gather(self, value, axis, options=None):
+    def all_gather(self, value: Any, axis: int, options: Optional[Any] = None) -> Any:
         """Concatenates each replica's ``value`` along ``axis``; every replica gets the result.
 
         Args:
@@ -521,12 +524,13 @@ class ReplicaContext:
         self._require_current("all_gather")
         packing.as_options(options)
         host_values.check_arrays(value, "all_gather")
-        self._strategy.extended.check_gather(value, axis, "all_gather")
+        self._strategy.extended._check_gather(value, axis, "all_gather")
         if self._binding is None or self.num_replicas_in_sync == 1:
             return self._collectives.all_gather(value, axis)
         return self._binding.each_own(value, lambda own: self._collectives.all_gather(own, axis))
 
-    def merge_call(self, merge_fn, args=(), kwargs=None):
+    def merge_call(self, merge_fn: Callable[..., Any], args: Sequence[Any] = (),
+                   kwargs: Optional[dict] = None) -> Any:
         """Runs ``merge_fn(strategy, *args, **kwargs)`` once in the cross-replica context.
 
         Per-replica arguments reach ``merge_fn`` as `PerReplica` values (values equal on every

@@ -134,7 +134,7 @@ class CrossDeviceOps(abc.ABC):
         """Copies ``tensor`` to resolved ``destinations``."""
         return destinations_lib.place(tensor, destinations)
 
-    def reduce_to_mesh(self, mesh: ReplicaMesh, op: ReduceOp, value: PerReplica,
+    def _reduce_to_mesh(self, mesh: ReplicaMesh, op: ReduceOp, value: PerReplica,
                        axes: Optional[Tuple[int, ...]]) -> jax.Array:
         """``strategy.reduce(op, value, axis)``: the result replicated over ``mesh``.
 
@@ -163,12 +163,12 @@ class CrossDeviceOps(abc.ABC):
         return mesh.finish(op, total, collectives.mean_count(stacked.shape[1:], axes,
                                                              stacked.shape[0], rows))
 
-    #: Whether `replica_all_reduce` sums with ``psum`` (packed or not), whose transpose XLA
+    #: Whether `_replica_all_reduce` sums with ``psum`` (packed or not), whose transpose XLA
     #: derives as TF's gradient of an all-reduce; otherwise `ReplicaContext.all_reduce` gives
     #: its gradient by a custom VJP (`collectives.all_reduce_with_tfs_gradient`).
-    sums_by_psum = True
+    _sums_by_psum = True
 
-    def replica_all_reduce(self, axis_name: str, num_replicas: int, op: ReduceOp, value: PyTree,
+    def _replica_all_reduce(self, axis_name: str, num_replicas: int, op: ReduceOp, value: PyTree,
                            options: Optional[CommunicationOptions] = None) -> PyTree:
         """``ReplicaContext.all_reduce`` inside ``run``: psum per leaf, or packed psums when
         ``options.bytes_per_pack`` > 0.
@@ -185,7 +185,7 @@ class CrossDeviceOps(abc.ABC):
         """
         options = as_options(options)
         if options.bytes_per_pack <= 0:
-            return collectives.replica_all_reduce(axis_name, op, value)
+            return collectives._replica_all_reduce(axis_name, op, value)
         return packing.packed_replica_all_reduce(axis_name, num_replicas, op, value,
                                                  options.bytes_per_pack)
 
@@ -359,12 +359,12 @@ class ReductionToOneDevice(CrossDeviceOps):
         return self._accumulate_fn(op, value.stacked.shape[0])(value.stacked)
 
     @property
-    def sums_by_psum(self):
+    def _sums_by_psum(self):
         return self.accumulation_fn is None  # add_n of every replica's value is a psum.
 
-    def replica_all_reduce(self, axis_name, num_replicas, op, value, options=None):
+    def _replica_all_reduce(self, axis_name, num_replicas, op, value, options=None):
         if self.accumulation_fn is None:  # add_n of every replica's value is a psum.
-            return super().replica_all_reduce(axis_name, num_replicas, op, value, options)
+            return super()._replica_all_reduce(axis_name, num_replicas, op, value, options)
         accumulate = self._accumulate_fn(op, num_replicas)
 
         def reduce_leaf(x):
@@ -411,23 +411,23 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         self._all_reduce_alg = all_reduce_alg
         self._num_packs = int(num_packs)
 
-    def reduce_to_mesh(self, mesh, op, value, axes):
+    def _reduce_to_mesh(self, mesh, op, value, axes):
         return mesh.reduce(op, value.stacked, axes, value.lengths)
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         mesh = replica_mesh.of_array(per_replica_value.stacked, per_replica_value.num_replicas)
         if mesh.devices[0].platform != "cpu" and set(destinations.devices) == set(mesh.devices):
             # TF all-reduces one value only there; elsewhere it reduces to one device.
-            self.check_tf_all_reduce(mesh.num_replicas, [per_replica_value.stacked.dtype])
-        reduced = self.reduce_to_mesh(mesh, reduce_op, per_replica_value, None)
+            self._check_tf_all_reduce(mesh.num_replicas, [per_replica_value.stacked.dtype])
+        reduced = self._reduce_to_mesh(mesh, reduce_op, per_replica_value, None)
         return self._place(mesh, reduced, destinations)
 
-    def replica_all_reduce(self, axis_name, num_replicas, op, value, options=None):
-        self.check_tf_all_reduce(num_replicas, [jax.dtypes.result_type(x)
+    def _replica_all_reduce(self, axis_name, num_replicas, op, value, options=None):
+        self._check_tf_all_reduce(num_replicas, [jax.dtypes.result_type(x)
                                                 for x in jax.tree_util.tree_leaves(value)])
-        return super().replica_all_reduce(axis_name, num_replicas, op, value, options)
+        return super()._replica_all_reduce(axis_name, num_replicas, op, value, options)
 
-    def check_tf_all_reduce(self, num_replicas: int, dtypes: Sequence) -> None:
+    def _check_tf_all_reduce(self, num_replicas: int, dtypes: Sequence) -> None:
         """Raises `InvalidArgumentError` where TF's all-reduce of a batch of values of
         ``dtypes`` over ``num_replicas`` devices raises, or returns a sum jdist does not
         reproduce. TF's NCCL op takes five dtypes; with ``num_packs`` > 0 TF concatenates the
@@ -473,17 +473,17 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         if len(by_mesh) == 1 and all(set(t.devices) == set(next(iter(by_mesh)).devices)
                                      for _, t in value_destination_pairs):
             # TF all-reduces the batch at once there; elsewhere each value on its own.
-            self.check_tf_all_reduce(next(iter(by_mesh)).num_replicas,
+            self._check_tf_all_reduce(next(iter(by_mesh)).num_replicas,
                                      [v.stacked.dtype for v, _ in value_destination_pairs])
         for mesh, indices in by_mesh.items():
             values = [value_destination_pairs[i][0] for i in indices]
             stacked = [mesh.strip_padding(v.stacked, v.lengths, None)[0] for v in values]
-            reduced = self.packed_all_reduce(mesh, reduce_op, stacked, options)
+            reduced = self._packed_all_reduce(mesh, reduce_op, stacked, options)
             for i, r in zip(indices, reduced):
                 results[i] = self._place(mesh, r, value_destination_pairs[i][1])
         return results
 
-    def packed_all_reduce(self, mesh: ReplicaMesh, reduce_op: ReduceOp, stacked: Sequence,
+    def _packed_all_reduce(self, mesh: ReplicaMesh, reduce_op: ReduceOp, stacked: Sequence,
                           options: Optional[CommunicationOptions] = None) -> List[jax.Array]:
         """All-reduces ``stacked`` arrays (sharded over ``mesh``) in one packed program;
         returns the reduced arrays, replicated."""
@@ -495,7 +495,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
                                           self._num_packs,
                                           tuple((s.shape, s.dtype) for s in stacked))
 
-    def lower_packed_all_reduce(self, mesh: ReplicaMesh, reduce_op: ReduceOp, stacked: Sequence,
+    def _lower_packed_all_reduce(self, mesh: ReplicaMesh, reduce_op: ReduceOp, stacked: Sequence,
                                 options: Optional[CommunicationOptions] = None):
         """The ``jax.stages.Lowered`` packed program for ``stacked`` and its `packing.PackPlan`."""
         program, plan = self._packed_program(mesh, reduce_op, stacked, as_options(options))

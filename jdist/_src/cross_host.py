@@ -106,7 +106,7 @@ for _name in ("__array__", "__float__", "__int__", "__bool__", "__index__",
     setattr(RemoteArray, _name, RemoteArray._read)
 
 
-_exchange = []  # The multi-worker strategy's agreement: (what, payload) -> every payload.
+_exchange: list = []  # The multi-worker strategy's agreement: (what, payload) -> every payload.
 
 
 def register_exchange(exchange) -> None:

@@ -85,8 +85,9 @@ def resolve(destinations: Destinations) -> Target:
     if isinstance(destinations, DistributedValues):
         return _mirrored_on_mesh(replica_mesh.of_value(destinations))
     destinations = cross_host.unwrap(destinations)
+    devices: Tuple[jax.Device, ...]
     if isinstance(destinations, jax.Array) and not isinstance(destinations, jax.core.Tracer):
-        devices = replica_mesh.array_devices(destinations)
+        devices = replica_mesh.array_devices(destinations) or ()
     elif isinstance(destinations, jax.Device):
         devices = (destinations,)
     elif isinstance(destinations, str) and destinations.strip():
@@ -131,9 +132,11 @@ def place(tensor, target: Target):
         return _place_across_processes(x, target)
     if target.mirrored:
         mesh = target.mesh
+        assert mesh is not None  # A mirrored target has its mesh.
         if not (isinstance(x, jax.Array) and x.sharding == mesh.replicated_sharding):
             x = mesh.guard.dispatch(jax.device_put, x, mesh.replicated_sharding)
         return Mirrored._from_value(x, mesh.num_replicas)
+    sharding: jax.sharding.Sharding
     if target.mesh is not None:
         sharding, guard = target.mesh.replicated_sharding, target.mesh.guard
     else:

@@ -60,7 +60,7 @@ def name(device):
 
 # ----------------------------------------------------------------- devices of every process
 _TASK_RE = re.compile(r"/job:(?P<job>[^/]+)(?:/replica:\d+)?/task:(?P<task>\d+)")
-_cluster_tasks = []  # The workers' (job, task) in process order; empty for one process.
+_cluster_tasks: list = []  # The workers' (job, task) in process order; empty for one process.
 
 
 def register_cluster(tasks):

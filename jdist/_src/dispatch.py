@@ -478,7 +478,7 @@ def _holds_ragged_values(tree):
                for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_distributed))
 
 
-_guards = {}
+_guards: dict = {}
 _guards_lock = threading.Lock()
 
 

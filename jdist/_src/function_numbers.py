@@ -61,7 +61,8 @@ def take_out(call: Call, is_static: Callable) -> tuple[Call, Optional[Key]]:
     if not key:
         return call, None
     taken = {entry[0] for entry in key}
-    return tree.unflatten([None if i in taken else x for i, (_, x) in enumerate(leaves)]), key
+    return jax.tree_util.tree_unflatten(
+        tree, [None if i in taken else x for i, (_, x) in enumerate(leaves)]), key
 
 
 def paths(key: Optional[Key]) -> frozenset:
@@ -85,7 +86,7 @@ def put_back(call: Call, key: Optional[Key]) -> Call:
     leaves, tree = jax.tree_util.tree_flatten(call, is_leaf=_is_none)
     for i, _, _, value, _ in key:
         leaves[i] = value
-    return tree.unflatten(leaves)
+    return jax.tree_util.tree_unflatten(tree, leaves)
 
 
 class ProgramsByNumbers:
@@ -94,7 +95,7 @@ class ProgramsByNumbers:
 
     def __init__(self, name: str, make: Callable[[Optional[Key]], Any]):
         self._name, self._make = name, make
-        self._programs = collections.OrderedDict()
+        self._programs: collections.OrderedDict = collections.OrderedDict()
         self._made, self._warned = 0, False
 
     def get(self, key: Key):

@@ -9,8 +9,9 @@ as others. Both raise typed errors at the call that placed the value.
 import functools
 import os
 import sys
+import types
 import warnings
-from typing import Iterator
+from typing import Iterator, Optional
 
 import jax
 import numpy as np
@@ -266,7 +267,8 @@ def _warn_narrowed(dtype, held) -> None:
 
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside jdist: the user's call that placed it."""
-    frame, level = sys._getframe(1), 1
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level
@@ -288,7 +290,7 @@ def check_host_leaves(leaves, types=None) -> None:
       Traceback (most recent call last):
       jdist.errors.X64RequiredError: a host value of dtype int64 ...
     """
-    if jax.config.jax_enable_x64:
+    if jax.config.read("jax_enable_x64"):
         return  # JAX holds every host value as it is.
     if types is None:
         types = set(map(type, leaves))

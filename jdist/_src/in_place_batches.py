@@ -20,6 +20,7 @@ Measured with the benchmark's dispatch-bound step (``docs/design.md``, "Batches 
 
 import itertools
 import operator
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -48,8 +49,8 @@ class InPlaceBatches:
         spec = jax.sharding.PartitionSpec(axis) if n > 1 else jax.sharding.PartitionSpec()
         self._sharding = jax.sharding.NamedSharding(mesh, spec)
         # TF's one-replica elements are the plain batches; several replicas' are `PerReplica`.
-        self._shape, self._wrap = ((n, full_rows // n), PerReplica._from_stacked) if n > 1 \
-            else ((full_rows,), None)
+        self._shape: tuple = (n, full_rows // n) if n > 1 else (full_rows,)
+        self._wrap: Optional[Callable] = PerReplica._from_stacked if n > 1 else None
         self._n, self._rows, self._buffers, self._guard = n, full_rows, batches_per_pass * n, guard
         self.key = ("in place", self._sharding, full_rows)  # Its arrays' place in a store.
 
@@ -77,7 +78,7 @@ class InPlaceBatches:
         ones (`_make`)."""
         starts = range(rows.start, rows.stop, self._rows) if isinstance(rows, slice) else \
             rows[::self._rows].tolist()
-        held = list(map(kept.get, starts))
+        held: list = list(map(kept.get, starts))
         if None in held or any(map(deleted, itertools.chain.from_iterable(
                 arrays for arrays, _ in held))):
             self._make(leaves, kept, starts)  # The first epoch, or an array deleted since.

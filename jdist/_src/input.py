@@ -153,7 +153,7 @@ class _DealtPlan:
         self.counted = counted or sources[0]  # The source whose batches `cardinality` counts.
         self.per_replica = per_replica  # PER_REPLICA mode: one source per replica.
         self.n = strategy.num_replicas_in_sync
-        self.workers = strategy.extended.input_pipeline()[0]  # Several under MultiWorkerMirroredStrategy.
+        self.workers = strategy.extended._input_pipeline()[0]  # Several under MultiWorkerMirroredStrategy.
         self.placer = None  # Set by the caller (needs the options).
         rows = {s.static_rows() for s in sources}
         self.full_rows = rows.pop() if len(rows) == 1 else None
@@ -168,7 +168,7 @@ class _DealtPlan:
             return (_zip_longest([s.open() for s in self.sources], self.fixed_shapes), dealer,
                     None)
         if self.workers > 1:  # Each worker's own pipeline, kept in step (multi_worker_input).
-            return self.extended.per_worker_feed(self.sources[0], dealer)
+            return self.extended._per_worker_feed(self.sources[0], dealer)
         return _deal(self.sources[0].open(), self.n, self.fixed_shapes), dealer, None
 
     def spec(self):
@@ -189,7 +189,7 @@ def _deal(batches, n, fixed_shapes):
     `input_batches.makes_a_step`, or a `input_batches.TrailingRound`)."""
     try:
         while True:
-            group = []
+            group: list = []
             for batch in batches:
                 group.append(batch)
                 if len(group) == n:
@@ -474,7 +474,7 @@ class DistributedIterator:
         if num_steps < 1:
             raise errors.InvalidArgumentError(f"get_next_steps needs num_steps >= 1, got "
                                               f"{num_steps}.")
-        group = []
+        group: list = []
         for element in self:
             if group and input_steps.signature(element) != input_steps.signature(group[0]):
                 self._ready = itertools.chain([element], self._ready or ())  # Next group's.
@@ -499,7 +499,7 @@ class DistributedIterator:
         if self._no_optional is None:
             # TF's is empty at once on one worker where the (first) dataset's cardinality is 0,
             # even if other replicas' datasets have elements (input_lib).
-            self._no_optional = (self._dataset._strategy.extended.input_pipeline()[0] == 1
+            self._no_optional = (self._dataset._strategy.extended._input_pipeline()[0] == 1
                                  and self._dataset.cardinality == 0)
         if self._no_optional:
             return Optional.empty(self._dataset._spec)
@@ -580,7 +580,7 @@ def distribute_datasets_from_function(strategy, dataset_fn, options=None):
         contexts = [InputContext(n, i, n) for i in range(n)]
     else:
         # One input pipeline per worker (MultiWorkerMirroredStrategy has several, issue 10).
-        contexts = [InputContext(*strategy.extended.input_pipeline(), n)]
+        contexts = [InputContext(*strategy.extended._input_pipeline(), n)]
     sources = [input_batches.Source(dataset_fn(ctx), what) for ctx in contexts]
     plan = _DealtPlan(strategy, sources, mode is InputReplicationMode.PER_REPLICA)
     plan.placer = _placer(strategy, options)
@@ -608,7 +608,7 @@ def experimental_run(strategy, fn, input_iterator=None):
 
 def _placer(strategy, options):
     """The strategy's `input_batches.Placer` (a multi-worker strategy places only its rows)."""
-    placer = strategy.extended.input_placer(strategy, options)
+    placer = strategy.extended._input_placer(strategy, options)
     if placer is None:
         return input_batches.Placer(strategy, options.experimental_fetch_to_device,
                                     options.pad_partial_batches)

@@ -71,14 +71,14 @@ class MirroredExtended(StrategyExtended):
         """The name of the mesh axis the replicas are laid along (``"replica"``)."""
         return REPLICA_AXIS
 
-    def replica_collectives(self, binding):
+    def _replica_collectives(self, binding):
         if binding is None:
-            return super().replica_collectives(binding)
+            return super()._replica_collectives(binding)
         return _ReplicaAxisCollectives(binding, self._cross_device_ops, self._runner,
                                        self._num_replicas, self._gradients_through_merge_call)
 
     def _reduce_per_replica(self, op, value, axes):
-        return self._cross_device_ops.reduce_to_mesh(self._programs, op, value, axes)
+        return self._cross_device_ops._reduce_to_mesh(self._programs, op, value, axes)
 
     def _by_collective_ops(self, dtype, reduces_one=False):
         # TF's MirroredStrategy hands int32 values to ReductionToOneDevice, and so every value
@@ -88,11 +88,11 @@ class MirroredExtended(StrategyExtended):
     def _gather_per_replica(self, value, axis):
         return self._programs.gather(value.stacked, axis, value.lengths)
 
-    def check_host_arguments(self, in_tree, leaves):
+    def _check_host_arguments(self, in_tree, leaves):
         """Called by ``run`` before compiling a program for new arguments; one process has
         nothing to compare (`MultiWorkerExtended` checks that every worker passes the same)."""
 
-    def agree_uneven_step(self, signature):
+    def _agree_uneven_step(self, signature):
         """Called by ``run`` before every exact step on ragged values; one process has no one
         to agree with (`MultiWorkerExtended` compares every worker's view of the shapes)."""
 
@@ -111,7 +111,7 @@ class MirroredExtended(StrategyExtended):
             (len(blocks),) + tuple(blocks[0].shape[1:]), self._programs.per_replica_sharding,
             blocks))
 
-    def place_one_replica_value(self, value):
+    def _place_one_replica_value(self, value):
         """Arrays go onto the replica's device as `run`'s programs take them (no transfer per
         step); other objects stay as they are."""
         if isinstance(value, ARRAYS):
@@ -139,10 +139,10 @@ class _ReplicaAxisCollectives(ReplicaCollectives):
 
     def all_reduce(self, op, value, options=None):
         def reduce(op, value):
-            return self._ops.replica_all_reduce(self._binding.axis_name, self._num_replicas, op,
+            return self._ops._replica_all_reduce(self._binding.axis_name, self._num_replicas, op,
                                                 value, options)
         return collectives.all_reduce_with_tfs_gradient(reduce, op, self._num_replicas, value,
-                                                        self._ops.sums_by_psum)
+                                                        self._ops._sums_by_psum)
 
     def all_gather(self, value, axis):
         binding = self._binding

@@ -103,10 +103,10 @@ class MultiWorkerExtended(MirroredExtended):
         # TF's multi-worker strategy reduces and gathers every value with its collective ops.
         return self._num_replicas > 1
 
-    def as_worker_values(self, value):
-        return jax.tree_util.tree_map(self.as_worker_value, value, is_leaf=is_distributed)
+    def _as_worker_values(self, value):
+        return jax.tree_util.tree_map(self._as_worker_value, value, is_leaf=is_distributed)
 
-    def as_worker_value(self, value):
+    def _as_worker_value(self, value):
         """A non-distributed array or number reduced or gathered across several workers is this
         worker's value, as in TF (its collective ops take a plain tensor as the worker's one
         replica value): a `PerReplica` of it on one replica per worker; refused on several.
@@ -156,10 +156,10 @@ class MultiWorkerExtended(MirroredExtended):
         """How many workers (processes) the strategy spans."""
         return self._cluster.num_workers
 
-    def local_replica_ids(self):
+    def _local_replica_ids(self):
         return self._local_ids
 
-    def input_pipeline(self):
+    def _input_pipeline(self):
         return self._cluster.num_workers, self._cluster.index
 
     @property
@@ -173,28 +173,28 @@ class MultiWorkerExtended(MirroredExtended):
         what must be equal before a collective needs it."""
         return self._agreement
 
-    def replica_ids_by_worker(self):
+    def _replica_ids_by_worker(self):
         """Per worker, the global ids of its replicas (its devices in ``jax.devices()``)."""
         return [tuple(i for i, d in enumerate(self._devices) if d.process_index == w)
                 for w in range(self._cluster.num_workers)]
 
-    def input_placer(self, strategy, options):
+    def _input_placer(self, strategy, options):
         placer = (input_batches.Placer if self._cluster.num_workers == 1
                   else uneven_multi_worker.RaggedRowsPlacer)
         return placer(strategy, options.experimental_fetch_to_device, options.pad_partial_batches)
 
-    def per_worker_feed(self, source, dealer):
+    def _per_worker_feed(self, source, dealer):
         """A PER_WORKER ``distribute_datasets_from_function`` pipeline kept in step with the
-        other workers' (`multi_worker_input.per_worker_feed`)."""
-        return multi_worker_input.per_worker_feed(self, source, dealer)
+        other workers' (`multi_worker_input._per_worker_feed`)."""
+        return multi_worker_input._per_worker_feed(self, source, dealer)
 
-    def check_host_arguments(self, in_tree, leaves):
+    def _check_host_arguments(self, in_tree, leaves):
         """Called by ``run`` when it compiles a new program: raises on every worker unless the
         arguments are the same on all of them (`multi_worker_arguments`)."""
         if self._agreement is not None:
             multi_worker_arguments.check_equal(self._agreement, self._cluster, in_tree, leaves)
 
-    def agree_uneven_step(self, signature):
+    def _agree_uneven_step(self, signature):
         """Called by ``run`` before every exact step on ragged values: every worker must see
         the same replica shapes (`uneven_multi_worker.agree_step`)."""
         if self._agreement is not None:
@@ -241,7 +241,7 @@ def _tf_name(cluster, device):
             f"{local.index(device)}")
 
 
-_services = {}
+_services: dict = {}
 
 
 def _runtime_services(cluster, options, guard):

@@ -2,7 +2,7 @@
 
 * `LocalRowsPlacer` places only THIS worker's replicas' rows of each split batch
   (``experimental_distribute_dataset`` on data every worker reads whole: TF's ``DATA`` order).
-* `per_worker_feed` runs a ``distribute_datasets_from_function`` dataset in ``PER_WORKER``
+* `_per_worker_feed` runs a ``distribute_datasets_from_function`` dataset in ``PER_WORKER``
   mode over several workers. Each worker reads its OWN pipeline and deals its per-replica
   batches to its own replicas, ``L`` (its local replica count) per step. The workers' steps
   are kept in step through the coordination service (`multi_worker_runtime.Agreement`, never an
@@ -48,7 +48,7 @@ class LocalRowsPlacer(input_batches.Placer):
 
     def __init__(self, strategy, fetch_to_device=True, pad=False):
         super().__init__(strategy, fetch_to_device, pad)
-        ids = strategy.extended.local_replica_ids()
+        ids = strategy.extended._local_replica_ids()
         self._lo, self._hi = ids[0], ids[-1] + 1
 
     def split(self, chunks, rows):
@@ -77,7 +77,7 @@ class LocalRowsPlacer(input_batches.Placer):
         return out
 
 
-def per_worker_feed(extended, source, dealer):
+def _per_worker_feed(extended, source, dealer):
     """``(source, transform, finish)`` of a PER_WORKER dataset over several workers (module doc).
 
     Args:
@@ -89,7 +89,7 @@ def per_worker_feed(extended, source, dealer):
       An iterator of this worker's groups of per-replica batches (None once its data has
       ended), the transform for the prefetch thread, and the consumer-side step.
     """
-    ids = extended.replica_ids_by_worker()
+    ids = extended._replica_ids_by_worker()
     me = extended.worker_index
     groups = _local_groups(source.open(), len(ids[me]))
     return groups, _identity, _Lockstep(extended, source, dealer, ids)

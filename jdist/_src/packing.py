@@ -16,14 +16,13 @@ Two ways to cut, as in TF:
 With neither, every value is its own pack. `CommunicationOptions` (TF's
 ``tf.distribute.experimental.CommunicationOptions``) carries ``bytes_per_pack``. The plan is
 static (shapes and dtypes only), so a compiled program holds exactly one all-reduce per pack;
-`count_all_reduces` reads that number from HLO text.
+`jdist.testing.count_all_reduces` reads that number from HLO text.
 """
 
 import dataclasses
 import enum
 import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -264,35 +263,6 @@ def packed_psum(values, plan, axis_name):
     one all-reduce per pack."""
     return packed_reduce(values, plan,
                          lambda buffer: collectives.replica_sum(buffer, axis_name))
-
-
-_ALL_REDUCE_PATTERNS = (
-    re.compile(r'"?stablehlo\.all_reduce"?\('),  # Lowered StableHLO (generic or pretty form).
-    re.compile(r"=\s*\S.*?\ball-reduce(?:-start)?\("),  # Compiled HLO (sync or async start).
-)
-
-
-def count_all_reduces(hlo_text):
-    """Counts the all-reduce operations in HLO text.
-
-    Reads either the lowered StableHLO (``jax.jit(f).lower(...).as_text()``) or the compiled HLO
-    (``.compile().as_text()``). The compiler may merge several all-reduces into one variadic
-    all-reduce, so the compiled count can be smaller than the lowered one.
-
-    Args:
-      hlo_text: the program text.
-
-    Returns:
-      The number of all-reduce operations.
-
-    Example:
-      >>> count_all_reduces('%1 = "stablehlo.all_reduce"(%arg0) ...')
-      1
-    """
-    lowered = len(_ALL_REDUCE_PATTERNS[0].findall(hlo_text))
-    if lowered:
-        return lowered
-    return sum(1 for line in hlo_text.splitlines() if _ALL_REDUCE_PATTERNS[1].search(line))
 
 
 def packed_replica_all_reduce(axis_name, num_replicas, op, value, bytes_per_pack):

@@ -29,7 +29,7 @@ import jax
 END = object()  # Put by the worker after the last element.
 _POLL_S = 0.05  # How often a blocked worker or consumer re-checks whether it should stop.
 _names = itertools.count()
-_live = weakref.WeakSet()
+_live: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
 _live_lock = threading.Lock()
 
 
@@ -160,7 +160,8 @@ def _close_all():
 
 
 try:  # Runs before the interpreter joins non-daemon threads at exit.
-    threading._register_atexit(_close_all)
+    # CPython's hook run before non-daemon threads are joined (3.9+), no public equivalent.
+    threading._register_atexit(_close_all)  # type: ignore[attr-defined]
 except (AttributeError, RuntimeError):  # pragma: no cover - other Pythons / late import.
     import atexit
     atexit.register(_close_all)

@@ -52,7 +52,7 @@ class ReplicaMesh:
         self.num_replicas = len(self.devices)
         self.per_replica_sharding = NamedSharding(mesh, P(axis_name))
         self.replicated_sharding = NamedSharding(mesh, P())
-        self._lengths_cache = {}
+        self._lengths_cache: dict = {}
 
     # ---------------------------------------------------------------------------- placement
     def lengths_array(self, lengths: Tuple[int, ...]) -> jax.Array:
@@ -251,8 +251,8 @@ def guard_for(devices: Sequence[jax.Device]) -> dispatch.DispatchGuard:
     return dispatch.guard_for(platform, len(jax.local_devices(backend=platform)))
 
 
-_meshes = {}  # Device tuple -> ReplicaMesh over them.
-_by_sharding = {}  # (sharding, n) -> ReplicaMesh: the cheap lookup of a value's devices.
+_meshes: dict = {}  # Device tuple -> ReplicaMesh over them.
+_by_sharding: dict = {}  # (sharding, n) -> ReplicaMesh: the cheap lookup of a value's devices.
 _lock = threading.Lock()
 
 

@@ -342,7 +342,7 @@ class ReplicatedRunner:
         key = run_arguments.program_key(in_tree, kinds, signature)
         program = cache.programs.get(key)
         if program is None:
-            self._strategy.extended.check_host_arguments(in_tree, leaves)
+            self._strategy.extended._check_host_arguments(in_tree, leaves)
             statics = run_arguments.trace_statics(leaves, kinds)
             program = cache.programs[key] = self._compile(cache.fn, in_tree, kinds, statics,
                                                           has_lengths, padded, leaves)
@@ -514,10 +514,10 @@ class ReplicatedRunner:
         key = run_arguments.program_key(in_tree, kinds, call.signature)
         # Several workers: each compares its view of every replica's shapes with the others'
         # before any collective of the step runs (one key-value exchange per call).
-        self._strategy.extended.agree_uneven_step(call.signature)
+        self._strategy.extended._agree_uneven_step(call.signature)
         plan = cache.programs.get(key)
         if plan is None:
-            self._strategy.extended.check_host_arguments(in_tree, leaves)
+            self._strategy.extended._check_host_arguments(in_tree, leaves)
             statics = run_arguments.trace_statics(leaves, kinds)
             abstract = [[run_arguments.abstract(leaf, kind, replica=r)
                          for leaf, kind in zip(leaves, kinds) if kind != STATIC]

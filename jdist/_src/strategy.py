@@ -9,12 +9,14 @@ values move between devices is the concern of the concrete strategy's `StrategyE
 """
 
 import collections.abc
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jdist._src import collectives
+from jdist._src.base import Axis, PyTree, ReduceOpLike
 from jdist._src import context
 from jdist._src import dispatch
 from jdist._src import errors
@@ -48,21 +50,21 @@ class Strategy(TF1Methods):
         self._extended = extended
 
     @property
-    def extended(self):
+    def extended(self) -> StrategyExtended:
         """The `StrategyExtended` with the lower-level API."""
         return self._extended
 
     @property
-    def num_replicas_in_sync(self):
+    def num_replicas_in_sync(self) -> int:
         """How many replicas run in sync (values are aggregated over this many)."""
         return self._extended._num_replicas
 
     @property
-    def cluster_resolver(self):
+    def cluster_resolver(self) -> Optional[Any]:
         """The cluster resolver of a multi-worker strategy; None for single-process strategies."""
         return None
 
-    def scope(self):
+    def scope(self) -> ContextManager[None]:
         """Returns a context manager that makes this strategy current (cross-replica context).
 
         Example:
@@ -74,7 +76,8 @@ class Strategy(TF1Methods):
         """
         return context.cross_replica_scope(self)
 
-    def run(self, fn, args=(), kwargs=None, options=None):
+    def run(self, fn: Callable[..., PyTree], args: Sequence[Any] = (),
+            kwargs: Optional[dict] = None, options: Optional[Any] = None) -> PyTree:
         """Runs ``fn`` on every replica and returns the per-replica results.
 
         ``fn`` is compiled once per argument signature into one SPMD program over the replicas
@@ -116,7 +119,7 @@ class Strategy(TF1Methods):
 
     experimental_run_v2 = run
 
-    def reduce(self, reduce_op, value, axis=None):
+    def reduce(self, reduce_op: ReduceOpLike, value: PyTree, axis: Axis = None) -> PyTree:
         """Reduces a per-replica value across replicas (and optionally along ``axis``).
 
         Args:
@@ -143,13 +146,13 @@ class Strategy(TF1Methods):
         across = self.num_replicas_in_sync > 1 or axis is not None
         # Across workers a plain value is the worker's one replica value (TF's collective ops),
         # checked as such, with every worker's numbers.
-        value = self._extended.as_worker_values(value)
+        value = self._extended._as_worker_values(value)
         for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
             # TF adds no plain value without an axis: MEAN hands it back, SUM refuses it.
             distributed = is_distributed(leaf)
             check_reducible(op, leaf, adds=across if distributed else axis is not None,
                             places=distributed or axis is not None)
-        self._extended.check_collective_dtypes(value, "strategy.reduce", reduces_one=True)
+        self._extended._check_collective_dtypes(value, "strategy.reduce", reduces_one=True)
         if axis is not None and not _is_single_value(value):
             raise errors.UnsupportedValueError(
                 "strategy.reduce with an axis takes a single value, not a nest; reduce each "
@@ -158,7 +161,7 @@ class Strategy(TF1Methods):
         return jax.tree_util.tree_map(lambda v: self._extended._reduce_value(op, v, axis), value,
                                       is_leaf=lambda v: v is None or is_distributed(v))
 
-    def gather(self, value, axis):
+    def gather(self, value: PyTree, axis: int) -> PyTree:
         """Concatenates the replicas' values along ``axis`` (cross-replica context).
 
         Sizes along ``axis`` may differ between replicas (a partial batch); only real rows are
@@ -172,12 +175,12 @@ class Strategy(TF1Methods):
           The gathered array (a nest for a nest).
         """
         context.require_cross_replica(self, "strategy.gather")
-        self._extended.check_gather(value, axis, "strategy.gather")
+        self._extended._check_gather(value, axis, "strategy.gather")
         return jax.tree_util.tree_map(lambda v: self._gather_value(v, axis), value,
                                       is_leaf=is_distributed)
 
     def _gather_value(self, value, axis):
-        value = self._extended.as_worker_value(value)
+        value = self._extended._as_worker_value(value)
         if isinstance(value, DistributedValues):
             check_replica_count(value, self.num_replicas_in_sync, "strategy.gather")
         if isinstance(value, Mirrored):
@@ -199,7 +202,7 @@ class Strategy(TF1Methods):
             return collectives.stacked_gather(value.stacked, axis)
         return self._extended._gather_per_replica(value, axis)
 
-    def experimental_local_results(self, value):
+    def experimental_local_results(self, value: PyTree) -> tuple:
         """Returns the per-replica components of ``value`` held by this process, as a tuple.
 
         Args:
@@ -236,9 +239,10 @@ class Strategy(TF1Methods):
         return tuple(  # One per replica of this worker, as TF's (its `worker_devices`).
             jax.tree_util.tree_unflatten(tree, [x if r is None else r[i]
                                                 for x, r in zip(leaves, per_leaf)])
-            for i in range(len(self._extended.local_replica_ids())))
+            for i in range(len(self._extended._local_replica_ids())))
 
-    def experimental_distribute_values_from_function(self, value_fn):
+    def experimental_distribute_values_from_function(
+            self, value_fn: Callable[["context.ValueContext"], PyTree]) -> PyTree:
         """Builds per-replica values by calling ``value_fn`` once per replica, in order.
 
         Args:
@@ -262,16 +266,16 @@ class Strategy(TF1Methods):
         n = self.num_replicas_in_sync
         # Only this process's replicas (all of them but under MultiWorkerMirroredStrategy).
         per_replica = [value_fn(context.ValueContext(i, n))
-                       for i in self._extended.local_replica_ids()]
-        trees = [jax.tree_util.tree_structure(v) for v in per_replica]
+                       for i in self._extended._local_replica_ids()]
+        trees: list = [jax.tree_util.tree_structure(v) for v in per_replica]
         if any(t != trees[0] for t in trees[1:]):
             raise errors.InvalidArgumentError(
                 "value_fn returned different structures for different replicas: "
                 f"{trees[0]} vs {next(t for t in trees if t != trees[0])}.")
         for leaf in jax.tree_util.tree_leaves(per_replica):
             check_host_numbers(leaf)  # Before any transfer: JAX would wrap 64-bit integers.
-        if n == 1:  # As TF's strategy holds one replica's value (`one_replica_value`).
-            return jax.tree_util.tree_map(self._extended.one_replica_value, per_replica[0])
+        if n == 1:  # As TF's strategy holds one replica's value (`_one_replica_value`).
+            return jax.tree_util.tree_map(self._extended._one_replica_value, per_replica[0])
         if dispatch.under_a_staging_trace():
             raise errors.WrongContextError(
                 "experimental_distribute_values_from_function was called while a function is "
@@ -286,7 +290,7 @@ class Strategy(TF1Methods):
         return jax.tree_util.tree_unflatten(trees[0], leaves)
 
     # ----- Distributed input: thin delegations to jdist._src.input (see that module). -----
-    def experimental_distribute_dataset(self, dataset, options=None):
+    def experimental_distribute_dataset(self, dataset: Any, options: Optional[Any] = None) -> Any:
         """Distributes a dataset of GLOBAL batches over the replicas.
 
         Each global batch of ``B`` rows is cut into consecutive chunks of ``ceil(B / N)`` rows,
@@ -312,7 +316,8 @@ class Strategy(TF1Methods):
         context.require_not_mixed(self, "experimental_distribute_dataset")
         return input_lib.distribute_dataset(self, dataset, options)
 
-    def distribute_datasets_from_function(self, dataset_fn, options=None):
+    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
+                                          options: Optional[Any] = None) -> Any:
         """Calls ``dataset_fn(InputContext)`` per input pipeline; deals its PER-REPLICA batches.
 
         Args:
@@ -328,11 +333,13 @@ class Strategy(TF1Methods):
         context.require_not_mixed(self, "distribute_datasets_from_function")
         return input_lib.distribute_datasets_from_function(self, dataset_fn, options)
 
-    def experimental_distribute_datasets_from_function(self, dataset_fn, options=None):
+    def experimental_distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
+                                                       options: Optional[Any] = None) -> Any:
         """Former name of `distribute_datasets_from_function`."""
         return self.distribute_datasets_from_function(dataset_fn, options)
 
-    def experimental_make_numpy_dataset(self, numpy_input, session=None):
+    def experimental_make_numpy_dataset(self, numpy_input: PyTree,
+                                        session: Optional[Any] = None) -> Any:
         """An unbatched dataset of the rows of ``numpy_input`` (a nest of arrays); ``session`` is ignored.
 
         Example:
@@ -346,7 +353,7 @@ class Strategy(TF1Methods):
 
     # ----- End of distributed input delegations. -----
 
-    def experimental_finalize(self):
+    def experimental_finalize(self) -> list:
         """Waits for every program this strategy dispatched to finish; returns ``[]`` (no ops)."""
         self._extended._wait_all()
         return []

@@ -65,7 +65,7 @@ class StrategyExtended:
     # Whether TF's strategy uses its default CollectiveAllReduce (several devices, no ops
     # given): batch_reduce_to then puts every result on every replica device.
     _tf_collective_ops: bool = False
-    # Whether TF's strategy picks its cross-device ops value by value (`check_batch_reduce`).
+    # Whether TF's strategy picks its cross-device ops value by value (`_check_batch_reduce`).
     _ops_per_value: bool = False
     # Whether TF's strategy hands a plain (not distributed) value back as it is from reduce
     # and reduce_to, whatever the op (the default and OneDeviceStrategy); the mirrored ones
@@ -101,7 +101,7 @@ class StrategyExtended:
     def worker_devices(self) -> Tuple[jax.Device, ...]:
         """The devices of this worker's replicas, as in TF (every replica's on one worker;
         ``len(worker_devices) * num_workers == num_replicas_in_sync``)."""
-        return tuple(self._devices[i] for i in self.local_replica_ids())
+        return tuple(self._devices[i] for i in self._local_replica_ids())
 
     @property
     def parameter_devices(self) -> Tuple[jax.Device, ...]:
@@ -123,21 +123,21 @@ class StrategyExtended:
     def _num_replicas(self):
         return len(self._devices)
 
-    def local_replica_ids(self) -> Sequence[int]:
+    def _local_replica_ids(self) -> Sequence[int]:
         """The replicas whose devices this process holds (all of them on one worker)."""
         return range(self._num_replicas)
 
-    def input_pipeline(self) -> Tuple[int, int]:
+    def _input_pipeline(self) -> Tuple[int, int]:
         """``(num_input_pipelines, input_pipeline_id)`` of this process: one pipeline here."""
         return (1, 0)
 
-    def input_placer(self, strategy: Any, options: Any) -> Optional[Any]:
+    def _input_placer(self, strategy: Any, options: Any) -> Optional[Any]:
         """The `input_batches.Placer` for this strategy's datasets; None: the default one (a
         multi-worker strategy places only its own replicas' rows)."""
         del strategy, options
         return None
 
-    def replica_collectives(self, binding: Optional[Any]) -> ReplicaCollectives:
+    def _replica_collectives(self, binding: Optional[Any]) -> ReplicaCollectives:
         """The collectives a `ReplicaContext` of this strategy calls.
 
         Args:
@@ -163,18 +163,18 @@ class StrategyExtended:
         valid = None if lengths is None else jnp.asarray(lengths)
         return collectives.stacked_reduce(op, stacked, axes, valid)
 
-    def as_worker_value(self, value: Any) -> Any:
+    def _as_worker_value(self, value: Any) -> Any:
         """``value`` as TF's strategy takes a non-distributed value that the cross-replica
         context reduces or gathers: here the same value on every replica, as it is (under
         `MultiWorkerMirroredStrategy` across workers, this worker's value)."""
         return value
 
-    def as_worker_values(self, value: PyTree) -> PyTree:
-        """`as_worker_value` of each leaf of the nest ``value``; one worker's: the nest itself
+    def _as_worker_values(self, value: PyTree) -> PyTree:
+        """`_as_worker_value` of each leaf of the nest ``value``; one worker's: the nest itself
         (no walk of it on every reduce)."""
         return value
 
-    def check_collective_dtypes(self, value: PyTree, what: str, gathers: bool = False,
+    def _check_collective_dtypes(self, value: PyTree, what: str, gathers: bool = False,
                                 reduces_one: bool = False) -> None:
         """Raises where TF hands a value to its ``CollectiveAllReduce``, whose ops take only
         some dtypes (their ``T`` attribute): float16, bfloat16 (not to gather), float32, float64,
@@ -206,9 +206,9 @@ class StrategyExtended:
                 "jnp.int32); a MirroredStrategy given cross_device_ops=jdist.ReductionToOneDevice()"
                 " takes every dtype, as in TF.")
 
-    def check_gather(self, value: PyTree, axis: int, what: str) -> None:
+    def _check_gather(self, value: PyTree, axis: int, what: str) -> None:
         """Raises where TF's own gather of ``value`` fails: on a dtype its collective ops refuse
-        (`check_collective_dtypes`) or on a negative ``axis``.
+        (`_check_collective_dtypes`) or on a negative ``axis``.
 
         TF's ``CollectiveAllReduce`` moves the gathered axis first with ``range(axis)``, which
         fails on a negative axis; ``ReductionToOneDevice`` concatenates, which takes one. Which
@@ -224,7 +224,7 @@ class StrategyExtended:
           InvalidArgumentError: TF gathers a leaf of ``value`` with its collective ops, and its
             dtype is one they refuse or ``axis`` is negative.
         """
-        self.check_collective_dtypes(value, what, gathers=True)
+        self._check_collective_dtypes(value, what, gathers=True)
         if not _negative(axis):
             return
         for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
@@ -238,15 +238,7 @@ class StrategyExtended:
                     f"the front: axis={axis % max(np.ndim(one), 1)} for this rank-{np.ndim(one)} "
                     "value.")
 
-    @property
-    def refuses_one_object_in_a_batch(self) -> bool:
-        """Whether TF's strategy raises for a batch reduce (a nest's ``all_reduce``) holding a
-        tensor every replica holds as one object beside per-replica values: its default
-        ``CollectiveAllReduce`` does (IndexError); a ``CrossDeviceOps`` given to it reduces
-        such a value on its own, as it is."""
-        return self._tf_collective_ops
-
-    def check_batch_reduce(self, values: Sequence, what: str) -> None:
+    def _check_batch_reduce(self, values: Sequence, what: str) -> None:
         """Raises where TF's ``batch_reduce_to`` of ``values`` fails before reducing them, as
         ``all_reduce`` of a nest does (TF all-reduces a nest's leaves in one batch).
 
@@ -290,12 +282,12 @@ class StrategyExtended:
     def _replicate(self, value):
         return jnp.asarray(value)
 
-    def place_one_replica_value(self, value):
+    def _place_one_replica_value(self, value):
         """A value of a one-replica strategy's ``experimental_distribute_values_from_function``,
         where its replica's programs take it; the default strategy has no devices of its own."""
         return value
 
-    def one_replica_value(self, host):
+    def _one_replica_value(self, host):
         """A value a one-replica strategy's value function returned, as TF's strategy holds it:
         its mirrored strategies wrap it in a `PerReplica` of one (a Python number's local result
         is the number; a program takes TF's tensor of it); its one-device and default
@@ -306,7 +298,7 @@ class StrategyExtended:
             return keep_python_numbers(self._distribute_components([tensor]), [host])
         if is_python_number(host):
             return host
-        return self.place_one_replica_value(host)
+        return self._place_one_replica_value(host)
 
     def _wait_all(self):
         """Waits for the programs this strategy dispatched (the default strategy runs replica
@@ -342,9 +334,9 @@ class StrategyExtended:
         """
         context.require_cross_replica(self._container_strategy_ref, "extended.reduce_to")
         op = ReduceOp.from_any(reduce_op)
-        value = self.as_worker_value(value)  # Checked with every worker's numbers.
+        value = self._as_worker_value(value)  # Checked with every worker's numbers.
         check_reducible(op, value, adds=self._num_replicas > 1)
-        self.check_collective_dtypes(value, "extended.reduce_to", reduces_one=True)
+        self._check_collective_dtypes(value, "extended.reduce_to", reduces_one=True)
         unreduced = (value if self._plain_values_as_they_are and not is_distributed(value)
                      else plain_values.unreduced(op, value))
         if unreduced is not plain_values.REDUCE:  # Before the destinations are read, as in TF.
@@ -381,10 +373,10 @@ class StrategyExtended:
         op = ReduceOp.from_any(reduce_op)
         pairs = cross_device_ops_lib.check_pairs(value_destination_pairs)
         as_options(options)  # Checked on one replica too, which reduces nothing.
-        pairs = [(self.as_worker_value(value), d) for value, d in pairs]  # Every worker's.
+        pairs = [(self._as_worker_value(value), d) for value, d in pairs]  # Every worker's.
         check_reducible(op, [value for value, _ in pairs], adds=self._num_replicas > 1)
-        self.check_collective_dtypes([value for value, _ in pairs], "extended.batch_reduce_to")
-        self.check_batch_reduce([value for value, _ in pairs], "extended.batch_reduce_to")
+        self._check_collective_dtypes([value for value, _ in pairs], "extended.batch_reduce_to")
+        self._check_batch_reduce([value for value, _ in pairs], "extended.batch_reduce_to")
         targets = [self._target(d) for _, d in pairs]
         if self._tf_collective_ops:  # TF's collective ops put results on every replica device;
             targets = [  # a value it gives another op (MirroredStrategy's int32) on its own.
@@ -402,8 +394,8 @@ class StrategyExtended:
         for value, _ in pairs:
             if isinstance(value, DistributedValues):
                 check_replica_count(value, self._num_replicas, "extended.batch_reduce_to")
-        results = dict(zip(batch, ops.batch_reduce(
-            op, [(pairs[i][0], targets[i]) for i in batch], options) if batch else []))
+        results = dict(zip(batch, ops.batch_reduce(  # `batch` is empty without ops.
+            op, [(pairs[i][0], targets[i]) for i in batch], options) if ops and batch else []))
         return [results[i] if i in results else self._reduce_to(op, v, t, options)
                 for i, ((v, _), t) in enumerate(zip(pairs, targets))]
 
@@ -454,7 +446,7 @@ class StrategyExtended:
         """The reduce rules of ``docs/semantics.md`` for one value (not a nest)."""
         n = self._num_replicas
         asked = op
-        value = self.as_worker_value(value)
+        value = self._as_worker_value(value)
         if n == 1 and axis is None and not isinstance(value, PerReplica):
             op = ReduceOp.SUM  # TF returns one replica's plain value as it is (an int MEAN
         if isinstance(value, PerReplica):  # stays int); a PerReplica of one it divides.
@@ -548,4 +540,4 @@ class _OneReplica(ReplicaCollectives):
 
 def _negative(axis) -> bool:
     """Whether ``axis`` is a negative integer (which TF's collective gathers refuse)."""
-    return isinstance(axis, (int, np.integer)) and not isinstance(axis, bool) and axis < 0
+    return bool(isinstance(axis, (int, np.integer)) and not isinstance(axis, bool) and axis < 0)

@@ -60,7 +60,8 @@ class Samples:
         while count:
             if self._next == len(self._samples):  # Every block this call needs, at once.
                 blocks = max(_BLOCKS, -(-count // 4))
-                self._samples = philox_blocks(*self._seeds, self._block, blocks).astype(
+                key, counter_hi = self._seeds
+                self._samples = philox_blocks(key, counter_hi, self._block, blocks).astype(
                     np.int64)
                 self._block, self._next = self._block + blocks, 0
             part = self._samples[self._next:self._next + count]

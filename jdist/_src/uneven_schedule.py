@@ -66,7 +66,7 @@ def grouped_collectives(jaxpr: core.Jaxpr, is_cut: Callable) -> core.Jaxpr:
       >>> [e.primitive.name for e in grouped.eqns]
       ['mul', 'sin', 'jdist_collectives']
     """
-    by_round = {}  # Round -> (its other equations, its collectives), in program order.
+    by_round: dict = {}  # Round -> (its other equations, its collectives), in program order.
     for eqn, (at, cut) in zip(jaxpr.eqns, _rounds(jaxpr, is_cut)):
         by_round.setdefault(at, ([], []))[cut].append(eqn)
     eqns = []

@@ -16,6 +16,7 @@ value's structure, so it can never mix up real rows and padding.
 """
 
 import functools
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -46,7 +47,7 @@ class DistributedValues:
     __array_ufunc__ = None
 
     @property
-    def values(self):
+    def values(self) -> tuple:
         """The per-replica components, a tuple with one array per local replica, in order."""
         return self._local_results()
 
@@ -97,14 +98,15 @@ class PerReplica(DistributedValues):
     # PerReplica holds as they are (its local results), or None.
     __slots__ = ("_stacked", "_lengths", "_view_valid_rows", "_components", "_numbers")
 
-    def __init__(self, values):
+    def __init__(self, values: Sequence[Any]) -> None:
         if isinstance(values, DistributedValues) or not isinstance(values, (tuple, list)):
             raise errors.UnsupportedValueError(
                 "PerReplica(values) takes a tuple or list with one array per replica, got "
                 f"{type(values).__name__}.")
         if not values:
             raise errors.InvalidArgumentError("PerReplica needs at least one replica value.")
-        self._init(*_stack_or_keep(values), None)
+        stacked, components = _stack_or_keep(values)
+        self._init(stacked, components, None)
         keep_python_numbers(self, values)
 
     def _init(self, stacked, components, lengths):
@@ -137,12 +139,12 @@ class PerReplica(DistributedValues):
         return self
 
     @property
-    def ragged(self):
+    def ragged(self) -> bool:
         """True when the replicas hold values of different shapes (one array per replica)."""
         return self._components is not None
 
     @property
-    def stacked(self):
+    def stacked(self) -> Any:
         """The array of shape ``(num_replicas, *per_replica_shape)`` holding every component.
 
         Raises:
@@ -241,7 +243,7 @@ class Mirrored(DistributedValues):
                                   else 1, False)
         return object.__new__(cls)
 
-    def __init__(self, values=None, *, _value=_UNSET):
+    def __init__(self, values: Any = None, *, _value: Any = _UNSET) -> None:
         if _value is not _UNSET:  # JAX unflattening the node (see `_mirrored_class`).
             self._value = _value
             return
@@ -271,7 +273,7 @@ class Mirrored(DistributedValues):
         return Mirrored._from_value, (self._value, self._num_replicas, self._step_output)
 
     @property
-    def value(self):
+    def value(self) -> Any:
         """The common value, an array replicated on every replica's device."""
         return self._value
 
@@ -311,6 +313,12 @@ class Mirrored(DistributedValues):
     def __getitem__(self, index):
         return self._value[index]
 
+    def __neg__(self):
+        return -self._value
+
+    def __abs__(self):
+        return abs(self._value)
+
     # Iteration is the array's: without these, Python would iterate through __getitem__ until
     # an IndexError, which a JAX array never raises (it clamps indices), so it never ended.
     def __iter__(self):
@@ -341,8 +349,6 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
               "__rtruediv__", "__floordiv__", "__rfloordiv__", "__pow__", "__rpow__", "__mod__",
               "__rmod__", "__matmul__", "__rmatmul__", "__lt__", "__le__", "__gt__", "__ge__"):
     setattr(Mirrored, _name, _mirrored_binary(_name))
-Mirrored.__neg__ = lambda self: -self._value
-Mirrored.__abs__ = lambda self: abs(self._value)
 
 
 def is_python_number(value) -> bool:
