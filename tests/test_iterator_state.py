@@ -63,23 +63,25 @@ def uninterrupted(n):
     return jdist.to_host(params), seen
 
 
-def interrupted_and_resumed(n, m, directory, seed=3):
-    """Stops after STOP steps on ``n`` replicas (saving), resumes on ``m`` from the checkpoint."""
+def interrupted_and_resumed(n, m, directory, seed=3, stop=STOP):
+    """Stops after ``stop`` steps on ``n`` replicas (saving), resumes on ``m`` from the checkpoint.
+    The restored iterator is read to its end (empty when ``stop`` ended an epoch) before the
+    next epoch's is made, as the stopped run read it: its shuffle draws the epoch's seeds."""
     strategy, seen = mirrored(n), []
     params, dist = jdist.mirror(init_params(), strategy), dataset(strategy, seed)
     with jdist.checkpoint.CheckpointManager(directory, strategy) as manager:
         for epoch in range(EPOCHS):
             it = iter(dist)
-            params = train(strategy, params, it, seen, STOP - epoch * 9)
-            if len(seen) == STOP:
-                assert manager.save(STOP, params, iterator=it)
+            params = train(strategy, params, it, seen, stop - epoch * 9)
+            if len(seen) == stop:
+                assert manager.save(stop, params, iterator=it)
                 break
     strategy = mirrored(m)
     dist = dataset(strategy, seed)  # A new process's: its shuffle has made no iterator yet.
     with jdist.checkpoint.CheckpointManager(directory, strategy) as manager:
         params, it = manager.restore(jdist.mirror(init_params(), strategy), iterator=dist)
         params = train(strategy, params, it, seen, ROWS)  # The rest of the stopped epoch.
-        for _ in range(manager.latest_step // 9 + 1, EPOCHS):
+        for _ in range((stop - 1) // 9 + 1, EPOCHS):
             params = train(strategy, params, iter(dist), seen, ROWS)
     return jdist.to_host(params), seen
 
@@ -103,10 +105,12 @@ def test_resumed_on_the_same_replica_count_is_bit_identical(n, tmp_path):
         np.testing.assert_array_equal(resumed[key], params[key])
 
 
-@pytest.mark.parametrize("n,m", [(8, 3), (3, 2), (2, 4), (4, 1), (1, 8)])
-def test_resumed_on_another_replica_count_matches(n, m, tmp_path):
+@pytest.mark.parametrize("n,m,stop", [(8, 3, STOP), (3, 2, STOP), (2, 4, STOP), (4, 1, STOP),
+                                      (1, 8, STOP), (2, 3, 9)])
+def test_resumed_on_another_replica_count_matches(n, m, stop, tmp_path):
+    """Mid-epoch, and at the end of the first epoch (stop 9)."""
     params, seen = reference(n)
-    resumed, resumed_seen = interrupted_and_resumed(n, m, tmp_path)
+    resumed, resumed_seen = interrupted_and_resumed(n, m, tmp_path, stop=stop)
     assert resumed_seen == seen
     for key in params:
         np.testing.assert_allclose(resumed[key], params[key], rtol=0, atol=1e-6)
