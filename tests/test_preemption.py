@@ -86,3 +86,27 @@ def test_the_handler_needs_a_checkpoint_manager_and_gives_the_signal_back(tmp_pa
             assert signal.getsignal(signal.SIGINT) != before
             assert handler.run(lambda w: w + 1, 1) == 2 and handler.total_run_calls == 1
         assert signal.getsignal(signal.SIGINT) == before and manager.latest_step is None
+
+
+RESTARTED = """
+import json, os, pathlib, sys, time
+attempt, index = int(os.environ["JDIST_RESTART"]), json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+(pathlib.Path(sys.argv[1]) / f"{attempt}-{index}").write_text("")
+if attempt < int(sys.argv[2]):
+    sys.exit(42) if index == 1 else time.sleep(60)  # Worker 0 is still running: ended.
+"""
+
+
+@pytest.mark.parametrize("failures,status", [(1, 0), (3, 42)])
+def test_the_launcher_starts_a_failed_job_again(tmp_path, failures, status):
+    """``--max-restarts 2``: worker 1 fails ``failures`` times; each start runs both anew."""
+    script = tmp_path / "job.py"
+    script.write_text(RESTARTED)
+    out = subprocess.run([sys.executable, "-m", "jdist.launch", "--nproc", "2", "--max-restarts",
+                          "2", str(script), str(tmp_path), str(failures)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == status, out.stderr
+    starts = min(failures, 2) + 1
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "job.py") == [
+        f"{a}-{i}" for a in range(starts) for i in range(2)]
+    assert out.stderr.count("starting the job again") == starts - 1

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import jax
 
 from jdist._src import errors
+from jdist._src.checkpoint import CheckpointManager
+from jdist._src.input import DistributedIterator
 
 RESTARTABLE_EXIT_CODE = 42  # TF's (failure_handling._RESTARTABLE_EXIT_CODE).
 
@@ -62,10 +64,8 @@ class TerminationConfig:
 
 def _first_iterator(args, kwargs):
     """The first argument with a position (a `DistributedIterator`), or None."""
-    for value in (*args, *kwargs.values()):
-        if hasattr(value, "_position"):
-            return value
-    return None
+    return next((v for v in (*args, *kwargs.values()) if isinstance(v, DistributedIterator)),
+                None)
 
 
 class PreemptionCheckpointHandler:
@@ -113,7 +113,7 @@ class PreemptionCheckpointHandler:
                  termination_config: Optional[TerminationConfig] = None):
         del cluster_resolver, checkpoint_dir  # One process: nothing to coordinate.
         manager = checkpoint_or_checkpoint_manager
-        if not hasattr(manager, "latest_step") or not hasattr(manager, "save"):
+        if not isinstance(manager, CheckpointManager):
             raise errors.InvalidArgumentError(
                 "PreemptionCheckpointHandler saves through a jdist.checkpoint.CheckpointManager; "
                 f"got a {type(manager).__name__}.")
