@@ -1,17 +1,20 @@
-"""The digits training of ``train_digits.py``, with checkpoints, resume and a progress bar.
+"""The digits training of ``train_digits.py``, with checkpoints, mid-epoch resume and a progress bar.
 
-After every epoch the parameters and the optimizer state are saved with orbax
-(``jdist.checkpoint.CheckpointManager``, chief only, atomic). Started again with the same
-``--checkpoint-dir``, the script restores the latest checkpoint and continues with the next
-epoch; the shuffle of epoch ``e`` depends only on ``(seed, e)``, so a run that is stopped and
-resumed ends with exactly the parameters of a run that never stopped. Try it:
+Every ``--save-every`` steps (and at the end) the parameters, the optimizer state and the
+position of the data iterator are saved with orbax (``jdist.checkpoint.CheckpointManager``,
+chief only, atomic). Started again with the same ``--checkpoint-dir``, the script restores the
+latest checkpoint and continues at the next step, in the middle of an epoch if it stopped
+there: the iterator hands out the global batches the stopped run would have, split for this
+run's replica count, and the later epochs get the shuffle orders they would have had. So a
+run that is stopped and resumed, on the same or another number of replicas, ends with the
+parameters of a run that never stopped. Try it:
 
-    python examples/train_digits_resumable.py --epochs 30 --stop-after 10   # stops after epoch 10
-    python examples/train_digits_resumable.py --epochs 30                   # resumes at epoch 11
+    python examples/train_digits_resumable.py --epochs 30 --stop-at-step 100    # stops there
+    python examples/train_digits_resumable.py --epochs 30 --replicas 3         # resumes at 101
 
-``--stop-after`` stands in for a job that is killed; ``--fresh`` deletes the checkpoints first.
-The model, data and step come from ``train_digits.py``. Exits with status 1 when the final test
-accuracy is below 95%.
+``--stop-at-step`` stands in for a job that is killed; ``--fresh`` deletes the checkpoints
+first. The model, data and step come from ``train_digits.py``. Exits with status 1 when the
+final test accuracy is below 95%.
 """
 
 import train_digits  # noqa: I001  (first: it requests the simulated devices before JAX starts)
@@ -34,8 +37,9 @@ def parse_args(argv=None):
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-dir", default="checkpoints/digits")
-    parser.add_argument("--stop-after", type=int, default=None,
-                        help="stop after this epoch (as if the job were killed)")
+    parser.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
+    parser.add_argument("--stop-at-step", type=int, default=None,
+                        help="stop after this step (as if the job were killed)")
     parser.add_argument("--fresh", action="store_true", help="delete old checkpoints first")
     return parser.parse_args(argv)
 
@@ -51,48 +55,59 @@ def evaluate(strategy, params, x_test, y_test, batch_size):
 
 
 def train(args):
-    """Trains (resuming from ``args.checkpoint_dir``); returns (last epoch, params, accuracy)."""
+    """Trains (resuming from ``args.checkpoint_dir``); returns (last step, params, accuracy)."""
     devices = jax.local_devices()[:args.replicas]
     strategy = jdist.MirroredStrategy(devices)
     x_train, y_train, x_test, y_test = train_digits.load_data(args.seed)
     optimizer = optax.adam(args.learning_rate)
     params = train_digits.init_params(jax.random.key(args.seed))
     state = jdist.mirror({"params": params, "opt_state": optimizer.init(params)}, strategy)
-    step = train_digits.make_train_step(optimizer)
+    train_step = train_digits.make_train_step(optimizer)
     if args.fresh:
         shutil.rmtree(args.checkpoint_dir, ignore_errors=True)
+    # One dataset for the whole run: each epoch's iterator reshuffles, in TF's order for the seed.
+    batches = strategy.experimental_distribute_dataset(
+        strategy.experimental_make_numpy_dataset((x_train, y_train)).shuffle(
+            len(x_train), seed=args.seed).batch(args.batch_size))
+    per_epoch, total = batches.cardinality, batches.cardinality * args.epochs
+    last = total if args.stop_at_step is None else min(total, args.stop_at_step)
     with jdist.checkpoint.CheckpointManager(args.checkpoint_dir, strategy) as manager:
-        done = manager.latest_step or 0
-        if done:
-            state = manager.restore(state)
-            jdist.print_once(f"resumed from epoch {done} ({manager.directory})")
-        data = strategy.experimental_make_numpy_dataset((x_train, y_train))
-        last = args.epochs if args.stop_after is None else min(args.epochs, args.stop_after)
-        for epoch in range(done + 1, last + 1):
-            batches = strategy.experimental_distribute_dataset(
-                data.shuffle(len(x_train), seed=args.seed * 100_003 + epoch).batch(args.batch_size))
-            with jdist.ProgressBar(batches, strategy, desc=f"epoch {epoch}/{args.epochs}",
-                                   examples_per_step=args.batch_size,
-                                   compile_notice=epoch == done + 1) as bar:
+        step, it = manager.latest_step or 0, None
+        if step:  # The iterator of the epoch the step is in, where the step left it.
+            state, it = manager.restore(state, iterator=batches)
+            jdist.print_once(f"resumed after step {step} ({manager.directory})")
+        for epoch in range(max(step - 1, 0) // per_epoch, args.epochs):
+            # Read to its end even when the step ended its epoch: the next epoch's shuffle
+            # order follows from the iterators read before it, as in the run that stopped.
+            it = iter(batches) if it is None else it
+            with jdist.ProgressBar(it, strategy, total=per_epoch * (epoch + 1) - step,
+                                   desc=f"epoch {epoch + 1}/{args.epochs}",
+                                   examples_per_step=args.batch_size) as bar:
                 for x, y in bar:
                     params, opt_state, loss = strategy.run(
-                        step, args=(state["params"], state["opt_state"], x, y))
-                    state = {"params": params, "opt_state": opt_state}
+                        train_step, args=(state["params"], state["opt_state"], x, y))
+                    state, step = {"params": params, "opt_state": opt_state}, step + 1
                     bar.set_loss(loss)
-            manager.save(epoch, state)
+                    if step % args.save_every == 0 or step == last:
+                        manager.save(step, state, iterator=it)
+                    if step == last:
+                        break
+            if step == last:
+                break
+            it = None
     accuracy = evaluate(strategy, state["params"], x_test, y_test, args.batch_size)
-    return last, state["params"], accuracy
+    return step, state["params"], accuracy
 
 
 def main(argv=None):
     args = parse_args(argv)
-    epoch, _, accuracy = train(args)
-    if epoch < args.epochs:
-        jdist.print_once(f"stopped after epoch {epoch}: test accuracy {accuracy:.4f}; run again "
-                         "without --stop-after to resume")
+    step, _, accuracy = train(args)
+    if args.stop_at_step is not None and step == args.stop_at_step:
+        jdist.print_once(f"stopped after step {step}: test accuracy {accuracy:.4f}; run again "
+                         "without --stop-at-step to resume")
         return 0
     ok = accuracy >= train_digits.TARGET_ACCURACY
-    jdist.print_once(f"test accuracy {accuracy:.4f} after {epoch} epochs: "
+    jdist.print_once(f"test accuracy {accuracy:.4f} after {args.epochs} epochs ({step} steps): "
                      f"{'ok' if ok else 'FAILED'}")
     return 0 if ok else 1
 

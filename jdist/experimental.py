@@ -9,9 +9,11 @@ Example:
 from jdist._src.input import Optional
 from jdist._src.packing import CommunicationImplementation
 from jdist._src.packing import CommunicationOptions
+from jdist._src.preemption import PreemptionCheckpointHandler
+from jdist._src.preemption import TerminationConfig
 
 # TF's deprecated name of CommunicationImplementation.
 CollectiveCommunication = CommunicationImplementation
 
 __all__ = ("CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions",
-           "Optional")
+           "Optional", "PreemptionCheckpointHandler", "TerminationConfig")

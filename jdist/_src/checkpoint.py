@@ -11,6 +11,10 @@ checkpoint as the latest one. Beside the state, each checkpoint keeps a small JS
 (every leaf's path, shape and dtype), checked against the restore target before anything is
 read: orbax would otherwise cast a leaf to the target's dtype without a word.
 
+With ``save(step, state, iterator=it)`` the position of a distributed iterator (`iterator_state`)
+goes into the same step's JSON, and ``restore(target, iterator=dist_dataset)`` returns the state
+and an iterator continuing there, on any replica count.
+
 Only the chief writes: ``strategy.extended.should_checkpoint`` (true on one worker; on the
 chief only under a multi-worker strategy). The decision involves no collective, and neither does the
 save itself (host copies), so non-chief workers can skip it without blocking anyone.
@@ -25,6 +29,7 @@ import numpy as np
 from jdist._src import context
 from jdist._src import errors
 from jdist._src import extras
+from jdist._src import iterator_state
 from jdist._src import progress
 from jdist._src import state as state_lib
 from jdist._src.values import DistributedValues
@@ -144,7 +149,7 @@ class CheckpointManager:
         """Whether this process writes: ``strategy.extended.should_checkpoint``, default True."""
         return progress.is_chief(self._strategy)
 
-    def save(self, step: int, state: Any) -> bool:
+    def save(self, step: int, state: Any, iterator: Optional[Any] = None) -> bool:
         """Starts writing ``state`` as checkpoint ``step`` (in the background) on the chief.
 
         The state's host copies are taken before this returns, so the next training step may
@@ -153,36 +158,46 @@ class CheckpointManager:
         Args:
           step: the checkpoint number, larger than every saved one.
           state: a pytree of `Mirrored` values, replicated arrays, NumPy arrays or scalars.
+          iterator: a `DistributedIterator` whose position is saved in the same atomic step
+            (as ``tf.train.Checkpoint(iterator=...)``); `restore` continues it there.
 
         Returns:
           True if this process started a write (the chief), False otherwise.
 
         Raises:
           UnsupportedValueError: a leaf is a `PerReplica` value.
+          InvalidArgumentError: ``iterator`` cannot be positioned (a Python iterable, a tf.data
+            or per-worker pipeline); raised on every process.
         """
+        position = None if iterator is None else iterator_state.iterator_state(iterator)
         if not self.should_checkpoint:
             return False
         ocp = _orbax()
         host = state_lib.to_host(state)
         spec = {"format": _FORMAT, "leaves": tree_spec(host),
-                "num_replicas": self._strategy.num_replicas_in_sync}
+                "num_replicas": self._strategy.num_replicas_in_sync, "iterator": position}
         return bool(self._manager.save(int(step), args=ocp.args.Composite(
             state=ocp.args.StandardSave(host), spec=ocp.args.JsonSave(spec))))
 
-    def restore(self, target: Any, step: Optional[int] = None) -> Any:
+    def restore(self, target: Any, step: Optional[int] = None,
+                iterator: Optional[Any] = None) -> Any:
         """Reads checkpoint ``step`` (default: the latest) as Mirrored state of the strategy.
 
         Args:
           target: a pytree with the state's structure, shapes and dtypes: the initial state
             (`Mirrored` values or arrays) or its ``jax.eval_shape``.
           step: which checkpoint; default the latest.
+          iterator: the `DistributedDataset` (of this strategy, any replica count) of the
+            pipeline whose iterator `save` was given: it is returned positioned there.
 
         Returns:
-          ``target``'s structure with `Mirrored` leaves, one replicated array each.
+          ``target``'s structure with `Mirrored` leaves, one replicated array each; with
+          ``iterator``, ``(state, distributed_iterator)``.
 
         Raises:
           InvalidArgumentError: there is no checkpoint, or its structure or dtypes differ from
-            ``target``'s.
+            ``target``'s, or ``iterator`` is given and the checkpoint has no iterator position
+            or one of another pipeline.
           ShapeMismatchError: a leaf's shape differs from ``target``'s.
         """
         ocp = _orbax()
@@ -199,7 +214,15 @@ class CheckpointManager:
             is_leaf=is_distributed)
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract)))
-        return state_lib.mirror(restored["state"], self._strategy)
+        state = state_lib.mirror(restored["state"], self._strategy)
+        if iterator is None:
+            return state
+        position = saved["spec"].get("iterator")
+        if position is None:
+            raise errors.InvalidArgumentError(
+                f"checkpoint step {step} holds no iterator position: save it with "
+                "manager.save(step, state, iterator=iterator), or restore without iterator=.")
+        return state, iterator_state.iterator_from_state(iterator, position)
 
     def wait_until_finished(self) -> None:
         """Blocks until every write this manager started is complete."""

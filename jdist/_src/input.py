@@ -37,6 +37,7 @@ from jdist._src import dispatch
 from jdist._src import errors
 from jdist._src import input_batches
 from jdist._src import input_steps
+from jdist._src import iterator_state
 from jdist._src.input_options import InputContext
 from jdist._src.input_options import InputOptions
 from jdist._src.input_options import InputReplicationMode
@@ -356,8 +357,10 @@ class DistributedIterator:
     of full batches are placed by ``next`` itself, up to 64 batches ahead of their steps.
     """
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, position=None):
         self._dataset = dataset
+        # Counted as elements are handed out: what a checkpoint saves (`iterator_state`).
+        self._position = iterator_state.Position(dataset) if position is None else position
         self._finished = False
         self._feed = None
         self._step = None  # A multi-worker PER_WORKER dataset's consumer-side step.
@@ -401,6 +404,7 @@ class DistributedIterator:
                 self._finish()
                 raise
             if element is not None:
+                self._position.advance()
                 return element
             self._ready = None
         if self._finished:
@@ -423,6 +427,7 @@ class DistributedIterator:
             self._finish()
             raise StopIteration
         self._dataset._record_spec(element)
+        self._position.advance()
         return element
 
     def _finish(self):
@@ -478,6 +483,7 @@ class DistributedIterator:
         for element in self:
             if group and input_steps.signature(element) != input_steps.signature(group[0]):
                 self._ready = itertools.chain([element], self._ready or ())  # Next group's.
+                self._position.advance(-1)
                 break
             group.append(element)
             if len(group) == num_steps:
@@ -521,6 +527,7 @@ class DistributedIterator:
         """TF1 API: restarts the iterator at the beginning of the data; returns ``[]`` (no ops)."""
         self._finish()
         self._finished = False
+        self._position = iterator_state.Position(self._dataset)
         self._start()
         return []
 

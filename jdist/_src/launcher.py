@@ -9,6 +9,13 @@ a worker fails, the launcher terminates the others (by PID: only the processes i
 waits for them and exits with the failed worker's status; when it is interrupted or terminated
 itself it does the same. On Linux the children also receive SIGKILL if the launcher dies
 abruptly, so no worker is left behind.
+
+With ``--max-restarts K`` a job whose worker failed (or was preempted: it saved a checkpoint
+and exited, `jdist.experimental.PreemptionCheckpointHandler`) is started again, every worker
+anew on new ports, up to K times; the script resumes from its latest checkpoint, and
+``JDIST_RESTART`` in its environment says which start this is (0 for the first). A job may
+also be started again by hand with another ``--nproc``: checkpoints do not depend on the
+number of replicas that wrote them (``docs/stop_and_resume.md``).
 """
 
 import argparse
@@ -38,11 +45,15 @@ def parse_args(argv):
     parser.add_argument("--nproc", type=int, required=True, help="number of worker processes")
     parser.add_argument("--devices-per-proc", type=int, default=None,
                         help="simulated CPU devices per worker (XLA_FLAGS); default: real devices")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="start the job again, up to this many times, after a worker fails")
     parser.add_argument("script", help="the Python script every worker runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error("--nproc must be at least 1")
+    if args.max_restarts < 0:
+        parser.error("--max-restarts must be at least 0")
     if args.devices_per_proc is not None and args.devices_per_proc < 1:
         parser.error("--devices-per-proc must be at least 1")
     return args
@@ -154,13 +165,29 @@ def main(argv=None):
       argv: the command line after ``python -m jdist.launch`` (default ``sys.argv[1:]``).
 
     Returns:
-      0 when every worker succeeded, else the first failed worker's status (130 when the
-      launcher was interrupted).
+      0 when every worker succeeded (in the last start, with ``--max-restarts``), else the
+      first failed worker's status (130 when the launcher was interrupted).
     """
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    ports = free_ports(args.nproc)
-    envs = [worker_env(os.environ, ports, i, args.devices_per_proc) for i in range(args.nproc)]
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        for attempt in range(args.max_restarts + 1):
+            status = _run_once(args, attempt)
+            if not status or attempt == args.max_restarts:
+                return status
+            sys.stderr.write(f"jdist.launch: starting the job again ({attempt + 1} of "
+                             f"{args.max_restarts} restarts).\n")
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_once(args, attempt):
+    """Starts every worker, waits, ends those still running; returns the job's status."""
+    ports = free_ports(args.nproc)
+    base = dict(os.environ, JDIST_RESTART=str(attempt))
+    envs = [worker_env(base, ports, i, args.devices_per_proc) for i in range(args.nproc)]
     workers = None
     try:
         workers = Workers([sys.executable, "-u", args.script] + args.args, envs)
@@ -169,9 +196,6 @@ def main(argv=None):
             sys.stderr.write(f"jdist.launch: a worker exited with status {status}; stopping "
                              "the others.\n")
         return status
-    except KeyboardInterrupt:
-        return 130
     finally:
         if workers is not None:
             workers.stop()
-        signal.signal(signal.SIGTERM, previous)

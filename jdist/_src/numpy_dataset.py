@@ -189,6 +189,18 @@ class NumpyDataset:
             previous = op
         return factory
 
+    @property
+    def iteration_seeds(self) -> list:
+        """Each shuffle's `tf_shuffle.IterationSeeds`, in pipeline order: with the number of
+        elements read, the position of an iterator over the dataset (`iterator_state`)."""
+        return [op.seeds for op in self._ops if isinstance(op, _Shuffle)]
+
+    def describe(self) -> list:
+        """The pipeline as JSON, seeds left out: the rows, then each op's name and arguments
+        (what a restored iterator position must be read into, `iterator_state`)."""
+        return [self._size] + [[type(op).__name__.strip("_")] + sorted(
+            f"{k}={v}" for k, v in vars(op).items() if k != "seeds") for op in self._ops]
+
     def cardinality(self):
         """The number of elements: an int, or -1 (INFINITE) for an endless repeat."""
         count = self._size

@@ -121,12 +121,28 @@ class IterationSeeds:
             seeds = tuple(int(x) for x in np.random.SeedSequence().generate_state(2, np.uint64))
         self._seeds = seeds
         self._generator = Samples(*seeds) if reshuffle else None
+        self._count = 0  # Iterators made: with `_seeds`, the generator's state (`state`).
 
     def next(self):
         """The seeds of the next iterator."""
+        self._count += 1
         if self._generator is None:
             return self._seeds
         return self._generator(), self._generator()
+
+    def state(self) -> list:
+        """``[seed, seed2, iterators made]``: what `restore` takes to continue the same orders
+        (the seeds too: those of ``shuffle(seed=None)`` are drawn anew by every process)."""
+        return [int(self._seeds[0]), int(self._seeds[1]), self._count]
+
+    def restore(self, state) -> None:
+        """Continues from `state`: the next iterator gets the seeds it got after that one."""
+        seed, seed2, count = (int(x) for x in state)
+        self._seeds, self._count = (seed, seed2), count
+        if self._generator is not None:
+            self._generator = Samples(seed, seed2)
+            if count:  # Two samples per iterator made (`next`).
+                self._generator.take(2 * count)
 
 
 _CHUNK = 1024  # Items shuffled per pass of the loops below (their samples drawn at once)...

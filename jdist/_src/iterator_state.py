@@ -1,0 +1,158 @@
+"""The position of a distributed iterator, saved in a checkpoint and read back (issue 48).
+
+A position is global, not per replica: the shuffle seed state each shuffle of the numpy
+pipeline had when the iterator was made (its seeds and how many iterators it had made: the
+epoch, for a loop that iterates the dataset once per epoch) and the number of GLOBAL batches
+the iterator has handed out since. Restored, the dataset's shuffles continue from that seed
+state and the new iterator reads the same pipeline with those batches skipped (as row indices:
+no data is read for them), so it hands out the same global batches in the same order, split
+for the new strategy's replica count as every global batch is split (`input_batches`).
+
+Only a ``strategy.experimental_make_numpy_dataset(...)`` pipeline given to
+``experimental_distribute_dataset`` can be positioned this way: a Python iterable cannot be
+positioned at all, and tf.data and grain iterators have their own checkpointing.
+"""
+
+from typing import Any
+
+from jdist._src import errors
+from jdist._src.numpy_dataset import NumpyDataset
+
+_FORMAT = 1
+
+
+def _numpy_source(dataset):
+    """``dataset``'s `NumpyDataset` where its batches are global ones, else None."""
+    plan = getattr(dataset, "_plan", None)
+    source = getattr(plan, "source", None)
+    if source is not None and isinstance(source.dataset, NumpyDataset):
+        return source.dataset
+    return None
+
+
+def _unpositionable(what):
+    return errors.InvalidArgumentError(
+        f"the position of an iterator over {what} cannot be saved or restored: only an "
+        "iterator of strategy.experimental_distribute_dataset(strategy."
+        "experimental_make_numpy_dataset"
+        "(arrays)...) knows its position. Use a numpy dataset (its shuffle, batch, repeat, take, "
+        "skip and shard are tf.data's), or checkpoint a tf.data iterator with tf.data's own "
+        "checkpointing (tf.train.Checkpoint(iterator=iter(tf_dataset))), or leave the iterator "
+        "out and resume at an epoch boundary.")
+
+
+class Position:
+    """Where a `DistributedIterator` is: the seed state it started from, and global batches
+    handed out since (counted by the iterator as it hands them out).
+
+    Args:
+      dataset: the `DistributedDataset` whose position this is (the restore target's dataset
+        for a restored iterator).
+      batches: the global batches handed out before this iterator was made (a restore's).
+    """
+
+    def __init__(self, dataset, batches: int = 0):
+        self.dataset = dataset
+        numpy = _numpy_source(dataset)
+        self._seeds = None if numpy is None else [s.state() for s in numpy.iteration_seeds]
+        self._batches = batches
+
+    def advance(self, count: int = 1) -> None:
+        """Counts ``count`` more global batches handed out (-1: one handed back)."""
+        self._batches += count
+
+    def state(self) -> dict:
+        """The position as JSON (`iterator_state`)."""
+        numpy = _numpy_source(self.dataset)
+        if numpy is None:
+            raise _unpositionable(_described(self.dataset))
+        return {"format": _FORMAT, "pipeline": numpy.describe(), "seeds": self._seeds,
+                "batches": self._batches}
+
+
+def _described(dataset):
+    plan = getattr(dataset, "_plan", None)
+    if plan is None:
+        return f"a {type(dataset).__name__}"
+    if not hasattr(plan, "source"):
+        return "per-worker or per-replica pipelines (distribute_datasets_from_function)"
+    return f"a {type(plan.source.dataset).__name__}"
+
+
+def iterator_state(iterator: Any) -> dict:
+    """The position of ``iterator`` as JSON, for `iterator_from_state`.
+
+    Args:
+      iterator: a `DistributedIterator` of a numpy dataset (``iter(dist_dataset)``).
+
+    Returns:
+      ``{"format", "pipeline", "seeds", "batches"}``: the pipeline's description (checked on
+      restore), each shuffle's ``[seed, seed2, iterators made]`` when the iterator was made,
+      and the global batches it has handed out.
+
+    Raises:
+      InvalidArgumentError: ``iterator`` cannot be positioned (a Python iterable, a tf.data
+        or per-worker pipeline), naming what to use instead.
+
+    Example:
+      >>> import numpy as np, jdist
+      >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
+      >>> it = iter(s.experimental_distribute_dataset(
+      ...     s.experimental_make_numpy_dataset(np.arange(8)).shuffle(8, seed=1).batch(4)))
+      >>> _ = next(it)
+      >>> iterator_state(it)["batches"], iterator_state(it)["seeds"]
+      (1, [[87654321, 1, 0]])
+    """
+    position = getattr(iterator, "_position", None)
+    if position is None:
+        raise _unpositionable(f"a {type(iterator).__name__}")
+    return position.state()
+
+
+def iterator_from_state(dataset: Any, state: dict) -> Any:
+    """A `DistributedIterator` over ``dataset`` at the position ``state`` (`iterator_state`).
+
+    ``dataset`` may belong to a strategy with another replica count than the saving one: the
+    iterator hands out the same global batches, split for this strategy. Its shuffles continue
+    from the saved seed state, so later ``iter(dataset)`` epochs get the orders they would have.
+
+    Args:
+      dataset: a `DistributedDataset` of the same numpy pipeline (same rows and ops).
+      state: what `iterator_state` returned.
+
+    Returns:
+      A `DistributedIterator` whose next element is the saved iterator's next one.
+
+    Raises:
+      InvalidArgumentError: ``dataset`` cannot be positioned, or its pipeline is not the one
+        the state was saved from.
+
+    Example:
+      >>> import numpy as np, jdist
+      >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
+      >>> make = lambda s: s.experimental_distribute_dataset(
+      ...     s.experimental_make_numpy_dataset(np.arange(8)).shuffle(8, seed=1).batch(4))
+      >>> it = iter(make(s))
+      >>> _ = next(it)
+      >>> saved = iterator_state(it)
+      >>> three = jdist.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+      >>> resumed = iterator_from_state(make(three), saved)
+      >>> s.gather(next(it), axis=0).tolist() == three.gather(next(resumed), axis=0).tolist()
+      True
+    """
+    from jdist._src.input import DistributedIterator  # pylint: disable=import-outside-toplevel
+    numpy = _numpy_source(dataset)
+    if numpy is None:
+        raise _unpositionable(_described(dataset))
+    if state.get("format") != _FORMAT or state["pipeline"] != numpy.describe():
+        raise errors.InvalidArgumentError(
+            f"the saved iterator read the pipeline {state.get('pipeline')}, this dataset is "
+            f"{numpy.describe()} (rows, then each op): restore into a dataset made as the "
+            "saved one was.")
+    seeds = numpy.iteration_seeds
+    for seed, saved in zip(seeds, state["seeds"]):
+        seed.restore(saved)
+    position = Position(dataset, int(state["batches"]))
+    skipped = dataset._strategy.experimental_distribute_dataset(  # pylint: disable=protected-access
+        numpy.skip(int(state["batches"])), dataset.options)
+    return DistributedIterator(skipped, position)
