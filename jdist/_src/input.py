@@ -271,6 +271,11 @@ class DistributedDataset:
                 "for x in dataset: w = train_step(w, x).")
         return DistributedIterator(self)
 
+    def _iterator_at(self, position: iterator_state.Position) -> "DistributedIterator":
+        """An iterator whose count of handed-out batches starts at ``position``'s (a restored
+        one's: `iterator_state.iterator_from_state`)."""
+        return DistributedIterator(self, position)
+
     @property
     def element_spec(self):
         """A nest of ``jax.ShapeDtypeStruct``: what ONE replica's function receives per element.

@@ -140,7 +140,6 @@ def iterator_from_state(dataset: Any, state: dict) -> Any:
       >>> s.gather(next(it), axis=0).tolist() == three.gather(next(resumed), axis=0).tolist()
       True
     """
-    from jdist._src.input import DistributedIterator  # pylint: disable=import-outside-toplevel
     numpy = _numpy_source(dataset)
     if numpy is None:
         raise _unpositionable(_described(dataset))
@@ -155,4 +154,4 @@ def iterator_from_state(dataset: Any, state: dict) -> Any:
     position = Position(dataset, int(state["batches"]))
     skipped = dataset._strategy.experimental_distribute_dataset(  # pylint: disable=protected-access
         numpy.skip(int(state["batches"])), dataset.options)
-    return DistributedIterator(skipped, position)
+    return skipped._iterator_at(position)  # pylint: disable=protected-access
