@@ -64,8 +64,8 @@ def assert_same(got, want):
         for g_leaf, w_leaf in zip(g_el, w_el):
             assert [v.shape for v in g_leaf] == [v.shape for v in w_leaf]
             for g, w in zip(g_leaf, w_leaf):
-                # JAX without x64 holds tf.data's int64 as int32 (docs/migration.md).
-                assert g.dtype == w.dtype or (w.dtype, g.dtype) == (np.int64, np.int32)
+                # The dtype JAX holds TF's in: tf.data's int64 as int32 without x64.
+                assert g.dtype == jax.dtypes.canonicalize_dtype(w.dtype)
                 np.testing.assert_array_equal(g, w)
 
 
