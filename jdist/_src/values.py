@@ -494,7 +494,7 @@ def pad_components(chunks, rows=None):
 def _flatten_per_replica(v):
     if v._components is not None:
         return v._components, ("ragged", len(v._components), None)
-    return (v._stacked,), ("stacked", v._lengths, np.shape(v._stacked))
+    return (v._stacked,), ("stacked", v._lengths, v._stacked.shape)
 
 
 def _unflatten_per_replica(aux, children):
