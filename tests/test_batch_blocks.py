@@ -55,8 +55,6 @@ def test_each_element_holds_tf_split_of_its_batch(n, rows, batch, buffer):
     want = batches(d, batch)
     assert len(got) == len(want)
     for element, host in zip(got, want):
-        full = len(host["y"]) == batch
-        assert batch_blocks.in_block(element["x"]) == full
         for key in host:
             for value, chunk in zip(element[key].values, tf_split(host[key], n)):
                 np.testing.assert_array_equal(np.asarray(value), chunk)
@@ -69,8 +67,6 @@ def test_large_blocks_hold_tf_split_of_each_batch(n, buffer):
     s, d, batch = mirrored(n), data(80, features=16384), 16
     got = elements(s, s.experimental_make_numpy_dataset(d).batch(batch),
                    experimental_per_replica_buffer_size=buffer)
-    assert batch_blocks.in_block(got[0]["x"])
-    assert got[0]["x"]._block.shape[0] == 3
     for element, host in zip(got, batches(d, batch), strict=True):
         for key in host:
             for value, chunk in zip(element[key].values, tf_split(host[key], n)):
@@ -88,20 +84,36 @@ def test_epochs_that_drop_their_elements_read_tf_split_of_each_batch(n):
     for _ in range(3):
         got = []
         for element in dist:
-            assert batch_blocks.in_block(element["x"])
             got.append(np.asarray(s.gather(element["x"], 0)))
         assert len(got) == len(want)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
 
 
-def buffers(element):
-    """The addresses of the device buffers holding ``element``'s block."""
-    return {shard.data.unsafe_buffer_pointer() for shard in element._block.addressable_shards}
+def buffers(block):
+    """The addresses of the device buffers holding a placed ``block``."""
+    return {shard.data.unsafe_buffer_pointer() for shard in block.addressable_shards}
+
+
+def recording_placements(monkeypatch):
+    """A list of the blocks `batch_blocks` places replicated (each placement's list of one block
+    per leaf), in order."""
+    placed, place = [], batch_blocks.placed_replicated
+    monkeypatch.setattr(batch_blocks, "placed_replicated",
+                        lambda *a: placed.append(place(*a)) or placed[-1])
+    return placed
+
+
+def cutting(monkeypatch):
+    """A list that grows by one each time a block's batches are cut out into elements."""
+    cuts, cut = [], batch_blocks.BlockFeed._cut_placed
+    monkeypatch.setattr(batch_blocks.BlockFeed, "_cut_placed",
+                        lambda self, *a: cuts.append(1) or cut(self, *a))
+    return cuts
 
 
 @pytest.mark.parametrize("n", [2, 8])
-def test_consecutive_batches_are_placed_from_the_datasets_own_memory(n):
+def test_consecutive_batches_are_placed_from_the_datasets_own_memory(n, monkeypatch):
     # On CPU devices each device's buffer of a block of consecutive batches is the dataset's
     # aligned read-only copy itself; the short last block's is the 64 batches ending with its
     # 3 where that is aligned too (every leaf's batch a multiple of 64 bytes: x's 48n bytes
@@ -111,22 +123,24 @@ def test_consecutive_batches_are_placed_from_the_datasets_own_memory(n):
     rows = s.experimental_make_numpy_dataset(d)
     x = rows.arrays["x"]
     assert not x.flags.writeable
+    placed = recording_placements(monkeypatch)
     got = elements(s, rows.batch(4 * n))
     block_bytes = 64 * x[:4 * n].nbytes
-    assert buffers(got[0]["x"]) == {x.ctypes.data}
-    assert buffers(got[64]["x"]) == {x.ctypes.data + block_bytes}
+    assert buffers(placed[0][0]) == {x.ctypes.data}
+    assert buffers(placed[1][0]) == {x.ctypes.data + block_bytes}
     own = range(x.ctypes.data, x.ctypes.data + x.nbytes)
     if n == 8:
-        assert buffers(got[128]["x"]) == {x.ctypes.data + x.nbytes - block_bytes}
+        assert buffers(placed[2][0]) == {x.ctypes.data + x.nbytes - block_bytes}
     else:
-        assert not any(b in own for b in buffers(got[128]["x"]))
-    shuffled = elements(s, rows.shuffle(8, seed=1).batch(4 * n))
-    assert not any(b in own for b in buffers(shuffled[0]["x"]))
+        assert not any(b in own for b in buffers(placed[2][0]))
+    elements(s, rows.shuffle(8, seed=1).batch(4 * n))
+    assert not any(b in own for b in buffers(placed[3][0]))
     # Data shorter than a block: one block of its own 5 full batches, read in place in every
-    # epoch (the second epoch's second batch is element 7, after a partial batch).
+    # epoch.
     short = s.experimental_make_numpy_dataset(data(4 * n * 5 + 1))
     x = short.arrays["x"]
-    assert buffers(elements(s, short.batch(4 * n).repeat(2))[7]["x"]) == {x.ctypes.data}
+    elements(s, short.batch(4 * n).repeat(2))
+    assert buffers(placed[-1][0]) == {x.ctypes.data}
     for element, host in zip(got, batches(d, 4 * n), strict=True):
         np.testing.assert_array_equal(np.asarray(s.gather(element["x"], 0)), host["x"])
 
@@ -145,25 +159,24 @@ def test_blocks_read_in_place_are_placed_once_and_kept_for_later_epochs(n, monke
     # memory, so keeping them holds nothing more; a block deleted meanwhile (donated, or by
     # hand) is placed again; shuffled rows are copied into new blocks every epoch. (Replicas'
     # parts of 48 bytes: not aligned, so read in blocks, not as batches in place.)
-    placed = counting_placements(monkeypatch)
+    placed = recording_placements(monkeypatch)
     s, d = mirrored(n), data(4 * n * (2 * 64 + 3) + 1)
     rows = s.experimental_make_numpy_dataset(d)
     dist = s.experimental_distribute_dataset(rows.batch(4 * n))
     epochs = [list(dist) for _ in range(3)]
     assert len(placed) == 3  # Blocks of 64, 64 and the last 3 batches, once each.
     for got in epochs:
-        assert all(a["x"]._block is b["x"]._block for a, b in zip(got[:-1], epochs[0]))
         for element, host in zip(got, batches(d, 4 * n), strict=True):
             for key in host:
                 np.testing.assert_array_equal(np.asarray(s.gather(element[key], 0)), host[key])
-    epochs[0][64]["x"]._block.delete()
+    placed[1][0].delete()
     again = list(dist)
     assert len(placed) == 4
     want = batches(d, 4 * n)[70]["x"]
     np.testing.assert_array_equal(np.asarray(s.gather(again[70]["x"], 0)), want)
     shuffled = s.experimental_distribute_dataset(rows.shuffle(64, seed=1).batch(4 * n))
-    first, second = list(shuffled), list(shuffled)
-    assert first[0]["x"]._block is not second[0]["x"]._block
+    list(shuffled), list(shuffled)
+    assert len(placed) == 4 + 2 * 3  # Copied into new blocks each epoch: 3 blocks each.
 
 
 def test_a_feed_keeps_blocks_of_at_most_its_count_of_buffers(monkeypatch):
@@ -271,7 +284,6 @@ def test_a_function_compiled_ahead_of_time_takes_blocked_elements(n):
     def train(w, batch):
         return s.run(lambda w, b: w + jnp.sum(b["x"]) + jnp.sum(b["y"]), args=(w, batch))
     compiled = train.lower(jnp.float32(1), element).compile()
-    assert "dynamic-slice" in compiled.as_text()  # The block is indexed in the program.
     want = [1 + np.sum(x) + np.sum(y)
             for x, y in zip(tf_split(host["x"], n), tf_split(host["y"], n))]
     for got in (compiled(jnp.float32(1), element), train(jnp.float32(1), element)):
@@ -303,9 +315,9 @@ def test_blocks_placed_by_a_prefetch_thread_as_on_accelerators_are_the_same(n, m
     it = iter(s.experimental_distribute_dataset(dataset))
     first = next(it)
     assert len(prefetch.live_threads()) == 1
-    if n > 1:
-        spec = jax.sharding.PartitionSpec(None, s.extended.replica_axis)
-        assert first["x"]._block.sharding.spec == spec
+    if n > 1:  # Each device received its replicas' rows: the elements are sharded so.
+        spec = jax.sharding.PartitionSpec(s.extended.replica_axis)
+        assert first["x"].stacked.sharding.spec == spec
     for element, host in zip([first, *it], dataset, strict=True):
         got = s.experimental_local_results(element["x"])
         for value, chunk in zip(got, tf_split(host["x"], n), strict=True):
@@ -391,7 +403,6 @@ def test_a_step_closing_over_a_blocked_element_sees_its_values(n):
     s, d = mirrored(n), data(8 * n)
     first, second = elements(s, s.experimental_make_numpy_dataset(d).batch(4 * n))
     captured = second["y"]
-    assert batch_blocks.in_block(captured)
 
     def step(x):
         doubled = jax.tree_util.tree_map(lambda a: a * 2, captured)
@@ -419,45 +430,47 @@ def test_a_block_holds_at_most_its_bytes_and_count(batch_bytes, size):
 
 @pytest.mark.parametrize("options", [
     {"experimental_fetch_to_device": False}, {"experimental_per_replica_buffer_size": 0}])
-def test_blocks_only_where_they_serve(options):
-    s = mirrored(4)
+def test_blocks_only_where_they_serve(options, monkeypatch):
+    s, cuts = mirrored(4), cutting(monkeypatch)
     fetched = options.get("experimental_fetch_to_device", True)
     dataset = s.experimental_make_numpy_dataset(data(32)).batch(8)
-    assert batch_blocks.in_block(elements(s, dataset, **options)[0]["x"]) == fetched
+    elements(s, dataset, **options)
+    assert bool(cuts) == fetched
     uneven = s.experimental_make_numpy_dataset(data(30)).batch(6)  # 6 rows over 4 replicas.
     listed = batches(data(32), 8)  # A list: its batches may differ in shape.
+    cuts.clear()
     for source in (uneven, listed):
-        assert not batch_blocks.in_block(elements(s, source)[0]["x"])
-    one = mirrored(1)
-    assert not batch_blocks.in_block(elements(one, dataset)[0]["x"])
+        elements(s, source)
+    elements(mirrored(1), dataset)  # Aliased in place on one CPU device.
+    assert not cuts
 
 
 @pytest.mark.parametrize("buffer", [1, 4])
-def test_blocks_are_placed_by_the_loop_and_other_sources_by_a_thread(buffer):
+def test_blocks_are_placed_by_the_loop_and_other_sources_by_a_thread(buffer, monkeypatch):
     # In-memory blocks have no loading to hide; a thread's work would slow the step.
     s, options = mirrored(4), jdist.InputOptions(experimental_per_replica_buffer_size=buffer)
+    cuts = cutting(monkeypatch)
     blocked = s.experimental_make_numpy_dataset(data(64)).batch(8)
     it = iter(s.experimental_distribute_dataset(blocked, options))
-    assert batch_blocks.in_block(next(it)["x"]) and not prefetch.live_threads()
+    next(it)
+    assert cuts and not prefetch.live_threads()
     listed = iter(s.experimental_distribute_dataset(batches(data(64), 8), options))
-    assert not batch_blocks.in_block(next(listed)["x"]) and len(prefetch.live_threads()) == 1
+    next(listed)
+    assert len(cuts) == 1 and len(prefetch.live_threads()) == 1
     listed.close()
     assert not prefetch.live_threads()
 
 
 @pytest.mark.parametrize("n", (2, 8))
-def test_run_reads_blocked_batches_inside_its_program(n):
-    # The point of blocks: a loop's steps take no row out of a block on the host.
+def test_run_on_blocked_batches_computes_the_batches(n):
     s, d = mirrored(n), data(40 * n)
     dist = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(4 * n))
 
     def step(w, batch):
         return w + jdist.get_replica_context().all_reduce("sum", jnp.sum(batch["y"]))
-    w, seen = jdist.Mirrored([np.float32(0)] * n), []
+    w = jdist.Mirrored([np.float32(0)] * n)
     for element in dist:
         w = s.run(step, args=(w, element))
-        seen.append(element["y"])
-    assert all(batch_blocks.in_block(y) and y._taken is None for y in seen)
     np.testing.assert_array_equal(np.asarray(w.values[0]), np.sum(d["y"]))
 
 
@@ -490,7 +503,7 @@ def test_numpy_blocks_are_the_elements_in_order(pipeline, count):
 
 @pytest.mark.parametrize("n", (2, 8))
 @pytest.mark.parametrize("donate", [False, True])
-def test_a_function_wrapped_step_indexes_blocks_in_its_program(n, donate):
+def test_a_function_wrapped_step_on_blocked_batches(n, donate):
     # The TF idiom: @tf.function def train_step(batch): return strategy.run(step, (batch,)).
     s, d = mirrored(n), data(40 * n + 1)
     dist = s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(4 * n))
@@ -500,11 +513,9 @@ def test_a_function_wrapped_step_indexes_blocks_in_its_program(n, donate):
         def step(w, batch):
             return w + jdist.get_replica_context().all_reduce("sum", jnp.sum(batch["y"]))
         return s.run(step, args=(w, batch))
-    w, seen = jdist.Mirrored([np.float32(0)] * n), []
+    w = jdist.Mirrored([np.float32(0)] * n)
     for _ in range(2):
         for element in dist:
-            if batch_blocks.in_block(element["y"]):
+            if not element["y"].ragged:  # The last row is a partial batch: left out.
                 w = train_step(w, element)
-                seen.append(element["y"])
-    assert all(y._taken is None for y in seen) != donate  # Donated: taken, then donated.
     np.testing.assert_array_equal(np.asarray(w.values[0]), 2 * np.sum(d["y"][:40 * n]))

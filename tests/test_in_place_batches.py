@@ -64,7 +64,6 @@ def test_each_replicas_rows_are_the_datasets_own_memory_and_tf_split(n, inner):
     assert len(got) == 71
     x, part = rows.arrays["x"], rows.arrays["x"][:16].nbytes
     for i, element in enumerate(got[:70]):
-        assert not batch_blocks.in_block(element["x"])
         assert isinstance(element["x"], jax.Array) == (n == 1)  # TF's one-replica batches.
         assert addresses(element["x"]) == [x.ctypes.data + (i * n + r) * part for r in range(n)]
         for key in d:
@@ -123,15 +122,18 @@ def test_batches_are_made_once_and_kept_for_later_epochs(n, monkeypatch):
     (lambda n: ({"y": np.arange(8 * n * 8)}, 8 * n, None), False),  # ...in 32 bytes: not.
     (lambda n: (data(16 * n * 8), 16 * n, 8), False),  # Shuffled rows: copied.
 ], ids=["aligned", "unaligned", "int64", "int64-unaligned", "shuffled"])
-def test_batches_are_read_in_place_only_where_every_part_is_aligned_and_in_order(make, in_place):
+def test_batches_are_read_in_place_only_where_every_part_is_aligned_and_in_order(
+        make, in_place, monkeypatch):
     s = mirrored(4)
     d, batch, shuffle = make(4)
     rows = s.experimental_make_numpy_dataset(d)
     rows = (rows if shuffle is None else rows.shuffle(
         shuffle, seed=1, reshuffle_each_iteration=False)).batch(batch)
+    cuts, cut = [], batch_blocks.BlockFeed._cut_placed  # Blocks: their batches cut out.
+    monkeypatch.setattr(batch_blocks.BlockFeed, "_cut_placed",
+                        lambda self, *a: cuts.append(1) or cut(self, *a))
     got = list(s.experimental_distribute_dataset(rows))
-    assert in_place == (not any(batch_blocks.in_block(v) for e in got for v in jax.tree.leaves(
-        e, is_leaf=lambda v: isinstance(v, jdist.PerReplica))))
+    assert in_place == (not cuts)
     for element, host in zip(got, list(rows), strict=True):
         for key in host:
             np.testing.assert_array_equal(np.asarray(s.gather(element[key], 0)),
@@ -140,12 +142,16 @@ def test_batches_are_read_in_place_only_where_every_part_is_aligned_and_in_order
 
 def test_a_dataset_of_more_buffers_than_kept_is_read_in_blocks(monkeypatch):
     monkeypatch.setattr(in_place_batches, "KEPT_BUFFERS", 2 * 4 * 10 - 1)  # 10 batches: one over.
+    cuts, cut = [], batch_blocks.BlockFeed._cut_placed  # Blocks: their batches cut out.
+    monkeypatch.setattr(batch_blocks.BlockFeed, "_cut_placed",
+                        lambda self, *a: cuts.append(1) or cut(self, *a))
     s, d = mirrored(4), data(64 * 10)
-    got = list(s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(64)))
-    assert batch_blocks.in_block(got[0]["x"])
+    list(s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(64)))
+    assert cuts
+    cuts.clear()
     monkeypatch.setattr(in_place_batches, "KEPT_BUFFERS", 2 * 4 * 10)
-    got = list(s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(64)))
-    assert not batch_blocks.in_block(got[0]["x"])
+    list(s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(d).batch(64)))
+    assert not cuts
 
 
 @pytest.mark.parametrize("n", (2, 3, 8))
@@ -246,7 +252,6 @@ def test_int64_batches_read_in_place_are_int32_without_x64(n):
     dist = s.experimental_distribute_dataset(rows)
     for _ in range(2):  # The second epoch reads the kept values.
         for i, element in enumerate(dist):
-            assert not batch_blocks.in_block(element["y"])
             assert s.experimental_local_results(element["y"])[0].dtype == np.int32
             batch = y[i * 16 * n:(i + 1) * 16 * n]
             total = s.run(lambda v: jdist.get_replica_context().all_reduce("sum", jnp.sum(v)),

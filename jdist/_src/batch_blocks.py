@@ -3,30 +3,29 @@
 Placing a small batch on several devices costs mostly per-buffer work (one buffer per leaf and
 device: about 110 us for a 64 KiB batch of two leaves on 8 CPU devices), not its bytes. A block
 holds ``K`` consecutive full batches, ``(K, num_replicas, rows, *inner)``, and is placed in one
-call with as many buffers as ONE batch; each element then names its position in the block.
-Measured with a dispatch-bound step on 8 CPU devices (``docs/design.md``, "Batch blocks"): one
-placement per batch runs at 0.73-0.79 of the speed of batches already on the devices, blocks of
-64 at 0.92-0.95.
+call with as many buffers as ONE batch. Measured with a dispatch-bound step (1 ms) on 8 CPU
+devices, a shuffled numpy dataset (``make bench``, ``bench_input``): one placement per batch
+runs at 0.71 of the speed of batches already on the devices, blocks whose batches are cut out
+as ordinary values at 0.81-0.85. (Indexing the block inside the step's own program, with
+elements that flattened to ``(block, position)`` while ``run`` called it, ran at 0.89-0.92:
+it cost a `PerReplica` subclass and a thread-local flag that changed how a value flattens, in
+four modules, for 4-11% of a step that does nothing; it went.)
 
 That layout is the dataset's own: ``K`` consecutive batches of its rows are those rows, so a
 block of them is a view of the dataset's arrays (a `NumpyDataset` holds an aligned, read-only
 copy). On CPU devices a block is placed replicated: every device's buffer is that host memory
-itself, with no copy and no transfer, and the step's program reads each replica's rows of a
-position in place. On several accelerators it is sharded over the replica axis (dimension 1),
+itself, with no copy and no transfer. On several accelerators it is sharded over the replica axis (dimension 1),
 each device receiving its replicas' rows. A block holds no more batches than one pass over
 the data gives, and a short last block is the block's worth of rows ending with it, its
-batches at the last positions. Shuffled rows, 64-bit data (without x64) and rows that are not a block's worth
-in order (padded) are copied into the layout first.
+batches at the last positions. Shuffled rows, 64-bit data (without x64) and rows that are not
+a block's worth in order (padded) are copied into the layout first.
 
-An element is a `BlockedPerReplica`: a `PerReplica` in every respect (``values``, ``stacked``,
-pytree utilities, pickling), whose array is taken out of the block by a small program the first
-time anything reads it, and kept. Only `strategy.run`'s direct call reads the block itself:
-while it calls its program (`reading`), the element flattens to ``(block, position)`` and
-unflattens to the row the position selects, so the step receives the same values, indexed
-inside the compiled step where the index is free.
+An element is an ordinary `PerReplica`, cut out of its block on the devices by one compiled
+program for `CUT` batches at a time, each batch sharded over the replicas as any `PerReplica`
+is: the batching of transfers stays inside the iterator, and a step sees plain values.
 
-On one replica TF's elements are plain tensors, so there a block's batches are plain arrays cut
-out of it on the device, `CUT` per launch: one transfer per block still replaces one per batch.
+On one replica TF's elements are plain tensors: there a block's batches are plain arrays, cut
+the same way (or, on a CPU device, aliased in place).
 
 Blocks are used where a dataset's data is already in memory and its full batches share one shape
 (a batched `NumpyDataset`), so waiting for ``K`` batches costs no loading latency. On CPU devices
@@ -37,10 +36,7 @@ prefetch thread places them ahead, beside the steps. Where the rows are in order
 replica's part is aligned, CPU devices skip blocks altogether: `in_place_batches`.
 """
 
-import contextlib
 import functools
-from typing import Optional
-import threading
 
 import jax
 from jax import lax
@@ -55,117 +51,13 @@ BLOCK_BYTES = 4 << 20  # A block holds at most this many bytes of batches...
 MAX_BATCHES = 64  # ...and at most this many batches.
 
 
-class _Reading(threading.local):
-    """Whether this thread's `strategy.run` is calling its direct program: set around that
-    call (inline, as it is on every step's path), cleared as the program's trace begins."""
-    active = False
-
-
-reading = _Reading()
-_IN_BLOCK = "in_block"  # The pytree metadata of an element flattened to (block, position).
-
-
 def block_size(batch_bytes: int) -> int:
     """How many full batches of ``batch_bytes`` bytes one block holds (1: no blocks)."""
     return max(1, min(MAX_BATCHES, BLOCK_BYTES // max(1, int(batch_bytes))))
 
 
-@contextlib.contextmanager
-def reading_blocks(active: bool = True):
-    """While inside, blocked values flatten to ``(block, position)`` (when ``active``), so the
-    program called there indexes the block itself (`jdist.function`, `run`'s second launch)."""
-    reading.active = active
-    try:
-        yield
-    finally:
-        reading.active = False
-
-
-def blocks_read():
-    """Called as the direct program's trace begins: JAX has flattened its arguments, so any
-    other flattening (of a blocked value the step captured, say) gives the plain value."""
-    reading.active = False
-
-
-def in_block(value) -> bool:
-    """Whether ``value`` is a dataset element held in a placed block (`BlockedPerReplica`)."""
-    return isinstance(value, BlockedPerReplica)
-
-
-def replica_struct(value: PerReplica) -> jax.ShapeDtypeStruct:
-    """One replica's shape and dtype of an even `PerReplica`, read without taking a block's row."""
-    if isinstance(value, BlockedPerReplica):
-        return jax.ShapeDtypeStruct(value._block.shape[2:], value._block.dtype)
-    return jax.ShapeDtypeStruct(value.stacked.shape[1:], value.stacked.dtype)
-
-
 def _take(block, position):
     return lax.dynamic_index_in_dim(block, position, keepdims=False)
-
-
-@functools.lru_cache(maxsize=16)
-def _taker(per_replica):
-    """`_take` as a program whose batch is sharded ``per_replica``, as a `PerReplica`'s stacked
-    array is, whether its block is replicated or sharded."""
-    return jax.jit(_take, out_shardings=per_replica)
-
-
-def _row(block, position):
-    """The batch at ``position`` in ``block``. Inside a trace the program's ``shard_map`` then
-    reads each replica's rows of it in place (XLA fuses the two into one slice per device)."""
-    if isinstance(block, jax.core.Tracer):
-        return _take(block, position)
-    mesh = block.sharding.mesh  # A replica mesh: its one axis is the replica axis.
-    return _taker(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-        *mesh.axis_names)))(block, position)
-
-
-class BlockedPerReplica(PerReplica):
-    """A full batch's leaf held as one position of a placed block (see the module doc)."""
-
-    __slots__ = ("_block", "_position", "_taken")
-    _block: jax.Array
-    _position: jax.Array
-    _taken: Optional[jax.Array]
-
-    @classmethod
-    def _at(cls, block, position):
-        self = object.__new__(cls)
-        self._block, self._position, self._taken = block, position, None
-        self._lengths = self._view_valid_rows = self._components = self._numbers = None
-        return self
-
-    @property
-    def _stacked(self):  # Read through `PerReplica.stacked`, `values`, flattening, ...
-        if self._taken is None:
-            with jax.ensure_compile_time_eval():  # Read inside a trace too: kept concrete.
-                self._taken = _row(self._block, self._position)
-        return self._taken
-
-    @property
-    def num_replicas(self):
-        return self._block.shape[1]
-
-    def __reduce__(self):  # Pickled and copied as the plain value it is.
-        return PerReplica._from_stacked, (self._stacked,)
-
-
-def _flatten(value):
-    if reading.active or not isinstance(value._block, jax.Array):  # JAX's placeholders (an
-        return (value._block, value._position), _IN_BLOCK  # ArgInfo, ...) keep their form.
-    return (value._stacked,), None
-
-
-def _unflatten(aux, children):
-    if aux != _IN_BLOCK:
-        return PerReplica._from_stacked(children[0])
-    block, position = children
-    if isinstance(block, jax.Array) and isinstance(position, jax.Array):  # Tracers included.
-        return PerReplica._from_stacked(_row(block, position))
-    return BlockedPerReplica._at(block, position)  # JAX's own placeholders: structure only.
-
-
-jax.tree_util.register_pytree_node(BlockedPerReplica, _flatten, _unflatten)
 
 
 def on_host_cores(mesh) -> bool:
@@ -202,14 +94,17 @@ class BlockFeed:
         self.size = size
         self._positions = _positions(mesh, size)
         self._plain = None  # One replica: how a block's batches become plain arrays, as in TF.
+        per_replica = jax.sharding.NamedSharding(mesh, spec(axis))
+        self._cut_count = _cut_count(size)
+        self._cut = _cutter(per_replica if mesh.devices.size > 1 else self._sharding,
+                            self._cut_count, mesh.devices.size == 1)
         self._in_place = in_place_batches.InPlaceBatches(
             mesh, axis, full_rows, batches_per_pass, guard) if (
                 self.on_loop_thread and batches_per_pass) else None
         if mesh.devices.size == 1 and self.on_loop_thread:
             self._plain = self._aliased_batches
         elif mesh.devices.size == 1:
-            self._plain, self._cut_count = self._cut_batches, _cut_count(size)
-            self._cut = _cutter(self._sharding, self._cut_count)
+            self._plain = self._cut_batches
 
     def __call__(self, arrays, blocks, split, placements):
         """Yields the elements of ``blocks`` (`NumpyDataset.blocks`' pairs, over the rows of
@@ -265,10 +160,11 @@ class BlockFeed:
         return self._blocked_elements(tree, blocks, first, number)
 
     def _blocked_elements(self, tree, blocks, first, number):
-        """The `BlockedPerReplica` elements of ``number`` batches of placed ``blocks`` (one per
-        leaf), from position ``first``."""
-        at, positions = BlockedPerReplica._at, self._positions[first:first + number]
-        return Elements(tuple(tree.unflatten([at(b, p) for b in blocks]) for p in positions))
+        """The elements of ``number`` batches of placed ``blocks`` (one per leaf), from position
+        ``first``: `PerReplica` values cut out of the blocks, made at once while the cores are
+        free (`Elements`)."""
+        return Elements(tuple(tree.unflatten([PerReplica._from_stacked(x) for x in batch])
+                              for batch in self._cut_placed(blocks, first, number)))
 
     def _kept_placement(self, kept, start, blocks):
         """``blocks`` (the data's rows from row ``start``, read in place) placed replicated
@@ -288,9 +184,13 @@ class BlockFeed:
 
     def _cut_batches(self, blocks, first, number):
         """One replica on an accelerator: the block placed in one transfer, its batches cut
-        out of it on the device (`_cutter`; a launch reading past the block's end reads its
-        last position again, and that batch is dropped)."""
-        blocks = jax.device_put(list(blocks), self._sharding)
+        out of it on the device (`_cut_placed`)."""
+        return self._cut_placed(jax.device_put(list(blocks), self._sharding), first, number)
+
+    def _cut_placed(self, blocks, first, number):
+        """The ``number`` batches of placed ``blocks`` from position ``first``, each a list of
+        one array per leaf, cut out on the devices by `_cutter` (a launch reading past the
+        block's end reads its last position again, and that batch is dropped)."""
         return [batch for start in range(first, first + number, self._cut_count)
                 for batch in self._cut(blocks, self._positions[start])][:number]
 
@@ -332,7 +232,7 @@ class BlockFeed:
         return held_copy(block)
 
 
-CUT = 8  # One replica: the batches one launch cuts out of a block (its compile grows with it).
+CUT = 8  # The batches one launch cuts out of a block (its compile grows with it).
 
 
 def _cut_count(size):
@@ -342,15 +242,17 @@ def _cut_count(size):
 
 
 @functools.lru_cache(maxsize=16)
-def _cutter(replicated, count):
-    """The program that cuts ``count`` batches, from a position on, out of a one-replica block,
-    placed ``replicated`` (where `run` wants a one-replica argument). Measured on an H100 (one
-    replica, a dispatch-bound step): a transfer per batch ran at 0.28-0.37 of on-device speed,
-    blocks cut this way at 0.54-0.74. Eight per launch: all 64 at once compiled in 0.6-2.7 s
-    on CPU (2 to 40 leaves), eight in 0.13-0.5 s, and cost no more per block."""
+def _cutter(sharding, count, one_replica):
+    """The program that cuts ``count`` batches, from a position on, out of blocks, each batch
+    placed on ``sharding`` (a `PerReplica`'s, over the replica axis; ``one_replica``: the plain
+    batch `run` wants there). Measured on an H100 (one replica, a dispatch-bound step): a
+    transfer per batch ran at 0.28-0.37 of on-device speed, blocks cut this way at 0.54-0.74.
+    Eight per launch: all 64 at once compiled in 0.6-2.7 s on CPU (2 to 40 leaves), eight in
+    0.13-0.5 s, and cost no more per block."""
     def cut(blocks, start):
-        return [[_take(block, start + i)[0] for block in blocks] for i in range(count)]
-    return jax.jit(cut, out_shardings=replicated)
+        return [[_take(block, start + i)[0] if one_replica else _take(block, start + i)
+                 for block in blocks] for i in range(count)]
+    return jax.jit(cut, out_shardings=sharding)
 
 
 @functools.lru_cache(maxsize=8)

@@ -22,7 +22,6 @@ import threading
 import jax
 from jax.extend import core
 
-from jdist._src import batch_blocks
 from jdist._src import context
 from jdist._src import errors
 from jdist._src import function_numbers
@@ -108,14 +107,14 @@ class DispatchGuard:
 
 class _Lowered:
     """``jax.jit(...).lower``'s result for a `function`: every attribute is JAX's, and
-    ``compile()`` gives a program called as the function calls its own, blocked dataset
-    elements entering as ``(block, position)`` (`batch_blocks`) as they were lowered."""
+    ``compile()`` gives a program called as the function calls its own (its Python numbers
+    compiled in)."""
 
-    def __init__(self, lowered, blocks, taking):
-        self._lowered, self._blocks, self._taking = lowered, blocks, taking
+    def __init__(self, lowered, taking):
+        self._lowered, self._taking = lowered, taking
 
     def compile(self, *args, **kwargs):
-        return _Compiled(self._lowered.compile(*args, **kwargs), self._blocks, self._taking)
+        return _Compiled(self._lowered.compile(*args, **kwargs), self._taking)
 
     def __getattr__(self, name):
         return getattr(self._lowered, name)
@@ -125,13 +124,12 @@ class _Compiled:
     """JAX's compiled program of a `_Lowered`, called on arguments flattened as they were
     when it was lowered."""
 
-    def __init__(self, compiled, blocks, taking):
-        self._compiled, self._blocks, self._taking = compiled, blocks, taking
+    def __init__(self, compiled, taking):
+        self._compiled, self._taking = compiled, taking
 
     def __call__(self, *args, **kwargs):
         args, kwargs = self._taking(args, kwargs)  # Its Python numbers are compiled in.
-        with batch_blocks.reading_blocks(self._blocks):
-            return self._compiled(*args, **kwargs)
+        return self._compiled(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._compiled, name)
@@ -321,9 +319,6 @@ class _GuardedFunction:
             getattr(fun, "__name__", "function"), self._jit)
         self._static = {}  # Per number of positional arguments: `_static_arguments`.
         self._guard = guard_for(jax.default_backend(), jax.local_device_count())
-        # Dataset elements held in blocks enter as (block, position), indexed inside the
-        # program; not when arguments are donated: a block and its positions serve others too.
-        self._blocks = not (jit_kwargs.get("donate_argnums") or jit_kwargs.get("donate_argnames"))
 
     def _jit(self, numbers):
         """``fun`` under ``jax.jit``, its Python numbers ``numbers`` put back as it is traced."""
@@ -357,12 +352,11 @@ class _GuardedFunction:
     def _traced(self, args, kwargs):
         if _holds_ragged_values((args, kwargs)):
             raise _RaggedArguments()  # Before ``fun`` is traced: the call runs it as Python.
-        batch_blocks.blocks_read()  # Arguments flattened: what ``fun`` captures reads plainly.
         return _checked_outputs(self._fun(*args, **kwargs))
 
     def __call__(self, args, kwargs):
         try:
-            with _inside_function(), batch_blocks.reading_blocks(self._blocks):
+            with _inside_function():
                 # Every call: an int64 host number int32 cannot hold raises (JAX would wrap it).
                 jitted, call, numbers = self._program(args, kwargs)
                 if self._guard.inside_launch():  # Traced by a launch: part of its program.
@@ -385,10 +379,10 @@ class _GuardedFunction:
     def lower(self, *args, **kwargs):
         """``jax.jit``'s ``lower``; the lowered program's ``compile()`` takes what the function
         takes, dataset elements included."""
-        with _inside_function(), batch_blocks.reading_blocks(self._blocks):
+        with _inside_function():
             jitted, call, numbers = self._program(args, kwargs)
             try:
-                return _Lowered(jitted.lower(*call[0], **call[1]), self._blocks,
+                return _Lowered(jitted.lower(*call[0], **call[1]),
                                 functools.partial(self._program_numbers, numbers))
             except _RaggedArguments as ragged:
                 raise errors.UnevenValuesError(str(ragged)) from None

@@ -27,7 +27,6 @@ import collections.abc
 import jax
 import numpy as np
 
-from jdist._src import batch_blocks
 from jdist._src import errors
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import dtype_kind
@@ -491,8 +490,7 @@ def spec_of_element(element):
         if isinstance(x, PerReplica) and x.ragged:
             return _struct(x.values[0].shape, x.values[0].dtype)
         if isinstance(x, PerReplica):  # From the stacked array's shape: nothing is read.
-            struct = batch_blocks.replica_struct(x)
-            return _struct(struct.shape, struct.dtype)
+            return _struct(x.stacked.shape[1:], x.stacked.dtype)
         dtype = getattr(x, "dtype", None)
         return _struct(np.shape(x), np.asarray(x).dtype if dtype is None else dtype)
     return jax.tree_util.tree_map(leaf_spec, element,

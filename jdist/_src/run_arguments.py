@@ -11,7 +11,6 @@ program with `Mirrored` ones, whose collectives combine each replica's copy (doc
 import jax
 import jax.numpy as jnp
 
-from jdist._src import batch_blocks
 from jdist._src import errors
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import is_placeable
@@ -86,8 +85,6 @@ def fast_leaf(leaf, num_replicas):
 
 def placed(leaf, place):
     """A distributed argument whose array is on ``place``'s mesh (``leaf`` itself if it is)."""
-    if batch_blocks.in_block(leaf):  # Its block is on a mesh (the call checks which): kept.
-        return leaf
     if isinstance(leaf, PerReplica):
         stacked = place.place_per_replica(leaf.stacked)
         return leaf if stacked is leaf.stacked else PerReplica._from_stacked(stacked)

@@ -23,7 +23,6 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jdist._src import argument_paths
-from jdist._src import batch_blocks
 from jdist._src import batch_rows
 from jdist._src import context
 from jdist._src import dispatch
@@ -155,8 +154,6 @@ class ReplicatedRunner:
             cache.direct = jax.jit(functools.partial(self._direct_body, cache))
             cache.token = functools.partial(_waited_outputs, cache)
         if not cache.flatten_first:
-            reading = batch_blocks.reading
-            reading.active = True  # Blocked dataset elements enter as (block, position).
             try:
                 outputs = self._guard.launch(cache.direct, call, cache.token)
             except (_NotCanonical, TypeError, ValueError, OverflowError) as refused:
@@ -166,8 +163,6 @@ class ReplicatedRunner:
                     return self._run_general(cache, args, kwargs)  # string, an array elsewhere).
             else:
                 cache.direct_missed = False
-            finally:
-                reading.active = False
         if outputs is None:
             outputs = self._launch_canonical(cache, call)
             if outputs is None:
@@ -202,8 +197,7 @@ class ReplicatedRunner:
         if not changed:  # Arguments the direct program takes as they come: try it again.
             cache.flatten_first = False
         try:
-            with batch_blocks.reading_blocks():
-                return self._guard.launch(cache.direct, canonical, cache.token)
+            return self._guard.launch(cache.direct, canonical, cache.token)
         except (TypeError, ValueError):
             return None
 
@@ -352,7 +346,6 @@ class ReplicatedRunner:
         """Traced by the direct program (`run`): the general path on tracers, for
         canonical arguments only; raises `_NotCanonical` for the others, before any trace of
         the function, so the direct program never compiles them."""
-        batch_blocks.blocks_read()  # The step itself sees blocked values as they are.
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
         if not all(self._is_canonical(leaf) for leaf in leaves):
             raise _NotCanonical()
