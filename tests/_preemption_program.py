@@ -5,8 +5,9 @@ Prints ``step K IDS`` after each step (IDS: the example ids of its global batch)
 DIRECTORY's latest checkpoint, and prints ``done`` and the final parameters as JSON at the end;
 SIGTERM makes it save and exit with status 75 at the next step boundary. With ``TF_CONFIG`` it
 is one worker of a `MultiWorkerMirroredStrategy` over all its local devices (REPLICAS is
-ignored; peers silent for 5 s end it), and only worker 0 pauses DELAY seconds after each step:
-the other waits inside the next step's collective, where the test's signal reaches it.
+ignored; peers silent for 5 s end it), the workers agree on stopping every 2 steps, and only
+worker 0 pauses DELAY seconds after each step: the other waits inside the next step's
+collective, where the test's signal reaches it.
 """
 
 import json
@@ -65,7 +66,7 @@ def train(directory, replicas, delay=0.0, report=lambda step, ids: None):
         strategy = jdist.MirroredStrategy(jax.local_devices()[:replicas])
     dist, seen = dataset(strategy), []
     params = jdist.mirror(init_params(), strategy)
-    config = jdist.experimental.TerminationConfig(exit_code=75)
+    config = jdist.experimental.TerminationConfig(exit_code=75, check_every=2)
     with jdist.checkpoint.CheckpointManager(directory, strategy) as manager:
         handler = jdist.experimental.PreemptionCheckpointHandler(None, manager,
                                                                  termination_config=config)

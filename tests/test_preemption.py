@@ -136,7 +136,8 @@ def test_sigterm_to_one_worker_stops_both_at_one_step_and_resumes_on_one_process
         tmp_path, uninterrupted):
     """Worker 1 (never paused: it waits inside each step's collective for worker 0) is told
     to stop after step 4 of epoch 1; both exit 75 after the chief's one checkpoint at the
-    same step, and 1 process x 4 replicas resumes there."""
+    same step (the next even one: they agree every 2 steps), and 1 process x 4 replicas
+    resumes there."""
     directory = tmp_path / "preempted"
     procs = start_workers(directory, tmp_path, 0.3)
     try:
@@ -149,7 +150,8 @@ def test_sigterm_to_one_worker_stops_both_at_one_step_and_resumes_on_one_process
     before = [steps_of(text.splitlines()) for text in out]
     assert before[0] == before[1]  # The same steps: they stopped at one boundary.
     with jdist.checkpoint.CheckpointManager(directory) as manager:
-        assert manager.all_steps() == [len(before[0])] and 4 <= len(before[0]) < 7
+        assert manager.all_steps() == [len(before[0])]
+    assert len(before[0]) in (4, 6)  # check_every=2: at an agreement after the signal.
     # The same global batches; gathered in another order (DATA sharding over 2 workers).
     assert [sorted(ids) for ids in before[0]] == [
         sorted(ids) for ids in uninterrupted[1][:len(before[0])]]

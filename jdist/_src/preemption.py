@@ -51,9 +51,10 @@ class TerminationConfig:
       check_every: with several workers, how many step boundaries apart they agree on whether
         to stop (jdist's addition): a signal is acted on at the next multiple, so
         ``check_every`` steps must fit in the grace period. Each agreement is one collective
-        of a scalar read back on the host (about 0.3 ms on CPU, where the dispatch guard
-        waits for every step anyway); default 1 on CPU, 10 elsewhere, where a read back
-        stalls the asynchronous dispatch.
+        of a scalar read back on the host: 0.35-0.45 ms on 2 CPU workers over loopback, as
+        much as a tiny step's own all-reduce. Default 1 on CPU, where the dispatch guard
+        waits for every step anyway; 10 elsewhere, where a read back stalls the
+        asynchronous dispatch.
 
     Example:
       >>> import signal
@@ -179,8 +180,8 @@ class PreemptionCheckpointHandler:
     def _preempted(self) -> bool:
         """Whether to save and exit at this boundary: this process was told to stop, or, with
         several workers, any of them was (asked every ``check_every`` boundaries only)."""
-        self._boundaries += 1
-        if self._any_worker is not None and self._boundaries % self._every:
+        due, self._boundaries = self._boundaries % self._every == 0, self._boundaries + 1
+        if not due:
             return False
         watcher = self._config.termination_watcher_fn
         told = self._signalled.is_set() or bool(watcher is not None and watcher())
