@@ -3,10 +3,15 @@ test_preemption.py: ``python _preemption_program.py DIRECTORY REPLICAS DELAY``.
 
 Prints ``step K IDS`` after each step (IDS: the example ids of its global batch), resumes from
 DIRECTORY's latest checkpoint, and prints ``done`` and the final parameters as JSON at the end;
-SIGTERM makes it save and exit with status 75 at the next step boundary.
+SIGTERM makes it save and exit with status 75 at the next step boundary. With ``TF_CONFIG`` it
+is one worker of a `MultiWorkerMirroredStrategy` over all its local devices (REPLICAS is
+ignored; peers silent for 5 s end it), the workers agree on stopping every 2 steps, and only
+worker 0 pauses DELAY seconds after each step: the other waits inside the next step's
+collective, where the test's signal reaches it.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -53,10 +58,15 @@ def make_step(strategy, seen):
 
 def train(directory, replicas, delay=0.0, report=lambda step, ids: None):
     """Trains EPOCHS epochs from DIRECTORY's latest checkpoint; returns the host parameters."""
-    strategy = jdist.MirroredStrategy(jax.local_devices()[:replicas])
+    if "TF_CONFIG" in os.environ:
+        strategy = jdist.MultiWorkerMirroredStrategy(
+            communication_options=jdist.CommunicationOptions(timeout_seconds=5))
+        delay *= strategy.extended.worker_index == 0
+    else:
+        strategy = jdist.MirroredStrategy(jax.local_devices()[:replicas])
     dist, seen = dataset(strategy), []
     params = jdist.mirror(init_params(), strategy)
-    config = jdist.experimental.TerminationConfig(exit_code=75)
+    config = jdist.experimental.TerminationConfig(exit_code=75, check_every=2)
     with jdist.checkpoint.CheckpointManager(directory, strategy) as manager:
         handler = jdist.experimental.PreemptionCheckpointHandler(None, manager,
                                                                  termination_config=config)

@@ -1,6 +1,8 @@
 """jdist.experimental.PreemptionCheckpointHandler (issue 48): a training process sent SIGTERM
 mid-epoch saves at the next step boundary and exits with the configured code; a second process,
-on another replica count, resumes there and ends with the uninterrupted run's parameters."""
+on another replica count, resumes there and ends with the uninterrupted run's parameters. With
+2 workers x 2 devices (loopback, every process bounded and ended by its pid) a SIGTERM to one
+worker stops both at one step, and a worker killed mid-collective ends the other, typed."""
 
 import json
 import os
@@ -9,12 +11,15 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import jdist
 from jdist import errors
+from jdist.launch import free_ports
+from jdist.launch import worker_env
 
 pytest.importorskip("orbax.checkpoint")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -42,10 +47,30 @@ def steps_of(lines):
     return [json.loads(line.split(" ", 2)[2]) for line in lines if line.startswith("step ")]
 
 
-def test_sigterm_mid_epoch_saves_exits_and_resumes_on_another_replica_count(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The parameters and the example ids of each step of a run that never stopped."""
     seen = []
-    reference = program.train(tmp_path / "straight", 2,
-                              report=lambda step, ids: seen.append(ids))
+    params = program.train(tmp_path_factory.mktemp("straight"), 2,
+                           report=lambda step, ids: seen.append(ids))
+    return params, seen
+
+
+def resumed_matches(directory, replicas, before, uninterrupted):
+    """Resumes in a new process on ``replicas`` replicas: it continues where ``before`` (the
+    steps' ids) stopped, and ends with the uninterrupted run's parameters (within 1e-6)."""
+    code, lines, err = finish(start(directory, replicas, 0.0))
+    assert code == 0, err
+    reference, seen = uninterrupted
+    assert steps_of(lines) == seen[len(before):]
+    resumed = json.loads(lines[-1][len("done "):])
+    for key, value in reference.items():
+        np.testing.assert_allclose(np.asarray(resumed[key], np.float32), value, rtol=0,
+                                   atol=1e-6)
+
+
+def test_sigterm_mid_epoch_saves_exits_and_resumes_on_another_replica_count(tmp_path,
+                                                                              uninterrupted):
     directory = tmp_path / "preempted"
     first = start(directory, 2, 0.3)
     watchdog = threading.Timer(120, first.kill)  # Bounds the read below: ends it by its pid.
@@ -64,14 +89,91 @@ def test_sigterm_mid_epoch_saves_exits_and_resumes_on_another_replica_count(tmp_
     before = steps_of(lines + rest)
     with jdist.checkpoint.CheckpointManager(directory) as manager:
         assert manager.latest_step == len(before) and 4 <= len(before) < program.PER_EPOCH
+    assert before == uninterrupted[1][:len(before)]
+    resumed_matches(directory, 3, before, uninterrupted)
 
-    code, lines, err = finish(start(directory, 3, 0.0))
-    assert code == 0, err
-    assert before + steps_of(lines) == seen
-    resumed = json.loads(lines[-1][len("done "):])
-    for key, value in reference.items():
-        np.testing.assert_allclose(np.asarray(resumed[key], np.float32), value, rtol=0,
-                                   atol=1e-6)
+
+def start_workers(directory, folder, delay):
+    """2 workers x 2 CPU devices on loopback, each one's output in ``folder/worker<i>.txt``."""
+    ports, procs = free_ports(2), []
+    for i in range(2):
+        env = worker_env({**os.environ, "JAX_PLATFORMS": "cpu"}, ports, i, devices_per_proc=2)
+        with open(folder / f"worker{i}.txt", "w") as out:
+            procs.append(subprocess.Popen([sys.executable, PROGRAM, str(directory), "0",
+                                           str(delay)], env=env, stdout=out,
+                                          stderr=subprocess.STDOUT))
+    return procs
+
+
+def wait_for(path, text, procs, timeout=90):
+    """Polls ``path`` until it holds ``text`` (True), a process ends or time is up (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if text in path.read_text():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def end_all(procs, timeout):
+    """Each process's exit status and seconds until it ended; one still running at the
+    deadline is killed, by its pid, and its status is None."""
+    t0, ended = time.monotonic(), {}
+    try:
+        while len(ended) < len(procs) and time.monotonic() - t0 < timeout:
+            ended.update({i: time.monotonic() - t0 for i, p in enumerate(procs)
+                          if i not in ended and p.poll() is not None})
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode if i in ended else None, ended.get(i)) for i, p in enumerate(procs)]
+
+
+def test_sigterm_to_one_worker_stops_both_at_one_step_and_resumes_on_one_process(
+        tmp_path, uninterrupted):
+    """Worker 1 (never paused: it waits inside each step's collective for worker 0) is told
+    to stop after step 4 of epoch 1; both exit 75 after the chief's one checkpoint at the
+    same step (the next even one: they agree every 2 steps), and 1 process x 4 replicas
+    resumes there."""
+    directory = tmp_path / "preempted"
+    procs = start_workers(directory, tmp_path, 0.3)
+    try:
+        assert wait_for(tmp_path / "worker1.txt", "step 4 ", procs)
+        os.kill(procs[1].pid, signal.SIGTERM)
+    finally:
+        ended = end_all(procs, 60)
+    out = [(tmp_path / f"worker{i}.txt").read_text() for i in range(2)]
+    assert [code for code, _ in ended] == [75, 75], out
+    before = [steps_of(text.splitlines()) for text in out]
+    assert before[0] == before[1]  # The same steps: they stopped at one boundary.
+    with jdist.checkpoint.CheckpointManager(directory) as manager:
+        assert manager.all_steps() == [len(before[0])]
+    assert len(before[0]) in (4, 6)  # check_every=2: at an agreement after the signal.
+    # The same global batches; gathered in another order (DATA sharding over 2 workers).
+    assert [sorted(ids) for ids in before[0]] == [
+        sorted(ids) for ids in uninterrupted[1][:len(before[0])]]
+    resumed_matches(directory, 4, before[0], uninterrupted)
+
+
+def test_a_worker_killed_inside_a_collective_ends_the_other_typed(tmp_path):
+    """Killed at the end of its grace period (SIGKILL) while worker 0 pauses: worker 0 then
+    waits in a collective that never completes, and the watchdog ends it (status 14,
+    UnavailableError) within its 5 s timeout, not hanging; no checkpoint is written."""
+    directory = tmp_path / "killed"
+    procs = start_workers(directory, tmp_path, 0.3)
+    try:
+        assert wait_for(tmp_path / "worker1.txt", "step 2 ", procs)
+        os.kill(procs[1].pid, signal.SIGKILL)
+    finally:
+        ended = end_all(procs, 40)
+    out = (tmp_path / "worker0.txt").read_text()
+    assert ended[0][0] == 14 and ended[0][1] < 5 + 10, (ended, out)
+    assert "jdist.errors.UnavailableError: worker 1 (task worker:1" in out
+    with jdist.checkpoint.CheckpointManager(directory) as manager:
+        assert manager.latest_step is None
 
 
 def test_the_handler_needs_a_checkpoint_manager_and_gives_the_signal_back(tmp_path):

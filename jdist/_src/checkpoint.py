@@ -136,6 +136,11 @@ class CheckpointManager:
         return self._directory
 
     @property
+    def strategy(self) -> Any:
+        """The strategy whose state this manager saves and restores into."""
+        return self._strategy
+
+    @property
     def latest_step(self) -> Optional[int]:
         """The newest complete checkpoint's step, or None if there is none."""
         return self._manager.latest_step()

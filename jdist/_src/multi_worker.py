@@ -75,6 +75,11 @@ def _reshard(sharding):
     return jax.jit(lambda x: x, out_shardings=sharding)
 
 
+@functools.lru_cache(maxsize=None)
+def _max_program(sharding):
+    return jax.jit(lambda x: x.max(), out_shardings=sharding)
+
+
 class MultiWorkerExtended(MirroredExtended):
     """`MirroredExtended` over the devices of every worker (see the module doc).
 
@@ -172,6 +177,17 @@ class MultiWorkerExtended(MirroredExtended):
         """The `multi_worker_runtime.Agreement` (None with one worker): how workers compare
         what must be equal before a collective needs it."""
         return self._agreement
+
+    def _any_worker(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any worker: each worker's flag, placed on its own
+        replicas (no exchange), maxed over every replica by one tiny compiled collective,
+        launched through the guard like a step's program and read back on this host. Every
+        worker that calls it at the same point of its program stream reads the same value."""
+        local = np.full((len(self._local_ids),), flag, np.int32)
+        flags = jax.make_array_from_process_local_data(
+            self._programs.per_replica_sharding, local, (self._num_replicas,))
+        program = _max_program(self._programs.replicated_sharding)
+        return bool(np.asarray(self._guard.dispatch(program, flags).addressable_data(0)))
 
     def _replica_ids_by_worker(self):
         """Per worker, the global ids of its replicas (its devices in ``jax.devices()``)."""
