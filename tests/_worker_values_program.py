@@ -46,6 +46,13 @@ def main(out):
         results[f"int64 reduce {2**20} {axis}"] = np.asarray(s.reduce("SUM", mine, axis)).tolist()
     results[f"int64 reduce_to {2**20}"] = np.asarray(s.experimental_local_results(
         s.extended.reduce_to("SUM", mine, replica))[0]).tolist()
+    ints = np.array([1 + worker], np.int32)  # An integer MEAN: JAX's default float without x64.
+    for axis in (None, 0):
+        mean = s.reduce("MEAN", ints, axis)
+        results[f"int32 MEAN {axis}"] = [np.asarray(mean).tolist(), str(np.asarray(mean).dtype)]
+    mean = s.extended.reduce_to("MEAN", ints, replica)
+    results["int32 MEAN reduce_to"] = [np.asarray(s.experimental_local_results(mean)[0]).tolist(),
+                                       str(np.asarray(s.experimental_local_results(mean)[0]).dtype)]
     ext = s.extended  # TF's roles: checkpoints and summaries on the chief, init everywhere.
     results["_roles"] = [ext.should_checkpoint, ext.should_save_summary, ext.should_init,
                          ext.experimental_should_init]

@@ -137,6 +137,9 @@ def test_a_plain_value_is_each_workers_own(tmp_path):
             assert np.shape(got[0][case]) == np.shape(want), case  # (No broadcasting.)
     for case in ("reduce 1048576 None", "reduce 1048576 0", "reduce_to 1048576"):
         assert np.ravel(got[0][f"int64 {case}"]).tolist() == [1 + 2**20]
+    # Issue 49: an integer MEAN across workers is TF's 1.5, in JAX's default float without x64.
+    assert got[0]["int32 MEAN None"] == got[0]["int32 MEAN reduce_to"] == [[1.5], "float32"]
+    assert got[0]["int32 MEAN 0"] == [1.5, "float32"]  # Along axis 0: a scalar.
     assert got[0]["float64 reduce None"] == [float(np.float32(0.1) + np.float32(1.1))]
 
 
