@@ -78,33 +78,6 @@ def per_replica(strategy, components):
         lambda ctx: components[ctx.replica_id_in_sync_group])
 
 
-def padded_per_replica(strategy, components):
-    """A padded-mode `PerReplica` (``InputOptions(pad_partial_batches=True)``) of ``components``.
-
-    Each replica's rows are zero-padded to the longest component's and carry their true
-    ``lengths``, as the opt-in padded input mode delivers a partial batch.
-
-    Args:
-      strategy: the strategy whose replicas get the components.
-      components: a list with one array per replica (leading sizes may differ).
-
-    Returns:
-      The padded value (a plain array on one replica when nothing needed padding).
-
-    Example:
-      >>> import numpy as np, jdist.testing
-      >>> s = jdist.testing.mirrored(2)
-      >>> jdist.testing.padded_per_replica(s, [np.ones(2, np.float32), np.ones(1, np.float32)]
-      ...                                 ).lengths
-      (2, 1)
-    """
-    options = jdist.InputOptions(experimental_replication_mode="PER_REPLICA",
-                                 pad_partial_batches=True)
-    dataset = strategy.distribute_datasets_from_function(
-        lambda ctx: [np.asarray(components[ctx.input_pipeline_id])], options)
-    return next(iter(dataset))
-
-
 def assert_local_results(strategy, value, expected, rtol=1e-6, atol=1e-6):
     """Asserts that each replica's component of ``value`` equals ``expected[i]`` (NumPy close).
 

@@ -25,11 +25,10 @@ def _values_and_run(s, jdist, np):
     ctx = jdist.get_replica_context
     v = s.experimental_distribute_values_from_function(
         lambda c: np.full((2,), c.replica_id_in_sync_group + 1, np.float32))
-    # Uneven across workers in the padded mode (`_exact_uneven` runs them exactly).
+    # Uneven across workers: ragged, reduced and gathered exactly.
     u = next(iter(s.distribute_datasets_from_function(
         lambda c: [np.arange(c.input_pipeline_id + 1, dtype=np.float32) + 0.5],
-        jdist.InputOptions(experimental_replication_mode=jdist.InputReplicationMode.PER_REPLICA,
-                           pad_partial_batches=True))))
+        jdist.InputOptions(experimental_replication_mode=jdist.InputReplicationMode.PER_REPLICA))))
     doubled = s.run(lambda x: x * 2 + ctx().replica_id_in_sync_group, args=(v,))
     ids = s.run(lambda: ctx().replica_id_in_sync_group)
     return {
@@ -107,12 +106,10 @@ def _dataset(s, jdist, np):
 
     def step(batch):
         c = jdist.get_replica_context()
-        rows = batch * c.row_mask(batch.shape[0])[:, None]
-        return c.all_reduce("sum", rows.sum()), batch * 2
+        return c.all_reduce("sum", batch.sum()), batch * 2
 
     out = {}
-    padded = jdist.InputOptions(pad_partial_batches=True)  # `_exact_uneven`: exact.
-    for i, batch in enumerate(s.experimental_distribute_dataset(dataset, padded)):
+    for i, batch in enumerate(s.experimental_distribute_dataset(dataset)):
         total, doubled = s.run(step, args=(batch,))
         out[f"batch{i}_sum"] = {"global": float(s.reduce("mean", total, axis=None))}
         out[f"batch{i}_gather"] = {"global": np.asarray(s.gather(doubled, 0)).tolist()}
@@ -125,8 +122,7 @@ def _dataset(s, jdist, np):
     contexts = []
     s.distribute_datasets_from_function(lambda c: contexts.append(c) or [np.zeros((1,))])
     per_replica = jdist.InputOptions(
-        experimental_replication_mode=jdist.InputReplicationMode.PER_REPLICA,
-        pad_partial_batches=True)
+        experimental_replication_mode=jdist.InputReplicationMode.PER_REPLICA)
     fed = s.distribute_datasets_from_function(
         lambda c: [np.arange(c.input_pipeline_id + 1, dtype=np.float32)] * 2, per_replica)
     for i, batch in enumerate(fed):
@@ -148,9 +144,8 @@ def _training(s, jdist, np):
     def step(w, batch):
         c = jdist.get_replica_context()
         bx, by = batch
-        mask = c.row_mask(bx.shape[0])[:, None]
-        loss, grad = jax.value_and_grad(lambda w: jnp.sum(((bx @ w - by) * mask) ** 2))(w)
-        count = c.all_reduce("sum", jnp.sum(mask))
+        loss, grad = jax.value_and_grad(lambda w: jnp.sum((bx @ w - by) ** 2))(w)
+        count = c.all_reduce("sum", jnp.float32(bx.shape[0]))
         return w - 0.05 * c.all_reduce("sum", grad) / count, c.all_reduce("sum", loss) / count
 
     w = jnp.zeros((3, 1), jnp.float32)
@@ -253,15 +248,12 @@ def _cross_host(s, jdist, np):
 
 def _auto_shard(s, jdist, np):
     """experimental_distribute_dataset of 18 rows in batches of 7 (7, 7, 4) under each policy:
-    per step, this worker's replicas' real rows (padded mode: the workers' steps differ)."""
+    per step, this worker's replicas' rows (the workers' steps differ)."""
     out = {}
     dataset = s.experimental_make_numpy_dataset(np.arange(18, dtype=np.float32)).batch(7)
     for policy in ("OFF", "DATA", "AUTO", None):  # None: TF's default, AUTO.
-        options = jdist.InputOptions(auto_shard_policy=policy, pad_partial_batches=True)
-        steps = []
-        for batch in s.experimental_distribute_dataset(dataset, options):
-            lengths = batch.lengths or [None] * s.num_replicas_in_sync
-            steps.append({i: rows[:lengths[int(i)]] for i, rows in _replicas(s, batch).items()})
+        options = jdist.InputOptions(auto_shard_policy=policy)
+        steps = [_replicas(s, batch) for batch in s.experimental_distribute_dataset(dataset, options)]
         out[str(policy)] = steps
     try:
         s.experimental_distribute_dataset(dataset, jdist.InputOptions(auto_shard_policy="FILE"))
@@ -447,13 +439,11 @@ def _per_worker(s, jdist, np):
                 for i in range(count)]
 
     out = {"steps": [], "errors": []}
-    padded = jdist.InputOptions(pad_partial_batches=True)
-    step = lambda x: jdist.get_replica_context().all_reduce(  # noqa: E731
-        "sum", (x * jdist.get_replica_context().row_mask(x.shape[0])).sum())
-    for batch in s.distribute_datasets_from_function(dataset_fn, padded):
+    step = lambda x: jdist.get_replica_context().all_reduce("sum", x.sum())  # noqa: E731
+    for batch in s.distribute_datasets_from_function(dataset_fn):
         total = s.reduce("mean", s.run(step, args=(batch,)), axis=None)
-        out["steps"].append([np.asarray(s.gather(batch, 0)).tolist(), list(batch.lengths or ()),
-                             float(total)])
+        rows = [c.shape[0] for c in batch._components] if batch.ragged else []  # Every worker's.
+        out["steps"].append([np.asarray(s.gather(batch, 0)).tolist(), rows, float(total)])
     attempts = [
         lambda: out.setdefault("exact_steps", [  # Ragged across workers: exact, no error.
             np.asarray(s.gather(b, 0)).tolist() for b in s.distribute_datasets_from_function(
@@ -464,7 +454,7 @@ def _per_worker(s, jdist, np):
         # TF takes a plain value as this worker's; on two replicas per worker: refused.
         lambda: s.reduce("mean", np.float32(worker), axis=None),
         (lambda: s.run(lambda x: x - 1, args=(np.ones(4, np.float32),))) if worker == 0 else
-        (lambda: next(iter(s.distribute_datasets_from_function(dataset_fn, padded)))),
+        (lambda: next(iter(s.distribute_datasets_from_function(dataset_fn)))),
     ]
     for attempt in attempts:
         try:

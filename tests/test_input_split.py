@@ -130,28 +130,6 @@ def test_strings_are_an_error():
 
 
 # ------------------------------------------------------------- the padded representation
-def test_padded_mode_pads_partial_batches_to_the_full_per_replica_size(s):
-    n = s.num_replicas_in_sync
-    full = 4 * n
-    batches = [np.arange(full, dtype=np.float32), np.arange(full - 1, dtype=np.float32),
-               np.arange(1, dtype=np.float32)]
-    mesh_sharding = jax.sharding.NamedSharding(s.extended.mesh,
-                                               jax.sharding.PartitionSpec("replica"))
-    for i, element in enumerate(s.experimental_distribute_dataset(batches, PADDED)):
-        if i == 0 and n == 1:
-            assert isinstance(element, jax.Array)  # One replica, full batch: a plain array.
-            assert element.devices() == {s.extended.worker_devices[0]}
-            continue
-        assert isinstance(element, jdist.PerReplica)
-        assert element.stacked.shape == (n, 4)  # One shape for every batch.
-        assert element.stacked.sharding == mesh_sharding  # Already on the devices.
-        want = tuple(len(c) for c in tf_split(batches[i], n))
-        assert element.lengths == (None if i == 0 else want)
-        blocks = np.asarray(element.stacked)
-        for r, length in enumerate(want):  # Padding is zeros.
-            assert not blocks[r, length:].any()
-
-
 def test_reduce_and_gather_of_partial_batches_equal_numpy(s):
     rng = np.random.default_rng(1)
     x = rng.normal(size=(23, 2)).astype(np.float32)
@@ -170,57 +148,6 @@ def test_uneven_mean_is_tf_mean():
     assert [v.tolist() for v in local(s, element)] == [[5.0, 6.0], [7.0]]
     assert float(s.reduce("mean", element, axis=0)) == 6.0
     assert s.gather(element, 0).tolist() == [5.0, 6.0, 7.0]
-
-
-PADDED = jdist.InputOptions(pad_partial_batches=True)  # The opt-in padded mode.
-
-
-def _masked_step(x):
-    ctx = jdist.get_replica_context()
-    mask = ctx.row_mask(x.shape[0])  # All True for a full batch (lengths=None).
-    real = jnp.where(mask, x, 0.0)
-    total = ctx.all_reduce("sum", jnp.sum(real))
-    count = ctx.all_reduce("sum", jnp.sum(mask.astype(jnp.float32)))
-    gathered = ctx.all_gather(x, 0)
-    return total / count, x * 2.0, gathered
-
-
-def test_padded_mode_step_masks_real_rows_and_compiles_once_per_shape(s):
-    n = s.num_replicas_in_sync
-    sizes = [4 * n, 4 * n - 3, 4 * n, 2, 4 * n - 1, 1]  # Full and partial, uneven, empty replicas.
-    batches = [np.arange(b, dtype=np.float32) + 100 * i for i, b in enumerate(sizes)]
-    traces = []
-
-    def step(x):
-        traces.append(x.shape)
-        return _masked_step(x)
-
-    for i, element in enumerate(s.experimental_distribute_dataset(batches, PADDED)):
-        if i == 3:
-            seen = len(traces)  # A full and a partial batch have been compiled by now.
-        mean, doubled, gathered = s.run(step, args=(element,))
-        np.testing.assert_allclose(float(jnp.asarray(mean)), batches[i].mean(), rtol=1e-6)
-        np.testing.assert_array_equal(s.gather(doubled, 0), batches[i] * 2)
-        for g in local(s, gathered):  # all_gather: real rows first, in replica order.
-            np.testing.assert_array_equal(g[:sizes[i]], batches[i])
-    assert len(traces) == seen  # Later partial batches (other lengths) did not recompile.
-
-
-def test_padded_mode_batches_of_different_lengths_share_one_program():
-    s = mirrored(4)
-    count = []
-
-    def step(x):
-        count.append(1)
-        return jdist.get_replica_context().all_reduce("sum", jnp.sum(x))
-
-    batches = [np.ones(b, np.float32) for b in (7, 5, 6, 2, 3)]  # All partial, per-replica size 2.
-    dist = s.experimental_distribute_dataset(batches, PADDED)
-    for i, (element, batch) in enumerate(zip(dist, batches)):
-        assert float(jnp.asarray(s.run(step, args=(element,)))) == batch.sum()
-        if i == 0:
-            first = len(count)
-    assert len(count) == first  # One program for every partial batch of this padded shape.
 
 
 # --------------------------------------------------------- distribute_datasets_from_function
@@ -307,21 +234,3 @@ def test_input_context():
     assert (default.num_input_pipelines, default.input_pipeline_id,
             default.num_replicas_in_sync) == (1, 0, 1)
 
-
-def test_padded_mode_replicated_outputs_never_inherit_the_batch_lengths(s):
-    """Parameters whose leading size happens to equal the padded batch size stay parameters."""
-    n = s.num_replicas_in_sync
-    w = jnp.ones((4, 3), jnp.float32)  # Leading size 4 == the per-replica batch size below.
-
-    def step(w, x):
-        total = jdist.get_replica_context().all_reduce("sum", jnp.sum(x))
-        return w - total, x + 1.0
-
-    partial = np.ones((4 * n - 1, 2), np.float32)
-    _, element = s.experimental_distribute_dataset([np.ones((4 * n, 2), np.float32), partial],
-                                                   PADDED)
-    new_w, rows = s.run(step, args=(w, element))
-    assert not isinstance(new_w, jdist.PerReplica)  # Plain on one replica, Mirrored on several.
-    np.testing.assert_array_equal(np.asarray(new_w), np.asarray(w) - partial.sum())
-    assert rows.lengths == element.lengths  # The batch-derived output does inherit them.
-    np.testing.assert_array_equal(s.gather(rows, 0), partial + 1.0)

@@ -12,7 +12,7 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, padded_per_replica, \
+from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, \
     per_replica
 
 WEIGHTS = {
@@ -171,22 +171,6 @@ def test_scale_regularization_loss_divides_the_sum_by_the_replicas(n):
     out = s.run(lambda: jdist.nn.scale_regularization_loss(jnp.array([1.0, 2.0, 3.0])))
     assert_local_results(s, out, [np.float32(6.0) / np.float32(n)] * n, 0, 0)
     assert float(s.reduce("sum", out, axis=None)) == pytest.approx(6.0)
-
-
-@pytest.mark.parametrize("n", [2, 3, 8])
-def test_padded_mode_gives_the_unpadded_batchs_numbers(n):
-    """A padded partial batch (rows past `valid_rows` are zeros, here made 100 to show they are
-    dropped): the real rows' sum over their count times n, as exact mode and TF give."""
-    s = mirrored(n)
-    rows = [2] * (n - 1) + [1]
-    xs = losses(rows, (2,), seed=n)
-    padded = padded_per_replica(s, xs)
-
-    def fn(x):
-        x = jnp.where(jdist.get_replica_context().row_mask()[:, None], x, 100.0)
-        return jdist.nn.compute_average_loss(x)
-    out = s.run(fn, args=(padded,))
-    assert_local_results(s, out, [reference(x, None, r * n) for x, r in zip(xs, rows)], 0, 0)
 
 
 @pytest.mark.parametrize("n", REPLICA_COUNTS)

@@ -10,7 +10,7 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, per_replica, padded_per_replica
+from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, per_replica
 from jdist.testing import mirrored_reducing_to_one_device
 
 
@@ -101,40 +101,6 @@ def test_options_that_are_not_communication_options_raise_on_any_replica_count(n
     s = mirrored(n)
     with pytest.raises(errors.InvalidArgumentError, match="CommunicationOptions"):
         OPTIONS_TAKERS[call](s, per_replica(s, [np.ones(2, np.float32)] * n), options)
-
-
-def test_padded_mode_all_gather_of_uneven_batch_puts_real_rows_first():
-    s = mirrored(3)
-    comps = [np.array([5., 6.], np.float32), np.array([7.], np.float32), np.array([], np.float32)]
-    v = padded_per_replica(s, comps)
-
-    def fn(x):
-        ctx = jdist.get_replica_context()
-        return ctx.all_gather(x, 0), ctx.all_reduce("sum", ctx.valid_rows)
-    gathered, count = s.run(fn, args=(v,))
-    assert int(count) == 3
-    for g in s.experimental_local_results(gathered):
-        np.testing.assert_array_equal(g[:3], [5., 6., 7.])
-        np.testing.assert_array_equal(g[3:], 0.0)
-
-
-def test_padded_mode_valid_rows_and_row_mask_mark_real_rows():
-    s = mirrored(3)
-    v = padded_per_replica(s, [np.ones(rows, np.float32) for rows in (3, 1, 0)])
-    mask = s.run(lambda x: jdist.get_replica_context().row_mask(), args=(v,))
-    assert [np.asarray(m).tolist() for m in mask.stacked] == [
-        [True, True, True], [True, False, False], [False, False, False]]
-
-
-def test_padded_mode_exact_per_replica_loss_with_row_mask():
-    s = mirrored(2)
-    v = padded_per_replica(s, [np.array([1., 2., 3.], np.float32), np.array([10.], np.float32)])
-
-    def mean_loss(x):
-        ctx = jdist.get_replica_context()
-        total = ctx.all_reduce("sum", jnp.sum(jnp.where(ctx.row_mask(), x, 0.0)))
-        return total / ctx.all_reduce("sum", ctx.valid_rows)
-    assert float(s.run(mean_loss, args=(v,))) == pytest.approx(4.0)
 
 
 @pytest.mark.parametrize("n", REPLICA_COUNTS)
@@ -390,18 +356,6 @@ def test_manual_replica_context_on_several_replicas_cannot_all_reduce():
         assert ctx.devices == ("/cpu:1",)
         with pytest.raises(errors.WrongContextError):
             ctx.all_reduce("sum", 1.0)
-
-
-def test_row_mask_and_valid_rows_on_a_full_batch_cover_every_row():
-    s = mirrored(2)
-    v = per_replica(s, [np.ones(3, np.float32), np.ones(3, np.float32)])
-
-    def fn(x):
-        ctx = jdist.get_replica_context()
-        return ctx.row_mask(), ctx.all_reduce("sum", ctx.valid_rows)
-    mask, count = s.run(fn, args=(v,))
-    assert_local_results(s, mask, [[True] * 3] * 2)
-    assert int(count) == 6
 
 
 @pytest.mark.parametrize("n", REPLICA_COUNTS)

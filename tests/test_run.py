@@ -10,7 +10,7 @@ from jax import lax
 
 import jdist
 from jdist import errors
-from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, per_replica, padded_per_replica
+from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, per_replica
 
 Pair = collections.namedtuple("Pair", "first second")
 
@@ -176,27 +176,6 @@ def test_values_pass_through_tree_util():
     doubled = jax.tree_util.tree_map(lambda x: x * 2, out)
     assert isinstance(doubled["a"], jdist.PerReplica) and isinstance(doubled["b"], jdist.Mirrored)
     assert_local_results(s, doubled["a"], [[0., 0.], [2., 2.]])
-
-
-def test_padded_mode_uneven_batch_outputs_inherit_lengths():
-    s = mirrored(2)
-    v = padded_per_replica(s, [np.array([5., 6.], np.float32), np.array([7.], np.float32)])
-    doubled, total = s.run(lambda x: (x * 2, jnp.sum(x)), args=(v,))
-    assert doubled.lengths == (2, 1) and total.lengths is None
-    np.testing.assert_array_equal(s.gather(doubled, 0), [10., 12., 14.])
-    assert float(s.reduce("mean", doubled, axis=0)) == pytest.approx(12.0)
-
-
-def test_padded_mode_partial_batch_does_not_recompile():
-    s = mirrored(2)
-    traces = []
-
-    def fn(x):
-        traces.append(1)
-        return x
-    s.run(fn, args=(padded_per_replica(s, [np.float32([5., 6.]), np.float32([7.])]),))
-    s.run(fn, args=(padded_per_replica(s, [np.float32([1.]), np.float32([2., 3.])]),))
-    assert len(traces) == 1
 
 
 # ------------------------------------------------------- what run returns (TF's regroup)

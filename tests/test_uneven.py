@@ -313,7 +313,7 @@ def test_run_on_uneven_values_inside_a_scan_of_a_compiled_function_raises():
     def loop(w, v):
         return lax.scan(lambda w, _: (s.run(lambda w, x: w + jnp.sum(x), args=(w, v)), None),
                         w, None, length=2)[0]
-    with pytest.raises(errors.UnevenValuesError, match="pad_partial_batches"):
+    with pytest.raises(errors.UnevenValuesError, match="drop_remainder"):
         jdist.function(loop)(jnp.float32(0), v)
 
 

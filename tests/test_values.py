@@ -13,7 +13,7 @@ import jdist
 from jdist import errors
 from jdist._src import host_values
 from jdist._src import values
-from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, per_replica, padded_per_replica
+from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, per_replica
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
@@ -77,17 +77,10 @@ def test_uneven_value_is_ragged_with_each_component_on_its_device():
     v = per_replica(s, [np.float32([1., 2.]), np.float32([3.]), np.float32([])])
     results = s.experimental_local_results(v)
     assert [r.tolist() for r in results] == [[1., 2.], [3.], []]
-    assert v.ragged and v.lengths is None
+    assert v.ragged
     assert [r.devices() for r in results] == [{d} for d in s.extended.worker_devices]
     with pytest.raises(errors.ShapeMismatchError):
         v.stacked  # pylint: disable=pointless-statement
-
-
-def test_padded_mode_local_results_drop_padding():
-    s = mirrored(3)
-    v = padded_per_replica(s, [np.float32([1., 2.]), np.float32([3.]), np.float32([])])
-    assert [r.tolist() for r in s.experimental_local_results(v)] == [[1., 2.], [3.], []]
-    assert v.lengths == (2, 1, 0)
 
 
 @pytest.mark.parametrize("op", [lambda v: v + 1, lambda v: 1 + v, lambda v: v * v, lambda v: -v,

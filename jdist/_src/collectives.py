@@ -491,13 +491,8 @@ def _gather_backward(axis_name, axis, _, cotangent):
 _gather_by_vjp.defvjp(_gather_forward, _gather_backward)
 
 
-def replica_all_gather(axis_name: str, value: PyTree, axis: int, valid_rows=None,
-                       padded_rows: Optional[int] = None) -> PyTree:
-    """Concatenates every leaf of ``value`` over the replicas, inside a replica function.
-
-    A leaf that is a padded batch (``axis`` 0, leading size ``padded_rows``) is compacted: the
-    real rows of all replicas first, in replica order, then zeros.
-    """
+def replica_all_gather(axis_name: str, value: PyTree, axis: int) -> PyTree:
+    """Concatenates every leaf of ``value`` over the replicas, inside a replica function."""
     def gather_leaf(x):
         x = jnp.asarray(x)
         if x.ndim == 0 and lax.axis_size(axis_name) == 1:
@@ -508,18 +503,9 @@ def replica_all_gather(axis_name: str, value: PyTree, axis: int, valid_rows=None
         a = gather_axis(axis, x.ndim)
         if x.size == 0:
             return empty_gather(x.shape, x.dtype, a, x.shape[a] * lax.axis_size(axis_name))
-        gathered = (all_gather_with_tfs_gradient(x, axis_name, a)
-                    if jnp.issubdtype(x.dtype, jnp.inexact)
-                    else lax.all_gather(x, axis_name, axis=a, tiled=True))
-        if valid_rows is None or a != 0 or x.shape[0] != padded_rows:
-            return gathered
-        counts = lax.all_gather(valid_rows, axis_name)
-        row = jnp.arange(gathered.shape[0])
-        real = (row % padded_rows) < counts[row // padded_rows]
-        order = jnp.argsort(~real, stable=True)
-        compact = jnp.take(gathered, order, axis=0)
-        keep = (row < jnp.sum(counts)).reshape((-1,) + (1,) * (x.ndim - 1))
-        return jnp.where(keep, compact, jnp.zeros((), compact.dtype))
+        return (all_gather_with_tfs_gradient(x, axis_name, a)
+                if jnp.issubdtype(x.dtype, jnp.inexact)
+                else lax.all_gather(x, axis_name, axis=a, tiled=True))
     return jax.tree_util.tree_map(gather_leaf, value)
 
 

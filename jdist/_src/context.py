@@ -277,8 +277,6 @@ class _Binding:
     """What a replica context knows while its replica function is being traced."""
     axis_name: str
     replica_id: Any  # A traced int32.
-    valid_rows: Any = None  # Traced int32: real rows of this replica's batch, or None.
-    padded_rows: Optional[int] = None  # The static per-replica batch size the rows are padded to.
     active: bool = True
     # While one replica of an uneven step is traced (`jdist._src.uneven`): its merge_call and
     # all_gather become steps of their own, run across replicas between the traced pieces.
@@ -407,43 +405,6 @@ class ReplicaContext:
             return (names[self._replica_id],)
         return tuple(names)
 
-    @property
-    def valid_rows(self):
-        """How many leading rows of this replica's batch are real (the rest is padding).
-
-        A partial or uneven batch is passed to every replica padded to one static size, so the
-        step compiles once; this traced int32 says how many rows are real (all of them for a
-        full batch). It is None when the replica function received no batched per-replica value
-        (or several of different sizes).
-        """
-        self._check_active("valid_rows")
-        binding = self._binding
-        if binding is None or binding.padded_rows is None:
-            return None
-        if binding.valid_rows is None:  # A full batch: every row is real.
-            return jnp.asarray(binding.padded_rows, jnp.int32)
-        return binding.valid_rows
-
-    def row_mask(self, rows=None):
-        """Returns a bool vector marking this replica's real rows.
-
-        Args:
-          rows: the length of the mask; by default the padded per-replica batch size.
-
-        Returns:
-          ``jnp.arange(rows) < valid_rows``, or all True when there is no partial batch.
-        """
-        self._check_active("row_mask")
-        binding = self._binding
-        if rows is None:
-            if binding is None or binding.padded_rows is None:
-                raise errors.InvalidArgumentError(
-                    "row_mask() needs `rows` when the replica function got no batched input.")
-            rows = binding.padded_rows
-        if binding is None or binding.valid_rows is None:
-            return jnp.ones((rows,), bool)
-        return jnp.arange(rows) < binding.valid_rows
-
     def _check_active(self, what):
         if self._binding is not None and not self._binding.active:
             raise errors.WrongContextError(
@@ -510,16 +471,13 @@ class ReplicaContext:
         """Concatenates each replica's ``value`` along ``axis``; every replica gets the result.
 
         Args:
-          value: a nest of arrays; sizes along ``axis`` may differ only through padded batches.
+          value: a nest of arrays.
           axis: the axis to concatenate along (negative counts from the end).
           options: a `CommunicationOptions` or None, as in TF; checked, without effect (an
             all-gather sends each value whole: there is nothing to pack).
 
         Returns:
-          The nest of gathered arrays. When ``value``'s rows are a padded partial batch (axis 0,
-          leading size equal to the padded batch size), the real rows of all replicas come first,
-          in replica order, and the padding follows as zeros; ``all_reduce("sum", valid_rows)``
-          says how many are real.
+          The nest of gathered arrays.
         """
         self._require_current("all_gather")
         packing.as_options(options)

@@ -152,7 +152,7 @@ class CrossDeviceOps(abc.ABC):
         """
         here = destinations_lib.mirrored_on(mesh.devices)
         stacked = mesh.place_per_replica(value.stacked)
-        stacked, lengths = mesh.strip_padding(stacked, value.lengths, axes)
+        stacked, lengths = mesh.strip_padding(stacked, value._lengths, axes)
         if axes is None:
             return self.reduce_implementation(op, PerReplica._from_stacked(stacked), here,
                                               as_options(None)).value
@@ -223,7 +223,7 @@ class CrossDeviceOps(abc.ABC):
 
     def _reduce_view(self, op, value):
         """Reduces a merge_call view (replicas stacked on a traced array) inside a trace."""
-        return collectives.stacked_reduce(op, value.stacked, None, value._view_valid_rows)
+        return collectives.stacked_reduce(op, value.stacked, None)
 
     def __repr__(self):
         return f"{type(self).__name__}()"
@@ -321,7 +321,7 @@ class ReductionToOneDevice(CrossDeviceOps):
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         value = per_replica_value
         mesh = replica_mesh.of_array(value.stacked, value.num_replicas)
-        stacked, _ = mesh.strip_padding(value.stacked, value.lengths, None)
+        stacked, _ = mesh.strip_padding(value.stacked, value._lengths, None)
         device = self._device(destinations)
         if cross_host.is_global(stacked):
             reduced = self._accumulate_everywhere(mesh, reduce_op, stacked)
@@ -412,7 +412,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         self._num_packs = int(num_packs)
 
     def _reduce_to_mesh(self, mesh, op, value, axes):
-        return mesh.reduce(op, value.stacked, axes, value.lengths)
+        return mesh.reduce(op, value.stacked, axes, value._lengths)
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         mesh = replica_mesh.of_array(per_replica_value.stacked, per_replica_value.num_replicas)
@@ -477,7 +477,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
                                      [v.stacked.dtype for v, _ in value_destination_pairs])
         for mesh, indices in by_mesh.items():
             values = [value_destination_pairs[i][0] for i in indices]
-            stacked = [mesh.strip_padding(v.stacked, v.lengths, None)[0] for v in values]
+            stacked = [mesh.strip_padding(v.stacked, v._lengths, None)[0] for v in values]
             reduced = self._packed_all_reduce(mesh, reduce_op, stacked, options)
             for i, r in zip(indices, reduced):
                 results[i] = self._place(mesh, r, value_destination_pairs[i][1])

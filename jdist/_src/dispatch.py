@@ -219,9 +219,8 @@ def check_traced_run(guard):
             "strategy.run was traced (inside lax.scan, jax.jit or another transformation) while "
             "jdist.function ran its function as Python, because its arguments hold per-replica "
             "values of different shapes (a partial batch), which no compiled program can hold. "
-            "Call strategy.run directly in the function for such a batch, batch the data with "
-            "drop_remainder=True, or opt into padded batches with "
-            "jdist.InputOptions(pad_partial_batches=True) and mask with row_mask().")
+            "Call strategy.run directly in the function for such a batch, or batch the data "
+            "with drop_remainder=True.")
     raise errors.UnguardedTraceError(
         "strategy.run was traced inside jax.jit, lax.scan, jax.grad or another JAX "
         "transformation that jdist does not launch. On several CPU devices that program's "

@@ -9,11 +9,9 @@ pipeline and deals its per-replica batches to the replicas in order. Iterators e
 ``get_next_as_optional``.
 
 On a partial batch each replica gets its true rows, as in TF, and ``strategy.run`` computes on
-them exactly (`jdist._src.uneven`). ``InputOptions(pad_partial_batches=True)`` opts into padded
-batches instead: one per-replica size with the true ``lengths``, so the step compiles once and
-masks the padding itself with ``get_replica_context().row_mask()`` (see ``docs/design.md``).
+them exactly (`jdist._src.uneven`).
 
-Batches are prepared (split, padded, transferred) on a background thread ahead of the step
+Batches are prepared (split, transferred) on a background thread ahead of the step
 (`jdist._src.prefetch`); ``InputOptions.experimental_per_replica_buffer_size`` bounds how many
 wait ready (0 prepares each batch when asked, without a thread). A numpy dataset's full batches
 come in blocks placed up to 64 batches ahead (`jdist._src.batch_blocks`). On CPU devices the loop's
@@ -622,8 +620,7 @@ def _placer(strategy, options):
     """The strategy's `input_batches.Placer` (a multi-worker strategy places only its rows)."""
     placer = strategy.extended._input_placer(strategy, options)
     if placer is None:
-        return input_batches.Placer(strategy, options.experimental_fetch_to_device,
-                                    options.pad_partial_batches)
+        return input_batches.Placer(strategy, options.experimental_fetch_to_device)
     return placer
 
 

@@ -1,12 +1,9 @@
-"""From host batches to per-replica values: sources, TF's splitting rule, padding, placement.
+"""From host batches to per-replica values: sources, TF's splitting rule, placement.
 
 Representation (``docs/design.md``, "Partial and uneven batches"): when every replica's chunk
 of a leaf has one shape, the leaf is ONE array ``(N, rows, *inner)`` sharded over the replicas.
 When the chunks differ (the last partial batch), each replica gets its true chunk on its own
 device: a ragged `PerReplica`, which ``strategy.run`` computes on exactly (`jdist._src.uneven`).
-With ``InputOptions(pad_partial_batches=True)`` (the opt-in padded mode) such chunks are instead
-zero-padded to ``R``, the per-replica size of a FULL batch, and carry their ``lengths``, so every
-batch shares one shape and the step compiles once (the lengths enter it as a traced int).
 
 * `Source` adapts what users bring (tf.data, `NumpyDataset`, lists, loaders, generators,
   zero-argument functions returning a fresh iterable) to an iterator of NumPy nests.
@@ -35,7 +32,6 @@ from jdist._src.numpy_dataset import UNKNOWN
 from jdist._src.values import DistributedValues
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
-from jdist._src.values import pad_components
 
 
 def _is_tf_dataset(obj):
@@ -267,16 +263,14 @@ class Placer:
       strategy: the strategy whose replicas receive the data.
       fetch_to_device: False keeps the batches in host memory (`strategy.run` transfers them
         when called).
-      pad: the opt-in padded mode: chunks of different sizes are zero-padded to one size.
     """
 
     whole_batches_here = True  # Every row of a global batch goes to this process's devices.
 
-    def __init__(self, strategy, fetch_to_device=True, pad=False):
+    def __init__(self, strategy, fetch_to_device=True):
         extended = strategy.extended
         self.n = strategy.num_replicas_in_sync
         self.fetch = fetch_to_device
-        self.pad = pad
         self.plain = extended.mesh is None  # The default strategy: no mesh of its own.
         if self.plain:
             self._targets = {WHOLE: None}
@@ -295,14 +289,10 @@ class Placer:
         return (array, None, WHOLE)
 
     def split(self, chunks, rows):
-        """A leaf from one chunk per replica: stacked when their shapes agree, else ragged, or
-        in padded mode zero-padded to ``rows`` (a full batch's per-replica size) with lengths."""
-        if len({c.shape for c in chunks}) == 1 and (
-                not self.pad or rows is None or chunks[0].shape[0] == rows):
+        """A leaf from one chunk per replica: stacked when their shapes agree, else ragged
+        (``rows``, a full batch's per-replica size, is the multi-worker placer's)."""
+        if len({c.shape for c in chunks}) == 1:
             return (np.stack(chunks), None, STACKED)
-        if self.pad:
-            stacked, lengths = pad_components(chunks, rows)
-            return (stacked, lengths, STACKED)
         return (list(chunks), None, RAGGED)
 
     def place(self, leaves):
@@ -352,7 +342,7 @@ class GlobalBatchSplitter:
         size = batch_size(leaves)
         per_replica = -(-size // n)
         self.rows = rows = per_replica if self.rows is None else max(self.rows, per_replica)
-        if placer.plain or (n == 1 and (size == rows or not placer.pad)):
+        if placer.plain or n == 1:
             parts = [placer.whole(a) for a in leaves]
         elif size == n * rows:  # A full batch: a free reshape, no padding, lengths None.
             columns = [a.reshape((n, rows) + a.shape[1:])[self._stacked] for a in leaves]
@@ -426,8 +416,7 @@ class PerReplicaDealer:
         placer, parts = self.placer, []
         for j, t in enumerate(template):
             chunks = [c[j] if c is not None else _empty_like(t) for c in columns]
-            if placer.plain or (self.n == 1 and (
-                    scalar or not placer.pad or chunks[0].shape[0] == self.rows)):
+            if placer.plain or self.n == 1:
                 parts.append(placer.whole(chunks[0]))
             else:
                 parts.append(placer.split(chunks, None if scalar else self.rows))

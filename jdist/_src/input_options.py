@@ -89,12 +89,6 @@ class InputOptions:
         loop's own thread, whatever the buffer size (its data is in memory, and a thread would
         only compete with the devices for the host's cores). On accelerators the prefetch
         thread places the blocks.
-      pad_partial_batches: jdist's opt-in padded mode. False (default, TF's behaviour): a
-        partial batch gives each replica its true rows, and ``strategy.run`` computes on them
-        exactly (one more compiled step per distinct split). True: every replica's rows are
-        zero-padded to the size of a full batch, so one program serves every batch, and the
-        step must mask the padding itself with ``get_replica_context().row_mask()`` /
-        ``valid_rows`` (``reduce(axis=0)``, ``gather`` and ``all_gather`` skip it).
       auto_shard_policy: how ``experimental_distribute_dataset`` rebatches its data and
         shards it across workers, a `jdist.AutoShardPolicy` (TF keeps it in
         ``tf.data.Options``, which jdist also reads). None (default): the tf.data dataset's
@@ -105,8 +99,7 @@ class InputOptions:
     def __init__(self, experimental_fetch_to_device=None,
                  experimental_replication_mode=InputReplicationMode.PER_WORKER,
                  experimental_place_dataset_on_device=False,
-                 experimental_per_replica_buffer_size=1, pad_partial_batches=False,
-                 auto_shard_policy=None):
+                 experimental_per_replica_buffer_size=1, auto_shard_policy=None):
         if experimental_fetch_to_device is None:
             experimental_fetch_to_device = True
         mode = experimental_replication_mode
@@ -129,7 +122,6 @@ class InputOptions:
         self.experimental_replication_mode = mode
         self.experimental_place_dataset_on_device = bool(experimental_place_dataset_on_device)
         self.experimental_per_replica_buffer_size = size
-        self.pad_partial_batches = bool(pad_partial_batches)
         self.auto_shard_policy = auto_shard.as_policy(auto_shard_policy)
 
     def __eq__(self, other):

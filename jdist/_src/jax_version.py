@@ -1,7 +1,7 @@
 """The JAX releases jdist is tested on, checked when jdist is imported.
 
 jdist reads JAX's programs, not only runs them: which outputs are `Mirrored` (`invariance`),
-which axes are batch rows (`batch_rows`) and where an exact step is cut (`uneven_trace`) are
+and where an exact step is cut (`uneven_trace`) are
 analyses of jaxprs, keyed on primitive names and parameters that JAX changes between minor
 releases. An analysis that meets an unknown parameter raises; one that meets a renamed
 primitive may not, and could mark a value that differs per replica as `Mirrored`: a wrong

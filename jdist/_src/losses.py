@@ -12,9 +12,7 @@ gradient of the global average. The rules are TF's (``docs/semantics.md``, "Loss
   replicas.
 
 The sum is `collectives.local_sum` and the division `collectives.finish` (TF's ``truediv``),
-the rules of every other reduction. In the padded mode (``InputOptions(pad_partial_batches=True)``)
-a per-example loss over the padded batch is summed over its real rows only, and the default
-divisor counts those rows, so the result is the one TF computes on the unpadded batch.
+the rules of every other reduction.
 """
 
 from typing import Optional, Union
@@ -76,13 +74,11 @@ def compute_average_loss(per_example_loss: ArrayLike, sample_weight: Optional[Ar
             f"example along axis 0); got a scalar {loss!r}. Pass the unreduced losses.")
     if sample_weight is not None:
         loss = _weighted(loss, _tensor(sample_weight))
-    valid_rows = _real_rows(loss.shape[0])
     if global_batch_size is None:
         _require_replica_context("compute_average_loss")
-        rows = loss.shape[0] if valid_rows is None else valid_rows
-        global_batch_size = rows * context.get_strategy().num_replicas_in_sync
+        global_batch_size = loss.shape[0] * context.get_strategy().num_replicas_in_sync
     divisor = _batch_size(global_batch_size)
-    total = collectives.local_sum(loss, tuple(range(loss.ndim)), valid_rows)
+    total = collectives.local_sum(loss, tuple(range(loss.ndim)))
     zero = jnp.asarray(divisor).astype(total.dtype) == 0  # TF compares the cast divisor.
     # Divided by 1 where the divisor is 0, so the gradient there is 0, as TF's div_no_nan's.
     average = collectives.finish(ReduceOp.MEAN, total, jnp.where(zero, 1, divisor))
@@ -178,16 +174,6 @@ def _weighted(loss, weight):
             f"to the losses' shape {loss.shape}.") from None
     product = loss.astype(jnp.float32) * weight.astype(jnp.float32)
     return product.astype(loss.dtype)
-
-
-def _real_rows(rows):
-    """This replica's real row count when a padded batch of ``rows`` rows reached it (the opt-in
-    padded mode), else None: every row of the losses is real."""
-    ctx = context.get_replica_context()
-    valid = None if ctx is None else ctx.valid_rows
-    if isinstance(valid, jax.core.Tracer) and ctx.row_mask().shape[0] == rows:
-        return valid
-    return None
 
 
 def _batch_size(value):

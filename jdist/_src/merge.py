@@ -52,9 +52,6 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
         # Every replica gets every replica's value: merge_fn runs SPMD on the same inputs.
         with jax.named_scope(MERGE_SCOPE):  # Found by `invariance.check_python_merges`.
             view = PerReplica._from_stacked(lax.all_gather(jnp.asarray(leaf), axis))
-        if (binding.valid_rows is not None and view.stacked.ndim >= 2
-                and view.stacked.shape[1] == binding.padded_rows):
-            view._view_valid_rows = lax.all_gather(binding.valid_rows, axis)
         views.append(view)
     m_args, m_kwargs = jax.tree_util.tree_unflatten(tree, views)
     with context.cross_replica_scope(strategy, in_merge=True):

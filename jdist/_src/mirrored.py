@@ -86,7 +86,7 @@ class MirroredExtended(StrategyExtended):
         return self._tf_collective_ops and dtype != np.int32 and not reduces_one
 
     def _gather_per_replica(self, value, axis):
-        return self._programs.gather(value.stacked, axis, value.lengths)
+        return self._programs.gather(value.stacked, axis, value._lengths)
 
     def _check_host_arguments(self, in_tree, leaves):
         """Called by ``run`` before compiling a program for new arguments; one process has
@@ -149,8 +149,7 @@ class _ReplicaAxisCollectives(ReplicaCollectives):
         if binding.exact is not None:
             return binding.exact.all_gather(value, axis, lambda v: self.all_reduce(ReduceOp.SUM, v),
                                             binding.axis_name)
-        return collectives.replica_all_gather(binding.axis_name, value, axis, binding.valid_rows,
-                                              binding.padded_rows)
+        return collectives.replica_all_gather(binding.axis_name, value, axis)
 
     def merge_call(self, merge_fn, args, kwargs):
         if not self._gradients_through_merge:

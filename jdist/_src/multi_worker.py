@@ -197,7 +197,7 @@ class MultiWorkerExtended(MirroredExtended):
     def _input_placer(self, strategy, options):
         placer = (input_batches.Placer if self._cluster.num_workers == 1
                   else uneven_multi_worker.RaggedRowsPlacer)
-        return placer(strategy, options.experimental_fetch_to_device, options.pad_partial_batches)
+        return placer(strategy, options.experimental_fetch_to_device)
 
     def _per_worker_feed(self, source, dealer):
         """A PER_WORKER ``distribute_datasets_from_function`` pipeline kept in step with the

@@ -10,9 +10,8 @@
   shapes and dtypes of its batch, or nothing), so that every worker knows every replica's
   shapes and builds the same global arrays. A worker whose pipeline has ended takes part with
   empty batches (TF's behaviour); iteration ends when every worker is out. Rows of different
-  sizes across replicas then stay exact (a ragged value, `uneven_multi_worker.RaggedRowsPlacer`)
-  or, in the padded mode (``InputOptions(pad_partial_batches=True)``), are padded to one size;
-  every worker builds them from the same exchanged shapes.
+  sizes across replicas then stay exact (a ragged value, `uneven_multi_worker.RaggedRowsPlacer`),
+  every worker building them from the same exchanged shapes.
 
 The exchange runs on the consumer's thread (``next(iterator)``), in the same order on every
 worker as the other agreements (the loader itself still runs ahead on the prefetch thread):
@@ -28,7 +27,6 @@ from jdist._src import errors
 from jdist._src import input_batches
 from jdist._src import prefetch
 from jdist._src.values import PerReplica
-from jdist._src.values import pad_components
 
 
 class LocalRowsPlacer(input_batches.Placer):
@@ -41,28 +39,20 @@ class LocalRowsPlacer(input_batches.Placer):
     Args:
       strategy: the `MultiWorkerMirroredStrategy`.
       fetch_to_device: accepted as `input_batches.Placer`'s (the rows always go to the devices).
-      pad: the opt-in padded mode.
     """
 
     whole_batches_here = False
 
-    def __init__(self, strategy, fetch_to_device=True, pad=False):
-        super().__init__(strategy, fetch_to_device, pad)
+    def __init__(self, strategy, fetch_to_device=True):
+        super().__init__(strategy, fetch_to_device)
         ids = strategy.extended._local_replica_ids()
         self._lo, self._hi = ids[0], ids[-1] + 1
 
     def split(self, chunks, rows):
-        """This worker's chunks stacked (padded to ``rows`` in padded mode), with the lengths.
-
-        Chunks of different sizes without padding are `uneven_multi_worker.RaggedRowsPlacer`'s
-        (the placer the strategy uses): they stay ragged.
-        """
-        local = chunks[self._lo:self._hi]
-        if len({c.shape for c in chunks}) == 1 and (
-                not self.pad or rows is None or chunks[0].shape[0] == rows):
-            return (np.stack(local), None, input_batches.STACKED)
-        lengths = tuple(c.shape[0] for c in chunks)
-        return (pad_components(local, rows)[0], lengths, input_batches.STACKED)
+        """This worker's chunks stacked, when every replica's chunk has one shape (chunks of
+        different sizes are `uneven_multi_worker.RaggedRowsPlacer`'s, the placer the strategy
+        uses: they stay ragged)."""
+        return (np.stack(chunks[self._lo:self._hi]), None, input_batches.STACKED)
 
     def place(self, leaves):
         """The element's `PerReplica` values, built from this worker's rows."""

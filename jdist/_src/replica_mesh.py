@@ -318,7 +318,7 @@ def as_per_replica(value) -> Optional[PerReplica]:
     if isinstance(value, PerReplica):
         stacked = value.stacked
         placed = of_array(stacked, value.num_replicas).place_per_replica(stacked)
-        return value if placed is stacked else PerReplica._from_stacked(placed, value.lengths)
+        return value if placed is stacked else PerReplica._from_stacked(placed, value._lengths)
     if isinstance(value, Mirrored):
         return PerReplica._from_stacked(of_array(value.value, value.num_replicas).tile(value.value))
     if isinstance(value, DistributedValues):

@@ -45,7 +45,7 @@ def classify_leaf(leaf, place):
         traced = isinstance(value, jax.core.Tracer)
         if not traced:
             value = (place.place_per_replica if per_replica else place.place_replicated)(value)
-        entry = (value.shape, value.dtype) + ((leaf.lengths is not None,) if per_replica else ())
+        entry = (value.shape, value.dtype)
         return (PER_REPLICA if per_replica else MIRRORED), value, entry, traced
     if isinstance(leaf, ARRAYS):
         if not is_placeable(leaf):
@@ -78,7 +78,7 @@ def classify_leaf(leaf, place):
 def fast_leaf(leaf, num_replicas):
     """Whether the fast path takes ``leaf``: an array or an even distributed value."""
     if isinstance(leaf, PerReplica):
-        return not leaf.ragged and leaf.lengths is None and leaf.num_replicas == num_replicas
+        return not leaf.ragged and leaf.num_replicas == num_replicas
     # Python numbers take the general path: it knows which outputs they alone compute.
     return isinstance(leaf, (Mirrored,) + ARRAYS)
 

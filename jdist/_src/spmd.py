@@ -23,7 +23,6 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jdist._src import argument_paths
-from jdist._src import batch_rows
 from jdist._src import context
 from jdist._src import dispatch
 from jdist._src import errors
@@ -48,7 +47,6 @@ from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
 from jdist._src.values import wrap_at
 
-_RAGGED = object()  # `_classify`'s marker for arguments whose replicas differ in shape.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +55,7 @@ class _Call:
     kinds: tuple  # Per argument leaf: per-replica, mirrored, array or static.
     dynamic: list  # The arrays the program takes (placed on the mesh unless tracing).
     signature: tuple  # Per leaf: what selects the program (shapes, dtypes, static values).
-    lengths: Optional[tuple]  # A padded batch's real rows per replica, or None.
-    rows: Any  # The per-replica batch size the replica context reports; `_RAGGED`: ragged.
+    ragged: bool  # Whether some per-replica argument's replicas differ in shape.
     tracing: bool  # Whether the arguments are tracers (run inside jdist.function).
 
 
@@ -67,7 +64,6 @@ class _Program:
     function: Any  # The program as a traceable function (the direct program inlines it).
     out_tree: Any
     out_varying: tuple  # Per output array: whether it differs between replicas.
-    out_inherits_lengths: tuple  # Per output array: whether it is a padded batch (design.md).
     out_statics: tuple  # Per output leaf: a Python object returned as it is, or `OUTPUT`.
     out_plain: tuple  # Per output array: one tensor in TF (Python numbers', a merge's, captured).
     out_passed: tuple  # Per output array: the argument leaf it returns as it is, or None.
@@ -79,14 +75,13 @@ class _Program:
 
     def __post_init__(self):
         # How the outputs are wrapped, worked out once (in `values.wrap_at`).
-        kinds = list(zip(self.out_varying, self.out_inherits_lengths, self.out_plain))
-        self.mirrored_at = tuple(i for i, (v, inh, plain) in enumerate(kinds)
-                                 if not (v or inh or plain) and self.num_replicas > 1)
-        self.per_replica_at = tuple(i for i, (v, inh, _) in enumerate(kinds) if v and not inh)
-        self.padded_at = tuple(i for i, (_, inh, _) in enumerate(kinds) if inh)
+        kinds = list(zip(self.out_varying, self.out_plain))
+        self.mirrored_at = tuple(i for i, (v, plain) in enumerate(kinds)
+                                 if not (v or plain) and self.num_replicas > 1)
+        self.per_replica_at = tuple(i for i, (v, _) in enumerate(kinds) if v)
         self.has_statics = any(st is not OUTPUT for st in self.out_statics)
         self.passed_at = tuple((k, j) for k, j in enumerate(self.out_passed) if j is not None)
-        self.wraps_more = bool(self.passed_at or self.padded_at or self.has_statics)
+        self.wraps_more = bool(self.passed_at or self.has_statics)
 
     @functools.cached_property
     def jitted(self):
@@ -168,7 +163,7 @@ class ReplicatedRunner:
             if outputs is None:
                 return self._run_general(cache, args, kwargs)
         (number, arrays), = outputs.items()
-        return self._wrap_outputs(cache.plans[number], arrays, None, call)
+        return self._wrap_outputs(cache.plans[number], arrays, call)
 
     def _launch_canonical(self, cache, call):
         """The direct program's outputs on ``call`` made canonical (None: it cannot be, or
@@ -205,7 +200,7 @@ class ReplicatedRunner:
         """``(arguments, changed, plain)``: ``call``'s arguments as the direct program takes
         them (every array placed on the mesh, plain ones as `Mirrored` on several replicas),
         whether that changed any, and the indices of the plain ones; ``(None, False, ())`` for
-        arguments it does not take (ragged or padded values, Python objects and numbers).
+        arguments it does not take (ragged values, Python objects and numbers).
         Records in ``cache.placing`` where the arrays it placed were, for the next call."""
         leaves, tree = jax.tree_util.tree_flatten(call, is_leaf=is_distributed)
         if not all(run_arguments.fast_leaf(leaf, self._n) for leaf in leaves):
@@ -286,26 +281,20 @@ class ReplicatedRunner:
         """Any arguments: classified leaf by leaf, placed, then the cached program (or plan)."""
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
         call = self._classify(leaves)
-        if call.rows is _RAGGED:
+        if call.ragged:
             return self._run_exact(cache, in_tree, call, leaves)
-        dynamic = call.dynamic
-        if call.lengths is not None:
-            dynamic = dynamic + [self._programs.lengths_array(call.lengths)]
-        program = self._program(cache, in_tree, call.kinds, call.signature, leaves,
-                                call.lengths is not None, call.rows)
+        program = self._program(cache, in_tree, call.kinds, call.signature, leaves)
         shared = run_arguments.shared_kinds(call.kinds, leaves, program.collected_args)
         if shared is not None:  # A collective takes a plain argument: TF's one tensor.
-            program = self._program(cache, in_tree, shared, call.signature, leaves,
-                                    call.lengths is not None, call.rows)
-        outputs = (program.jitted(*dynamic) if call.tracing  # Inside jdist.function's trace.
-                   else self._guard.dispatch(program.jitted, *dynamic))
-        return self._wrap_outputs(program, outputs, call.lengths, leaves)
+            program = self._program(cache, in_tree, shared, call.signature, leaves)
+        outputs = (program.jitted(*call.dynamic) if call.tracing  # Inside jdist.function.
+                   else self._guard.dispatch(program.jitted, *call.dynamic))
+        return self._wrap_outputs(program, outputs, leaves)
 
     def _classify(self, leaves):
         """The call's arguments as the program cache sees them (placing what is not yet on the
-        mesh), with the batch rows the replica context reports."""
-        kinds, dynamic, signature, tracing = [], [], [], False
-        lengths, rows, batch_rows, ragged = None, None, set(), False
+        mesh)."""
+        kinds, dynamic, signature, tracing, ragged = [], [], [], False, False
         for leaf in leaves:
             kind, value, entry, traced = run_arguments.classify_leaf(leaf, self._programs)
             kinds.append(kind)
@@ -313,33 +302,17 @@ class ReplicatedRunner:
             tracing = tracing or traced
             if kind != STATIC:
                 dynamic.append(value)
-            if not isinstance(leaf, PerReplica):
-                continue
-            if leaf.ragged:
-                ragged = True
-            elif leaf.lengths is not None:
-                if lengths is not None and (leaf.lengths, value.shape[1]) != (lengths, rows):
-                    raise errors.InvalidArgumentError(
-                        "strategy.run got padded batches with different per-replica lengths "
-                        f"({lengths} and {leaf.lengths}); pass values of one batch.")
-                lengths, rows = leaf.lengths, value.shape[1]
-            elif value.ndim >= 2:
-                batch_rows.add(value.shape[1])
-        if ragged:
-            rows = _RAGGED  # Values of different shapes: the exact path (`uneven`).
-        elif lengths is None and len(batch_rows) == 1:
-            rows = batch_rows.pop()  # Full batches: every row is real.
-        return _Call(tuple(kinds), dynamic, tuple(signature), lengths, rows, tracing)
+            ragged = ragged or isinstance(leaf, PerReplica) and leaf.ragged
+        return _Call(tuple(kinds), dynamic, tuple(signature), ragged, tracing)
 
-    def _program(self, cache, in_tree, kinds, signature, leaves, has_lengths, padded):
-        # `signature`'s shapes fix `padded`.
+    def _program(self, cache, in_tree, kinds, signature, leaves):
         key = run_arguments.program_key(in_tree, kinds, signature)
         program = cache.programs.get(key)
         if program is None:
             self._strategy.extended._check_host_arguments(in_tree, leaves)
             statics = run_arguments.trace_statics(leaves, kinds)
             program = cache.programs[key] = self._compile(cache.fn, in_tree, kinds, statics,
-                                                          has_lengths, padded, leaves)
+                                                          leaves)
         return program
 
     def _direct_body(self, cache, args, kwargs):
@@ -352,8 +325,7 @@ class ReplicatedRunner:
         # `Mirrored` and plain arrays enter the program alike: one program for both.
         leaves = [leaf.value if isinstance(leaf, Mirrored) else leaf for leaf in leaves]
         call = self._classify(leaves)
-        program = self._program(cache, tree, call.kinds, call.signature, leaves, False,
-                                call.rows)
+        program = self._program(cache, tree, call.kinds, call.signature, leaves)
         outputs = program.function(*call.dynamic)  # Inlined: a jit level fewer to lower.
         # The outputs leave flat, keyed by the number of the program that wraps them after the
         # call: jax.jit's C++ dispatch rebuilds a dict by itself, with no Python callback per
@@ -364,7 +336,7 @@ class ReplicatedRunner:
         """Whether a traced argument of the direct program came placed on this mesh, as
         `_canonical` leaves it (a tracer's type names the mesh its array was committed to)."""
         if isinstance(leaf, PerReplica):
-            if leaf.ragged or leaf.lengths is not None or leaf.num_replicas != self._n:
+            if leaf.ragged or leaf.num_replicas != self._n:
                 return False
             leaf = leaf.stacked
         elif isinstance(leaf, Mirrored):
@@ -374,32 +346,20 @@ class ReplicatedRunner:
         return (isinstance(leaf, jax.core.Tracer)
                 and jax.typeof(leaf).sharding.mesh == self._mesh.abstract_mesh)
 
-    def _compile(self, fn, in_tree, kinds, statics, has_lengths, padded, leaves):
+    def _compile(self, fn, in_tree, kinds, statics, leaves):
         n = self._n
         abstract = [run_arguments.abstract(leaf, kind) for leaf, kind in zip(leaves, kinds)
                     if kind != STATIC]
-        if has_lengths:
-            abstract.append(jax.ShapeDtypeStruct((n,), jnp.int32))
-        traced, eqn, record = self.trace(fn, in_tree, kinds, statics, abstract, has_lengths,
-                                         padded, staged=True)
+        traced, eqn, record = self.trace(fn, in_tree, kinds, statics, abstract, staged=True)
         inner = eqn.params["jaxpr"]
         replicated_in = [all(a is None for a in spec) for spec in eqn.params["in_specs"]]
-        # Which outputs derive from per-replica inputs; it also decides, for one replica, which
-        # outputs are padded batches (a replicated output never inherits the batch's lengths).
-        dataflow_same = invariance.same_outputs(inner, replicated_in)
-        rows = self._output_rows(traced, eqn, kinds, leaves, has_lengths)
-        same = [True] * len(inner.outvars) if n == 1 else dataflow_same
+        # Which outputs derive from per-replica inputs (all equal on one replica).
+        same = ([True] * len(inner.outvars) if n == 1
+                else invariance.same_outputs(inner, replicated_in))
         program = staged_outputs.staged_program(record["staged"], same, self._mesh, self._axis)
         varying = tuple(not s for s in same)
-        # A per-replica output inherits the batch's lengths when its leading axis runs over the
-        # batch rows (1: axis 0 after the stacked replica axis), or, where the analysis cannot
-        # tell, when its leading size is the padded batch size.
-        inherits = tuple(
-            has_lengths and not s and len(shape) >= 1 and shape[0] == padded
-            and (r == 1 or r is batch_rows.UNKNOWN)
-            for s, r, shape in zip(dataflow_same, rows, record["shapes"]))
         python_in = [isinstance(leaf, SCALARS) for leaf, k in zip(leaves, kinds) if k != STATIC]
-        by_var = dict(zip(traced.jaxpr.invars, python_in + [False] * has_lengths))
+        by_var = dict(zip(traced.jaxpr.invars, python_in))
         python = [by_var.get(v, False) for v in eqn.invars]
         invariance.check_python_float_arithmetic(inner, python)
         invariance.check_python_merges(inner, python)
@@ -409,11 +369,10 @@ class ReplicatedRunner:
         # once), picked out after the call: returning it twice would cost a copy.
         sizes = [math.prod(shape) * (1 if s else n) for s, shape in zip(same, record["shapes"])]
         token = min(range(len(sizes)), key=sizes.__getitem__, default=None)
-        return _Program(program, record["tree"], varying, inherits, record["statics"],
+        return _Program(program, record["tree"], varying, record["statics"],
                         tuple(plain), record["passed"], record["collected"], n, token)
 
-    def trace(self, fn, in_tree, kinds, statics, abstract, has_lengths, padded, exact=None,
-              staged=False):
+    def trace(self, fn, in_tree, kinds, statics, abstract, exact=None, staged=False):
         """Traces ``fn`` once as the body of a ``shard_map`` over the replica axis.
 
         The body unpacks per-replica blocks, enters the replica context and calls ``fn``
@@ -422,9 +381,7 @@ class ReplicatedRunner:
         Args:
           fn, in_tree, kinds, statics: the replica function and its flattened arguments.
           abstract: the ``jax.ShapeDtypeStruct`` of each dynamic argument (stacked for
-            per-replica ones), then the lengths when ``has_lengths``.
-          has_lengths: whether a padded batch's lengths are the last argument.
-          padded: the per-replica batch size the replica context reports (or None).
+            per-replica ones).
           exact: the `uneven` trace state when tracing one replica of an uneven step.
           staged: trace ``jit(shard_map)`` instead and keep that closed jaxpr (one ``jit``
             equation) in ``record["staged"]``, to build the program without tracing again.
@@ -438,13 +395,11 @@ class ReplicatedRunner:
         axis, record = self._axis, {}
 
         def body(*arrays):
-            arrays = list(arrays)
-            valid = arrays.pop()[0] if has_lengths else None
             it = iter(arrays)
             values = [static if kind == STATIC else next(it)[0] if kind == PER_REPLICA
                       else next(it) for kind, static in zip(kinds, statics)]
             args, kwargs = jax.tree_util.tree_unflatten(in_tree, values)
-            binding = context._Binding(axis, lax.axis_index(axis), valid, padded, exact=exact)
+            binding = context._Binding(axis, lax.axis_index(axis), exact=exact)
             for i, (v, kind) in enumerate(zip(values, kinds)):
                 if kind in (MIRRORED, ARRAY, SHARED):
                     binding.replicated_arguments[id(v)] = (v, i)
@@ -471,8 +426,6 @@ class ReplicatedRunner:
             return [x[None] for x in arrays]
 
         in_specs = [P(axis) if k == PER_REPLICA else P() for k in kinds if k != STATIC]
-        if has_lengths:
-            in_specs.append(P(axis))
         mapped = jax.shard_map(body, mesh=self._mesh, in_specs=tuple(in_specs),
                                out_specs=P(axis), check_vma=False)
         if staged:
@@ -492,13 +445,8 @@ class ReplicatedRunner:
                 "(inside jax.jit, lax.scan or jdist.function); a traced program has one shape "
                 "per value, so it cannot give each replica its own. Pass the values to "
                 "jdist.function as arguments (it runs its function as Python for such a batch), "
-                "call strategy.run outside the jitted function for this batch, batch the data "
-                "with drop_remainder=True, or opt into padded batches with "
-                "jdist.InputOptions(pad_partial_batches=True) and mask with row_mask().")
-        if call.lengths is not None:
-            raise errors.InvalidArgumentError(
-                "strategy.run got a padded batch together with ragged per-replica values; "
-                "pass values of one input mode.")
+                "call strategy.run outside the jitted function for this batch, or batch the data "
+                "with drop_remainder=True.")
         # Its plain array arguments are TF's one tensor (`SHARED`): an uneven plan keys
         # `Mirrored` and plain arguments apart anyway.
         kinds = tuple(SHARED if k == ARRAY and isinstance(leaf, ARRAYS) else k
@@ -519,39 +467,21 @@ class ReplicatedRunner:
                                                      dynamic, abstract)
         return plan(dynamic)
 
-    @staticmethod
-    def _output_rows(traced, eqn, kinds, leaves, has_lengths):
-        """The row axis of each stacked output of the traced body (see `batch_rows`)."""
-        if not has_lengths:
-            return [batch_rows.NOT_ROWS] * len(eqn.params["jaxpr"].outvars)
-        # Blocks of padded batches are (1, rows, ...): their rows run along axis 1.
-        dynamic = [leaf for leaf, kind in zip(leaves, kinds) if kind != STATIC]
-        states = [1 if isinstance(leaf, PerReplica) and leaf.lengths is not None
-                  else batch_rows.NOT_ROWS for leaf in dynamic]
-        states.append(batch_rows.NOT_ROWS)  # The lengths themselves.
-        by_var = dict(zip(traced.jaxpr.invars, states))
-        inputs = [by_var.get(v, batch_rows.NOT_ROWS) for v in eqn.invars]
-        return batch_rows.row_axes(eqn.params["jaxpr"], inputs)
-
-    def _wrap_outputs(self, program, outputs, lengths, leaves):
+    def _wrap_outputs(self, program, outputs, leaves):
         """The step's output nest from the program's flat outputs (``leaves``: the call's)."""
         wrapped = list(outputs)
         wrap_at(wrapped, program.mirrored_at, self._n, program.per_replica_at)
         if program.wraps_more:  # Off the common path: each line here runs on every step.
-            wrapped = self._wrap_more(program, outputs, wrapped, lengths, leaves)
+            wrapped = self._wrap_more(program, outputs, wrapped, leaves)
         return program.out_tree.unflatten(wrapped)
 
-    def _wrap_more(self, program, outputs, wrapped, lengths, leaves):
-        """`_wrap_outputs`' rarer cases: arguments, padded batches, objects."""
+    def _wrap_more(self, program, outputs, wrapped, leaves):
+        """`_wrap_outputs`' rarer cases: arguments returned as they are, objects."""
         if program.passed_at and not isinstance(leaves, list):  # `run` gives the call.
             leaves = jax.tree_util.tree_flatten(leaves, is_leaf=is_distributed)[0]
         for k, j in program.passed_at:  # A plain argument returned as it is is TF's one
             if not is_distributed(leaves[j]):  # tensor; a Python number, the object itself.
                 wrapped[k] = leaves[j] if isinstance(leaves[j], SCALARS) else outputs[k]
-        for i in program.padded_at:
-            x = wrapped[i]
-            wrapped[i] = PerReplica._from_stacked(
-                x if program.out_varying[i] else x[None], lengths)
         if program.has_statics:
             arrays = iter(wrapped)
             wrapped = [next(arrays) if st is OUTPUT else st for st in program.out_statics]

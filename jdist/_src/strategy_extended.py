@@ -158,7 +158,7 @@ class StrategyExtended:
             return fn(*args, **kwargs)
 
     def _reduce_per_replica(self, op, value, axes):
-        stacked, lengths = collectives.strip_padding(jnp.asarray(value.stacked), value.lengths,
+        stacked, lengths = collectives.strip_padding(jnp.asarray(value.stacked), value._lengths,
                                                      axes, "reduce")
         valid = None if lengths is None else jnp.asarray(lengths)
         return collectives.stacked_reduce(op, stacked, axes, valid)
@@ -461,7 +461,7 @@ class StrategyExtended:
                 return collectives.finish(op, total, count)
             axes = collectives.normalize_axis(axis, value.stacked.ndim - 1)
             if isinstance(value.stacked, jax.core.Tracer):  # A merge_call view.
-                return collectives.stacked_reduce(op, value.stacked, axes, value._view_valid_rows)
+                return collectives.stacked_reduce(op, value.stacked, axes)
             return self._reduce_per_replica(op, value, axes)
         step_output = is_step_output(value)
         if isinstance(value, Mirrored):

@@ -63,13 +63,13 @@ def ragged_from_local(devices, local_ids, local_arrays, shapes, dtype):
 class RaggedRowsPlacer(multi_worker_input.LocalRowsPlacer):
     """`multi_worker_input.LocalRowsPlacer` keeping a partial batch ragged (TF's semantics).
 
-    Without the padded mode, chunks of different sizes become a ragged `PerReplica` whose other
+    Chunks of different sizes become a ragged `PerReplica` whose other
     workers' replicas are placeholders; the chunks of other workers are shape-only already (the
     split rule, or the PER_WORKER exchange, gives every worker every replica's shape).
     """
 
     def split(self, chunks, rows):
-        if self.pad or len({c.shape for c in chunks}) == 1:
+        if len({c.shape for c in chunks}) == 1:
             return super().split(chunks, rows)
         shapes = [tuple(c.shape) for c in chunks]
         return (list(chunks[self._lo:self._hi]), (shapes, chunks[0].dtype), _RAGGED_ACROSS)

@@ -291,9 +291,8 @@ def _flat_trace(traced, eqn, mesh, out_tree, out_statics, out_unwrapped, out_pas
                 f"collective (all_reduce, all_gather or merge_call) inside `{e.primitive.name}` "
                 "(lax.scan, lax.while_loop, lax.cond or a custom derivative rule): each replica "
                 "would run that loop with its own shapes, which one collective program cannot "
-                "do. Move the collective out of the loop, batch the data with "
-                "drop_remainder=True, or opt into padded batches with "
-                "jdist.InputOptions(pad_partial_batches=True) and mask with row_mask().")
+                "do. Move the collective out of the loop, run this batch's steps one by one outside "
+                "it, or batch the data with drop_remainder=True.")
     replicated = tuple(all(a is None for a in spec) for spec in eqn.params["in_specs"])
     return Trace(inner, sources, replicated, out_tree, out_statics, out_unwrapped, out_passed)
 
@@ -428,13 +427,6 @@ def _row_counts(abstract, kinds):
             if k == "per_replica" and len(a.shape) >= 2}
 
 
-def _rows(abstract, kinds):
-    """The replica's batch size the replica context reports: its per-replica inputs' common
-    leading size, or None."""
-    sizes = _row_counts(abstract, kinds)
-    return sizes.pop() if len(sizes) == 1 else None
-
-
 # Added to an error the replica function raised on an empty batch: JAX's own message does not
 # say that the array is empty because the replica got no rows.
 _EMPTY_BATCH = (
@@ -460,7 +452,7 @@ def trace_replicas(runner, fn, in_tree, kinds, statics, per_replica):
             try:
                 with _fresh_inner_traces():
                     traced, eqn, record = runner.trace(fn, in_tree, kinds, statics, abstract,
-                                                       False, _rows(abstract, kinds), exact=state)
+                                                       exact=state)
             except _Suspend as stop:
                 suspended[key] = stop
                 continue

@@ -4,15 +4,13 @@
   replica axis, so replica ``i``'s value is the block device ``i`` already holds (no copy).
   When the replicas' values have different shapes (the last partial batch of a dataset, ragged
   values from ``experimental_distribute_values_from_function``) it holds them as they are, one
-  array per replica on that replica's device (*ragged*), as TF does. Only the opt-in padded
-  input mode builds a padded block with ``lengths``: how many leading rows of each replica's
-  value are real (see ``docs/design.md``).
+  array per replica on that replica's device (*ragged*), as TF does. (Across workers, a ragged
+  value is combined by ``reduce`` / ``gather`` as a padded block with the true ``lengths`` of
+  each replica's rows: `uneven_multi_worker.as_padded`, internal to those two calls.)
 * `Mirrored` wraps one replicated array of the per-replica shape: every replica holds the same
   value.
 
-Both are pytree nodes, so they pass through ``jax.jit``, ``jax.tree_util`` and ``lax.scan``. The
-lengths are static pytree metadata (a tuple of ints): a jitted function sees them as part of the
-value's structure, so it can never mix up real rows and padding.
+Both are pytree nodes, so they pass through ``jax.jit``, ``jax.tree_util`` and ``lax.scan``.
 """
 
 import functools
@@ -93,10 +91,9 @@ class PerReplica(DistributedValues):
     """
 
     # `_components`: the per-replica arrays of a ragged value (then `_stacked` is None).
-    # `_view_valid_rows`: traced real-row counts of a merge_call view (see spmd.merge_call).
     # `_numbers`: the Python numbers it was made of, one per local replica, which TF's
     # PerReplica holds as they are (its local results), or None.
-    __slots__ = ("_stacked", "_lengths", "_view_valid_rows", "_components", "_numbers")
+    __slots__ = ("_stacked", "_lengths", "_components", "_numbers")
 
     def __init__(self, values: Sequence[Any]) -> None:
         if isinstance(values, DistributedValues) or not isinstance(values, (tuple, list)):
@@ -113,7 +110,6 @@ class PerReplica(DistributedValues):
         self._stacked = stacked
         self._components = components
         self._lengths = None if lengths is None else tuple(int(n) for n in lengths)
-        self._view_valid_rows = None
         self._numbers = None
 
     @classmethod
@@ -158,11 +154,6 @@ class PerReplica(DistributedValues):
                 "array and cannot be combined element-wise; use strategy.gather(v, axis), "
                 "strategy.reduce(op, v, axis=...) or strategy.experimental_local_results(v).")
         return self._stacked
-
-    @property
-    def lengths(self):
-        """Real rows of each replica's padded batch (a tuple of ints), or None if not padded."""
-        return self._lengths
 
     @property
     def num_replicas(self):
@@ -465,30 +456,6 @@ def _component(stacked, index, lengths):
     if lengths is not None:
         value = value[:lengths[index]]
     return value
-
-
-def pad_components(chunks, rows=None):
-    """One host array ``(N, rows, ...)`` from per-replica chunks, zero-padded along axis 0.
-
-    This is the padded-batch representation: ``rows`` defaults to the longest chunk; the
-    lengths are None when no chunk needed padding.
-
-    Args:
-      chunks: one array per replica, agreeing in every dimension but the first.
-      rows: the padded per-replica size, at least the longest chunk.
-
-    Returns:
-      ``(stacked, lengths)``.
-    """
-    chunks = [np.asarray(c) for c in chunks]
-    rows = max(c.shape[0] for c in chunks) if rows is None else rows
-    if all(c.shape[0] == rows for c in chunks):
-        return np.stack(chunks), None
-    first = chunks[0]
-    out = np.zeros((len(chunks), rows) + first.shape[1:], first.dtype)
-    for i, c in enumerate(chunks):
-        out[i, :c.shape[0]] = c
-    return out, tuple(c.shape[0] for c in chunks)
 
 
 def _flatten_per_replica(v):
