@@ -115,6 +115,18 @@ def wait_for(path, text, procs, timeout=90):
     return False
 
 
+def signal_worker_1(directory, folder, step, signum, timeout):
+    """Starts the 2 x 2 job, sends ``signum`` to worker 1 once it has printed ``step``, and
+    returns each process's (status, seconds) (`end_all`) and both workers' output."""
+    procs = start_workers(directory, folder, 0.3)
+    try:
+        assert wait_for(folder / "worker1.txt", f"step {step} ", procs)
+        os.kill(procs[1].pid, signum)
+    finally:
+        ended = end_all(procs, timeout)
+    return ended, [(folder / f"worker{i}.txt").read_text() for i in range(2)]
+
+
 def end_all(procs, timeout):
     """Each process's exit status and seconds until it ended; one still running at the
     deadline is killed, by its pid, and its status is None."""
@@ -139,13 +151,7 @@ def test_sigterm_to_one_worker_stops_both_at_one_step_and_resumes_on_one_process
     same step (the next even one: they agree every 2 steps), and 1 process x 4 replicas
     resumes there."""
     directory = tmp_path / "preempted"
-    procs = start_workers(directory, tmp_path, 0.3)
-    try:
-        assert wait_for(tmp_path / "worker1.txt", "step 4 ", procs)
-        os.kill(procs[1].pid, signal.SIGTERM)
-    finally:
-        ended = end_all(procs, 60)
-    out = [(tmp_path / f"worker{i}.txt").read_text() for i in range(2)]
+    ended, out = signal_worker_1(directory, tmp_path, 4, signal.SIGTERM, 60)
     assert [code for code, _ in ended] == [75, 75], out
     before = [steps_of(text.splitlines()) for text in out]
     assert before[0] == before[1]  # The same steps: they stopped at one boundary.
@@ -163,13 +169,7 @@ def test_a_worker_killed_inside_a_collective_ends_the_other_typed(tmp_path):
     waits in a collective that never completes, and the watchdog ends it (status 14,
     UnavailableError) within its 5 s timeout, not hanging; no checkpoint is written."""
     directory = tmp_path / "killed"
-    procs = start_workers(directory, tmp_path, 0.3)
-    try:
-        assert wait_for(tmp_path / "worker1.txt", "step 2 ", procs)
-        os.kill(procs[1].pid, signal.SIGKILL)
-    finally:
-        ended = end_all(procs, 40)
-    out = (tmp_path / "worker0.txt").read_text()
+    ended, (out, _) = signal_worker_1(directory, tmp_path, 2, signal.SIGKILL, 40)
     assert ended[0][0] == 14 and ended[0][1] < 5 + 10, (ended, out)
     assert "jdist.errors.UnavailableError: worker 1 (task worker:1" in out
     with jdist.checkpoint.CheckpointManager(directory) as manager:
