@@ -107,7 +107,9 @@ def run_jax(layers, steps):
     mesh = jax.make_mesh((jax.device_count(),), ("r",))
 
     def step(params, state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        # Per-replica gradients (JAX would psum those of unvarying parameters itself), summed once.
+        varying = jax.tree.map(lambda p: jax.lax.pcast(p, "r", to="varying"), params)
+        loss, grads = jax.value_and_grad(loss_fn)(varying, x, y)
         params, state = adam(params, state, jax.lax.psum(grads, "r"))
         return params, state, jax.lax.psum(loss, "r")
     step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("r"), P("r")),
