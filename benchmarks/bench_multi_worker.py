@@ -103,6 +103,9 @@ def bench(model, configs):
                   detail=f"1 x 2: {summary(speeds['jdist 1x2'])} steps/s")
     common.record("multi_worker", f"{model}: jdist 2 x 1, launch-to-launch spread", spread(mine),
                   "x median", f"<= {SPREAD}", spread(mine) <= SPREAD, summary(mine))
+    if "TF 2x1" in speeds:  # The machine's own launch-to-launch noise, for comparison.
+        common.record("multi_worker", f"{model}: TF 2 x 1, launch-to-launch spread (reference)",
+                      spread(speeds["TF 2x1"]), "x median", detail=summary(speeds["TF 2x1"]))
     print(f"  jdist 2x1 / 1x2: {statistics.median(ratios):.2f}; jdist 2x1 spread "
           f"{spread(mine):.2f}x of its median (target <= {SPREAD}): "
           f"{'ok' if spread(mine) <= SPREAD else 'MISSED'}", flush=True)
