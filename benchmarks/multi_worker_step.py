@@ -1,4 +1,4 @@
-"""One worker of `bench_multi_worker.py`: an MLP trained with Adam, timed, as jdist, plain JAX or TF.
+"""One worker of `bench_multi_worker.py`: an MLP trained with Adam and timed (jdist, JAX or TF).
 
     python multi_worker_step.py {jdist,jax,tf} {mlp,deep} STEPS
 
@@ -102,7 +102,8 @@ def run_jax(layers, steps):
     if config:
         workers = config["cluster"]["worker"]
         jax.distributed.initialize(workers[0], len(workers), config["task"]["index"])
-    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+    from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
+    from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
     loss_fn, adam, zeros = jax_pieces(layers)
     mesh = jax.make_mesh((jax.device_count(),), ("r",))
 
