@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jdist
+from jdist._src import multi_worker
 from jdist._src import multi_worker_runtime as runtime
 from jdist.launch import free_ports
 from jdist.launch import worker_env
@@ -448,6 +449,35 @@ def test_single_worker_is_mirrored_over_local_devices(monkeypatch):
     with pytest.raises(jdist.errors.ClusterMismatchError, match="starts once per process"):
         s.configure(cluster_spec={"worker": ["a:1", "b:2"]}, task_type="worker", task_id=1)
     assert repr(s).startswith("MultiWorkerMirroredStrategy(devices=['/job:localhost/replica:0/")
+
+
+def test_strategy_options_are_all_reduce_defaults(monkeypatch):
+    """As in TF, the strategy's CommunicationOptions are ReplicaContext.all_reduce's defaults:
+    bytes_per_pack packs a nest into one all-reduce (lowered: 2 all-reduces become 1), with the
+    same sums. Across CPU processes one pack per dtype is the default (issue 51: gloo reduces
+    an all-reduce's arrays one by one, ~1-3 ms each on loopback), unless bytes_per_pack is set."""
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    counts = []
+    for options in (None, jdist.CommunicationOptions(bytes_per_pack=1 << 20)):
+        s = jdist.MultiWorkerMirroredStrategy(communication_options=options)
+        v = s.experimental_distribute_values_from_function(lambda c: {
+            "a": np.full((2, 3), c.replica_id_in_sync_group, np.float32),
+            "b": np.arange(5, dtype=np.float32)})
+        f = jdist.function(lambda v, s=s: s.run(
+            lambda x: jdist.get_replica_context().all_reduce("sum", x), args=(v,)))
+        counts.append(jdist.testing.count_all_reduces(f.lower(v).as_text()))
+        for got in s.experimental_local_results(f(v)):
+            np.testing.assert_array_equal(got["a"], np.full((2, 3), 28, np.float32))
+            np.testing.assert_array_equal(got["b"], 8 * np.arange(5, dtype=np.float32))
+    assert counts == [2, 1]
+    two = runtime.Cluster(jdist.SimpleClusterResolver({"worker": ["a:1", "b:2"]},
+                                                      task_type="worker", task_id=0))
+    one = runtime.Cluster(jdist.SimpleClusterResolver({}))
+    default, set_ = jdist.CommunicationOptions(), jdist.CommunicationOptions(bytes_per_pack=64)
+    assert multi_worker._in_step_options(default, two, "cpu").bytes_per_pack == 1 << 40
+    assert multi_worker._in_step_options(set_, two, "cpu") is set_
+    assert multi_worker._in_step_options(default, two, "gpu") is default
+    assert multi_worker._in_step_options(default, one, "cpu") is default
 
 
 def test_cluster_parsing():

@@ -40,6 +40,8 @@ class MirroredExtended(StrategyExtended):
     _gradients_through_merge_call = False
     _ops_per_value = True  # TF's MirroredStrategy: int32 values go to ReductionToOneDevice.
     _plain_values_as_they_are = False
+    # The options a replica context's all_reduce merges its own into (TF: the strategy's).
+    _all_reduce_options = None
 
     def __init__(self, container_strategy, devices, cross_device_ops=None):
         super().__init__(container_strategy, devices)
@@ -75,7 +77,8 @@ class MirroredExtended(StrategyExtended):
         if binding is None:
             return super()._replica_collectives(binding)
         return _ReplicaAxisCollectives(binding, self._cross_device_ops, self._runner,
-                                       self._num_replicas, self._gradients_through_merge_call)
+                                       self._num_replicas, self._gradients_through_merge_call,
+                                       self._all_reduce_options)
 
     def _reduce_per_replica(self, op, value, axes):
         return self._cross_device_ops._reduce_to_mesh(self._programs, op, value, axes)
@@ -130,14 +133,19 @@ class _ReplicaAxisCollectives(ReplicaCollectives):
     and ``merge_call`` are steps of their own, run across replicas between the traced pieces.
     """
 
-    def __init__(self, binding, ops, runner, num_replicas, gradients_through_merge):
+    def __init__(self, binding, ops, runner, num_replicas, gradients_through_merge,
+                 options=None):
         self._binding = binding
+        self._options = options
         self._gradients_through_merge = gradients_through_merge
         self._ops = ops
         self._runner = runner
         self._num_replicas = num_replicas
 
     def all_reduce(self, op, value, options=None):
+        if self._options is not None:
+            options = self._options.merge(options)
+
         def reduce(op, value):
             return self._ops._replica_all_reduce(self._binding.axis_name, self._num_replicas, op,
                                                 value, options)
