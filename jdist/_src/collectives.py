@@ -6,7 +6,7 @@ One rule set, three settings:
   (``strategy.reduce`` / ``strategy.gather``): each device reduces its own block, then
   ``lax.psum`` / ``lax.all_gather`` combine the devices (`jdist._src.replica_mesh`);
 * **inside a replica function** (``ReplicaContext.all_reduce`` / ``all_gather``): the same
-  collectives on the traced per-replica value (`_replica_all_reduce`, `replica_all_gather`);
+  collectives on the traced per-replica value (`replica_all_reduce`, `replica_all_gather`);
 * **inside a merge function**, where arguments are gathered views with the replica axis first,
   so reduction is a sum over that axis with no further communication (`stacked_reduce`).
 
@@ -357,7 +357,7 @@ def stacked_gather(stacked, axis: int):
     return jnp.concatenate([stacked[i] for i in range(stacked.shape[0])], axis=axis)
 
 
-def _replica_all_reduce(axis_name: str, op: ReduceOp, value: PyTree) -> PyTree:
+def replica_all_reduce(axis_name: str, op: ReduceOp, value: PyTree) -> PyTree:
     """All-reduces every leaf of ``value`` over ``axis_name`` inside a replica function."""
     n = lax.axis_size(axis_name)
     divisors: dict = {}

@@ -185,7 +185,7 @@ class CrossDeviceOps(abc.ABC):
         """
         options = as_options(options)
         if options.bytes_per_pack <= 0:
-            return collectives._replica_all_reduce(axis_name, op, value)
+            return collectives.replica_all_reduce(axis_name, op, value)
         return packing.packed_replica_all_reduce(axis_name, num_replicas, op, value,
                                                  options.bytes_per_pack)
 

@@ -220,8 +220,8 @@ class MultiWorkerExtended(MirroredExtended):
 
     def _per_worker_feed(self, source, dealer):
         """A PER_WORKER ``distribute_datasets_from_function`` pipeline kept in step with the
-        other workers' (`multi_worker_input._per_worker_feed`)."""
-        return multi_worker_input._per_worker_feed(self, source, dealer)
+        other workers' (`multi_worker_input.per_worker_feed`)."""
+        return multi_worker_input.per_worker_feed(self, source, dealer)
 
     def _check_host_arguments(self, in_tree, leaves):
         """Called by ``run`` when it compiles a new program: raises on every worker unless the

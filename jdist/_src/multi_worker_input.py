@@ -2,7 +2,7 @@
 
 * `LocalRowsPlacer` places only THIS worker's replicas' rows of each split batch
   (``experimental_distribute_dataset`` on data every worker reads whole: TF's ``DATA`` order).
-* `_per_worker_feed` runs a ``distribute_datasets_from_function`` dataset in ``PER_WORKER``
+* `per_worker_feed` runs a ``distribute_datasets_from_function`` dataset in ``PER_WORKER``
   mode over several workers. Each worker reads its OWN pipeline and deals its per-replica
   batches to its own replicas, ``L`` (its local replica count) per step. The workers' steps
   are kept in step through the coordination service (`multi_worker_runtime.Agreement`, never an
@@ -67,7 +67,7 @@ class LocalRowsPlacer(input_batches.Placer):
         return out
 
 
-def _per_worker_feed(extended, source, dealer):
+def per_worker_feed(extended, source, dealer):
     """``(source, transform, finish)`` of a PER_WORKER dataset over several workers (module doc).
 
     Args:

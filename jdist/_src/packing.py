@@ -269,7 +269,7 @@ def packed_replica_all_reduce(axis_name, num_replicas, op, value, bytes_per_pack
     """``ReplicaContext.all_reduce`` of a nest inside a replica function, packed by bytes."""
     leaves, tree = jax.tree_util.tree_flatten(value)
     if len(leaves) == 1:  # Nothing to pack: the value keeps its shape, which errors name.
-        return collectives._replica_all_reduce(axis_name, op, value)
+        return collectives.replica_all_reduce(axis_name, op, value)
     xs = [jnp.asarray(x) for x in leaves]
     plan = plan_packs([(x.shape, x.dtype) for x in xs], bytes_per_pack=bytes_per_pack)
     divisors = {}
