@@ -233,7 +233,10 @@ def check_traced_run(guard):
 
 def under_a_trace():
     """Whether a JAX transformation is tracing on this thread (not plain eager evaluation)."""
-    return type(core.find_top_trace(())).__name__ != "EvalTrace"  # Eager: the bottom one.
+    return type(jax_internals.TRACE_STATE.value) is not _EVAL_TRACE  # Eager: the bottom one.
+
+
+_EVAL_TRACE = type(core.find_top_trace(()))  # The eager trace, at the bottom of every stack.
 
 
 def under_a_staging_trace():

@@ -17,12 +17,20 @@ says what breaks if JAX changes it:
   not among ``jax.extend.core.primitives``. If they change, `staged_outputs.unblock_replicated`
   fails (tests/test_staged_outputs.py); a primitive that no longer matches only makes it fall
   back to a second ``shard_map`` (slower, same numbers).
+- `TRACE_STATE` and `JIT_DISABLED` (``jax._src.core``, ``jax._src.config``): the current
+  trace (what ``jax.extend.core.find_top_trace(())`` returns, read without its three Python
+  calls) and the ``jax_disable_jit`` flag (its ``.value`` read in C++, where
+  ``jax.config.jax_disable_jit`` is a Python property). ``strategy.run`` asks both on every
+  call: the public spellings cost it four Python calls, 1-2 us of a 30-40 us call here. If they
+  move, ``import jdist`` fails with AttributeError (every test).
 - `distributed_client` (``jax._src.distributed.global_state.client``): the coordination
   service's key-value store that ``jax.distributed.initialize`` starts, which multi-worker
   agreement exchanges its payloads through; JAX has no public handle on it. If it moves,
   MultiWorkerMirroredStrategy fails at creation (tests/test_multi_worker.py).
 """
 
+from jax._src import config as _config
+from jax._src import core as _core
 from jax._src import distributed as _distributed
 from jax._src import shard_map as _shard_map
 from jax._src.lib import xla_client as _xla_client
@@ -31,6 +39,8 @@ batched_block_until_ready = _xla_client.batched_block_until_ready
 batched_device_put = _xla_client.batched_device_put
 shard_map_p = _shard_map.shard_map_p
 unshard_aval = _shard_map.unshard_aval
+TRACE_STATE = _core.trace_state_strong_ref  # ``.value``: the current trace.
+JIT_DISABLED = _config.disable_jit  # ``.value``: whether ``jax.disable_jit`` is on.
 
 
 def distributed_client():

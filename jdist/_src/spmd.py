@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jdist._src import argument_paths
 from jdist._src import context
 from jdist._src import dispatch
+from jdist._src import jax_internals
 from jdist._src import errors
 from jdist._src import fn_cache
 from jdist._src import invariance
@@ -130,7 +131,7 @@ class ReplicatedRunner:
         loop's first parameters, host arrays) are made canonical first (`_launch_canonical`),
         so both share one compile. A function whose calls keep needing that skips the direct
         attempt (``cache.flatten_first``); arguments it cannot take go the general path."""
-        if jax.config.jax_disable_jit:
+        if jax_internals.JIT_DISABLED.value:
             # The replicas run as one compiled SPMD program: there is no eager one to fall to.
             with jax.disable_jit(False):
                 return self.run(fn, args, kwargs)
