@@ -15,7 +15,6 @@ import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import pytest  # noqa: E402
 
 from _tf_skip import tf_or_skip  # noqa: E402
 

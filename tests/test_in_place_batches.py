@@ -15,7 +15,6 @@ import pytest
 
 import jdist
 from jdist._src import batch_blocks
-from jdist._src import errors
 from jdist._src import host_values
 from jdist._src import in_place_batches
 from jdist.testing import count_compiles, mirrored

@@ -13,7 +13,6 @@ import os
 import sys
 
 import numpy as np
-import pytest
 
 from jdist.launch import free_ports
 from _tf_skip import tf_or_skip

@@ -9,7 +9,6 @@ shuffled blocks, one replica's plain arrays) and must still give TF's elements a
 import os
 import random
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
