@@ -9,7 +9,6 @@ from jdist._src.errors import MixedStrategyError
 from jdist._src.errors import NoGradientError
 from jdist._src.errors import OutOfRangeError
 from jdist._src.errors import RemoteValueError
-from jdist._src.errors import RetracingWarning
 from jdist._src.errors import ShapeMismatchError
 from jdist._src.errors import UnevenValuesError
 from jdist._src.errors import UnavailableError
@@ -31,7 +30,6 @@ __all__ = (
     "NoGradientError",
     "OutOfRangeError",
     "RemoteValueError",
-    "RetracingWarning",
     "ShapeMismatchError",
     "UnevenValuesError",
     "UnavailableError",

@@ -297,9 +297,9 @@ def _record_step(s, np, out, name, params, outputs, xb):
     out[f"{name}_b"] = {"global": np.asarray(params["b"]).tolist(), **tol}
     out[f"{name}_loss"] = {"global": float(s.reduce("sum", loss, axis=None)), **tol}
     out[f"{name}_loss_mean"] = {"global": float(s.reduce("mean", loss, axis=None)), **tol}
-    # The merge's result returned as it is: TF's run gives each worker that one tensor.
-    out[f"{name}_correct"] = {"global": [np.asarray(v).tolist() for v in
-                                         s.experimental_local_results(total)],
+    # The merge's result returned as it is: the same on every replica (Mirrored).
+    out[f"{name}_correct"] = {"global": sorted({float(np.asarray(v)) for v in
+                                                s.experimental_local_results(total)}),
                               "kind": type(total).__name__}
     out[f"{name}_logits"] = {"global": np.asarray(s.gather(logits, 0)).tolist(), **tol}
     out[f"{name}_all_gather"] = {"replicas": _replicas(s, gathered)}

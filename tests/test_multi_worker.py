@@ -267,7 +267,7 @@ def _check_exact(one):
     assert all(v % 100 == 4 for key in ("exact0_0_correct", "exact0_2_correct",
                                         "per_worker_exact1_correct")
                for v in one[key]["global"])
-    assert one["exact0_0_correct"]["kind"] == "ArrayImpl"  # TF: the merge's one tensor.
+    assert one["exact0_0_correct"]["kind"] == "Mirrored"  # Every replica holds it.
     assert len(one["per_worker_exact1_x"]["global"]) == 3  # Rows 2, 1, 0, 0.
     assert one["per_worker_exact_steps"]["global"] == 2
     assert one["exact_errors"]["replicas"]["0"] == {

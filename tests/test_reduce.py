@@ -130,12 +130,12 @@ def test_plain_value_on_one_replica_comes_back(strategy_fn, op):
 @pytest.mark.parametrize("strategy", ["mirrored 1", "mirrored 3", "one device", "default"])
 @pytest.mark.parametrize("value", [None, (None, 1.0), {"a": None}])
 def test_none_is_a_value_sum_refuses_and_mean_hands_back(strategy, value):
-    # TF's MirroredStrategy: SUM cannot make a tensor of None; MEAN returns the nest as it is.
-    # Its OneDeviceStrategy and default strategy hand every plain value back, SUM included.
+    # A plain value is one value: MEAN hands it back, SUM too on one replica, and SUM refuses
+    # it on several (TF's MirroredStrategy raises there too).
     s = {"one device": lambda: jdist.OneDeviceStrategy("cpu:0"), "default": jdist.get_strategy,
          }.get(strategy, lambda: mirrored(int(strategy[-1])))()
-    if strategy.startswith("mirrored"):
-        with pytest.raises(errors.InvalidArgumentError, match="None"):
+    if strategy == "mirrored 3":
+        with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
             s.reduce("sum", value)
     else:
         assert s.reduce("sum", value) == value
@@ -294,10 +294,9 @@ def test_cross_device_ops_divide_one_bool_value_elsewhere_as_tf(ops, batch):
                                       "default"])
 @pytest.mark.parametrize("how", ["reduce", "reduce_to"])
 @pytest.mark.parametrize("number", [0, 0.0, False, 3, 0.1])
-def test_a_python_number_reduces_as_tfs_strategy_reduces_it(strategy, how, number):
-    # TF's OneDeviceStrategy and default strategy hand a plain value back as it is (0.1 stays
-    # a Python float, not float32's 0.100000001); its MirroredStrategy hands zeros back as
-    # np.zeros(value.shape), which a Python number has not (AttributeError), at any count.
+def test_a_python_number_reduces_as_any_plain_value(strategy, how, number):
+    # MEAN hands it back as it is (0.1 stays a Python float), SUM too on one replica; SUM on
+    # several refuses it, as TF's MirroredStrategy does (without TF's special case for zeros).
     s = {"one device": lambda: jdist.OneDeviceStrategy("cpu:0"), "default": jdist.get_strategy,
          }.get(strategy, lambda: mirrored(int(strategy[-1])))()
 
@@ -305,13 +304,11 @@ def test_a_python_number_reduces_as_tfs_strategy_reduces_it(strategy, how, numbe
         if how == "reduce":
             return s.reduce(op, number, axis=None)
         return s.extended.reduce_to(op, number, "cpu:0")
-    if strategy.startswith("mirrored") and number == 0:
-        for op in ("sum", "mean"):
-            with pytest.raises(errors.JdistError):  # A bool: UnsupportedValueError first.
-                reduce(op)
-        return
-    assert reduce("mean") is number  # The value as it is.
-    if not strategy.startswith("mirrored"):
+    assert reduce("mean") is number
+    if strategy in ("mirrored 2", "mirrored 3"):
+        with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
+            reduce("sum")
+    else:
         assert reduce("sum") is number
 
 
@@ -319,17 +316,13 @@ def test_a_python_number_reduces_as_tfs_strategy_reduces_it(strategy, how, numbe
 @pytest.mark.parametrize("value", [np.array([True, False]), np.array([False, False]), True],
                          ids=["bools", "all false", "python bool"])
 def test_a_plain_bool_reduces_as_any_plain_value(n, value):
-    # TF adds no plain value without an axis: MEAN hands it back, SUM of host zeros gives them
-    # and SUM of anything else refuses it as not per-replica (no bool is added).
+    # No plain value is added without an axis: MEAN hands it back and SUM refuses it.
     s = mirrored(n)
     mean = s.reduce("mean", value, axis=None)
     np.testing.assert_array_equal(np.asarray(mean), value)
     assert np.asarray(mean).dtype == np.bool_
-    if np.any(value):
-        with pytest.raises(errors.InvalidArgumentError, match="not per-replica"):
-            s.reduce("sum", value, axis=None)
-    else:
-        np.testing.assert_array_equal(np.asarray(s.reduce("sum", value, axis=None)), value)
+    with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
+        s.reduce("sum", value, axis=None)
     with pytest.raises(errors.UnsupportedValueError, match="bool"):  # Along an axis TF adds.
         s.reduce("mean", np.array([True, False]), axis=0)
 

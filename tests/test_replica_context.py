@@ -11,7 +11,6 @@ import pytest
 import jdist
 from jdist import errors
 from jdist.testing import REPLICA_COUNTS, assert_local_results, mirrored, per_replica
-from jdist.testing import mirrored_reducing_to_one_device
 
 
 def replica_id():
@@ -119,7 +118,7 @@ def test_merge_call_sees_per_replica_values_in_cross_replica_context(n):
     out = s.run(fn)
     assert seen["cross"]
     assert seen["type"] is jdist.PerReplica or n == 1
-    assert_local_results(s, out, [n * (n + 1)])  # TF: the merge's one tensor, returned as is.
+    assert_local_results(s, out, [n * (n + 1)] * n)  # The same on every replica: Mirrored.
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -136,155 +135,45 @@ def test_merge_call_per_replica_result_is_unpacked_per_replica(n):
             merge_fn, args=(jnp.full((2,), replica_id(), jnp.float32),))
     mine, mean = s.run(fn)
     assert_local_results(s, mine, [[10. * i] * 2 for i in range(n)])
-    assert not isinstance(mean, jdist.DistributedValues)  # TF: the merge's tensor itself.
-    assert_local_results(s, mean, [(n - 1) / 2])
-
-
-@pytest.mark.parametrize("n", [2, 3, 8])
-@pytest.mark.parametrize("uneven", [False, True])
-def test_an_array_the_step_captured_comes_back_as_that_one_array(n, uneven):
-    # Every replica returns the same tensor object in TF, so run returns it as it is.
-    s, captured = mirrored(n), jnp.arange(3, dtype=jnp.float32)
-    batch = per_replica(s, [np.ones((r % 2 + 1 if uneven else 2,), np.float32) for r in range(n)])
-    kept, computed = s.run(lambda x: (captured, captured + 0 * jnp.sum(x[:1])), args=(batch,))
-    assert kept is captured or not isinstance(kept, jdist.DistributedValues)
-    assert_local_results(s, kept, [[0, 1, 2]])
-    with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
-        s.reduce("SUM", kept, axis=None)
-    assert_local_results(s, computed, [[0, 1, 2]] * n)
-
-
-@pytest.mark.parametrize("n", [2, 3, 8])
-@pytest.mark.parametrize("uneven", [False, True])
-def test_a_plain_argument_returned_as_it_is_comes_back_as_that_one_array(n, uneven):
-    # TF hands every replica the same tensor object; returned unchanged, run returns it. A
-    # Mirrored argument is unpacked per replica in TF, so it comes back as run's Mirrored.
-    s, w = mirrored(n), np.float32([1.5, 2.0])
-    batch = per_replica(s, [np.ones((r % 2 + 1 if uneven else 2,), np.float32) for r in range(n)])
-    kept, _ = s.run(lambda w, x: (w, jnp.sum(x)), args=(w, batch))
-    assert not isinstance(kept, jdist.DistributedValues)
-    assert_local_results(s, kept, [w])
-    with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
-        s.reduce("SUM", kept, axis=None)
-    step_output = s.run(lambda w: w * 1, args=(w,))
-    again, _ = s.run(lambda w, x: (w, jnp.sum(x)), args=(step_output, batch))
-    assert isinstance(again, jdist.Mirrored)
-    np.testing.assert_array_equal(np.asarray(s.reduce("SUM", again, axis=None)), n * w)
-
-
-@pytest.mark.parametrize("n", [2, 3, 8])
-@pytest.mark.parametrize("uneven", [False, True])
-def test_collectives_of_a_tensor_every_replica_holds_as_one_object(n, uneven):
-    # TF's regroup takes a tensor every replica holds as the same object (captured from outside
-    # the step, or a plain merge_fn result) as one value: all_reduce and all_gather give it
-    # back as it is, merge_fn gets it as it is (its SUM raises). A constant the step makes is
-    # each replica's own, and is summed n times. TF reduces a nest as one batch, which raises
-    # with such a tensor beside per-replica ones (IndexError).
-    s, captured = mirrored(n), jnp.asarray([1.5, 2.0])
-    batch = per_replica(s, [np.ones((r % 2 + 1 if uneven else 2,), np.float32) for r in range(n)])
-
-    def fn(x):
-        ctx = jdist.get_replica_context()
-        merged = ctx.merge_call(_total_of_ids, args=(jnp.float32(replica_id()) + 0 * x[0],))
-        return ([ctx.all_reduce("sum", v) for v in (captured, merged, jnp.asarray([1.5, 2.0]))],
-                ctx.all_gather(captured, axis=0),
-                ctx.merge_call(lambda strategy, c: strategy.reduce("mean", c, axis=None),
-                               args=(captured,)), jnp.sum(x))
-    (kept, total, made), gathered, mean, _ = s.run(fn, args=(batch,))
-    assert_local_results(s, kept, [[1.5, 2.0]] * n)
-    assert_local_results(s, total, [sum(range(n))] * n)
-    assert_local_results(s, made, [[1.5 * n, 2.0 * n]] * n)
-    assert_local_results(s, gathered, [[1.5, 2.0]] * n)
-    assert_local_results(s, mean, [[1.5, 2.0]])
-    with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
-        s.run(lambda x: jdist.get_replica_context().merge_call(
-            lambda strategy, c: strategy.reduce("sum", c, axis=None), args=(captured,)) * x[0],
-            args=(batch,))
-    for one in ("captured", "merged"):  # Beside the replica's own value: in one batch.
-        def mixed(x, one=one):
-            ctx = jdist.get_replica_context()
-            merged = ctx.merge_call(_total_of_ids, args=(jnp.float32(replica_id()) + 0 * x[0],))
-            return ctx.all_reduce("sum", ({"captured": captured, "merged": merged}[one], x[:1]))
-        with pytest.raises(errors.InvalidArgumentError, match="one batch"):
-            s.run(mixed, args=(batch,))
-        # With cross-device ops of its own, TF reduces value by value: the one object comes
-        # back as it is, the replica's own value is summed.
-        one_device = mirrored_reducing_to_one_device(n)
-        kept, summed = one_device.run(mixed, args=(per_replica(
-            one_device, [np.asarray(c) for c in s.experimental_local_results(batch)]),))
-        assert_local_results(one_device, summed, [sum(
-            np.asarray(c)[:1] for c in s.experimental_local_results(batch))] * n)
-        if one == "captured":
-            assert_local_results(one_device, kept, [[1.5, 2.0]] * n)
-
-
-@pytest.mark.parametrize("n", [2, 3, 8])
-@pytest.mark.parametrize("uneven", [False, True])
-def test_collectives_of_a_plain_argument_take_it_as_one_tensor(n, uneven):
-    # TF hands every replica a plain argument as that one tensor (all_reduce gives it back) and
-    # unpacks a Mirrored one per replica (all_reduce sums n copies); one step function sees
-    # both, in either order, and the second call of each reuses its program.
-    s, w = mirrored(n), jnp.asarray([1.5, 2.0])
-    batch = per_replica(s, [np.ones((r % 2 + 1 if uneven else 2,), np.float32) for r in range(n)])
-    mirrored_w = s.run(lambda: jdist.get_replica_context().all_reduce("sum", w / n))
-
-    def step(a, x):
-        ctx = jdist.get_replica_context()
-        return ctx.all_reduce("sum", a), ctx.all_gather(a, axis=0), jnp.sum(x)
-    for _ in range(2):
-        total, gathered, _ = s.run(step, args=(w, batch))
-        assert_local_results(s, total, [[1.5, 2.0]] * n)
-        assert_local_results(s, gathered, [[1.5, 2.0]] * n)
-        total, gathered, _ = s.run(step, args=(mirrored_w, batch))
-        assert_local_results(s, total, [[1.5 * n, 2.0 * n]] * n)
-        assert_local_results(s, gathered, [[1.5, 2.0] * n] * n)
+    assert isinstance(mean, jdist.Mirrored)  # TF: the merge's tensor itself.
+    assert_local_results(s, mean, [(n - 1) / 2] * n)
 
 
 def _total_of_ids(strategy, ids):
     return strategy.reduce("SUM", ids, axis=None)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", [2, 3, 8])
 @pytest.mark.parametrize("uneven", [False, True])
-def test_a_plain_merge_result_returned_as_it_is_is_tfs_one_tensor(n, uneven):
-    # TF's run returns the merge_fn's tensor itself (every replica returned the same object):
-    # one local result, MEAN is the tensor, SUM raises. Computed on, it is each replica's.
-    s = mirrored(n)
-    rows = [np.ones((r % 2 + 1 if uneven else 2,), np.float32) for r in range(n)]
-    batch = per_replica(s, rows)
+@pytest.mark.parametrize("source", ["captured", "plain argument", "python number", "merge result"])
+def test_a_value_that_is_not_per_replica_is_the_same_on_every_replica(n, uneven, source):
+    # One rule (docs/design.md): an array the step captured, a plain argument of run, a Python
+    # number given to run and a plain array a merge_fn returned are the same value on every
+    # replica, as a Mirrored is. all_reduce adds each replica's copy, all_gather concatenates
+    # them, merge_fn gets a PerReplica of the copies, and returned as it is it comes back
+    # Mirrored. (TF holds such a value as one object: its collectives give it back as it is.)
+    s, w = mirrored(n), np.float32([1.5, 2.0]) if source != "python number" else 2.5
+    batch = per_replica(s, [np.ones((r % 2 + 1 if uneven else 2,), np.float32) for r in range(n)])
+    captured = jnp.asarray(w)
 
-    def fn(x):
+    def step(a, x):
         ctx = jdist.get_replica_context()
-        total = ctx.merge_call(_total_of_ids, args=(jnp.float32(replica_id()) + 0 * jnp.sum(x),))
-        return total, total * 1.0
-    total, computed = s.run(fn, args=(batch,))
-    want = sum(range(n))
-    assert not isinstance(total, jdist.DistributedValues)
-    assert_local_results(s, total, [want])
-    np.testing.assert_array_equal(np.asarray(s.reduce("MEAN", total, axis=None)), want)
-    with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
-        s.reduce("SUM", total, axis=None)
-    assert_local_results(s, computed, [want] * n)
-    np.testing.assert_array_equal(np.asarray(s.reduce("SUM", computed, axis=None)), n * want)
-
-
-@pytest.mark.parametrize("n", REPLICA_COUNTS)
-@pytest.mark.parametrize("number", [0.1, 3, -2.5])
-def test_merge_call_takes_a_python_number_given_to_run_as_that_one_number(n, number):
-    # TF's merge_fn gets run's Python number itself (the replicas hold one object): its MEAN
-    # is the number, and its SUM raises on several replicas (ValueError: "A non-DistributedValues
-    # value cannot be reduced"); summing the replicas' copies would be n times the number.
-    s = mirrored(n)
-
-    def merged(op):
-        return lambda x: jdist.get_replica_context().merge_call(
-            lambda strategy, v: strategy.reduce(op, v, axis=None), args=(x,))
-    assert s.run(merged("mean"), args=(number,)) == number
-    if n == 1:
-        assert float(s.run(merged("sum"), args=(number,))) == np.float32(number)
-        return
-    with pytest.raises(errors.InvalidArgumentError, match="non-DistributedValues"):
-        s.run(merged("sum"), args=(number,))
+        v = {"captured": captured, "plain argument": a, "python number": a,
+             "merge result": ctx.merge_call(lambda st, _: captured, args=(x[:1],))}[source]
+        summed = ctx.merge_call(lambda st, c: (st.reduce("sum", c, axis=None),
+                                               st.reduce("mean", c, axis=None)), args=(v,))
+        return (v, ctx.all_reduce("sum", v), ctx.all_gather(jnp.atleast_1d(v), axis=0), summed,
+                jnp.sum(x))
+    for _ in range(2):  # The second call reuses the program.
+        kept, total, gathered, (merge_sum, merge_mean), _ = s.run(step, args=(w, batch))
+        want = np.asarray(w, np.float32)
+        assert isinstance(kept, jdist.Mirrored)
+        assert_local_results(s, kept, [want] * n)
+        assert_local_results(s, total, [n * want] * n)
+        assert_local_results(s, gathered, [np.tile(np.atleast_1d(want), n)] * n)
+        assert_local_results(s, merge_sum, [n * want] * n)
+        assert_local_results(s, merge_mean, [want] * n)
+        np.testing.assert_allclose(np.asarray(s.reduce("SUM", kept, axis=None)), n * want)
 
 
 @pytest.mark.parametrize("n", [2, 3, 8])
@@ -298,30 +187,6 @@ def test_all_reduce_adds_the_copies_of_a_python_or_numpy_number_merge_fn_returne
     out = s.run(lambda x: ctx().all_reduce("sum", ctx().merge_call(merge_fn, args=(x,))),
                 args=(0.5,))
     assert_local_results(s, out, [np.float32(0.5) * n] * n)
-
-
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("uneven", [False, True])
-def test_merge_call_of_a_value_computed_from_a_python_number_by_operators_raises(n, uneven):
-    # TF: k * 1 is the Python number 2, one object; its merge_fn's SUM of it raises.
-    s = mirrored(n)
-    rows = [np.ones(r % 2 + 1 if uneven else 2, np.float32) for r in range(n)]
-    step = lambda b, k: jdist.get_replica_context().merge_call(  # noqa: E731
-        lambda st, v: st.reduce("sum", v, axis=None), args=(k * 1,))
-    with pytest.raises(errors.InvalidArgumentError, match="Python's operators"):
-        s.run(step, args=(per_replica(s, rows), 2))
-    made_an_array = lambda b, k: jdist.get_replica_context().merge_call(  # noqa: E731
-        lambda st, v: st.reduce("sum", v, axis=None), args=(jnp.int32(k),))
-    assert int(s.run(made_an_array, args=(per_replica(s, rows), 2))) == 2 * n
-
-
-def test_merge_call_of_a_python_number_in_an_uneven_step_raises():
-    s = mirrored(2)
-    batch = per_replica(s, [np.ones(2, np.float32), np.ones(1, np.float32)])
-    with pytest.raises(errors.UnevenValuesError, match="Python number"):
-        s.run(lambda b, x: jdist.get_replica_context().merge_call(
-            lambda strategy, v: strategy.reduce("mean", v, axis=None), args=(x,)),
-            args=(batch, 0.5))
 
 
 def test_merge_call_args_must_be_a_sequence():

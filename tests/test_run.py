@@ -181,41 +181,36 @@ def test_values_pass_through_tree_util():
 # ------------------------------------------------------- what run returns (TF's regroup)
 @pytest.mark.parametrize("n", [2, 4, 8])
 @pytest.mark.parametrize("uneven", [False, True])
-def test_a_result_of_python_numbers_alone_is_one_plain_value(n, uneven):
-    """TF: x * 2 on a Python int every replica got is the int 4, not a distributed value (in
-    an exact uneven step too)."""
+def test_a_result_of_python_numbers_alone_is_mirrored(n, uneven):
+    """A Python number given to run is the same value on every replica, as a Mirrored is: x * 2
+    of it is a Mirrored 4 (TF: the Python int 4), in an exact uneven step too."""
     s = mirrored(n)
     batch = per_replica(s, [np.ones(r % 2 + 1 if uneven else 2, np.float32) for r in range(n)])
     out, rows = s.run(lambda x, b: (x * 2, b.shape[0]), args=(2, batch))
     assert rows == 2 or isinstance(rows, jdist.PerReplica)
-    assert int(out) == 4 and len(s.experimental_local_results(out)) == 1
-    with pytest.raises(ValueError):
-        s.reduce("sum", out, axis=None)  # A non-distributed value cannot be SUM-reduced.
+    assert isinstance(out, jdist.Mirrored)
+    assert_local_results(s, out, [4] * n)
     assert int(s.reduce("mean", out, axis=None)) == 4
+    assert int(s.reduce("sum", out, axis=None)) == 4 * n  # Each replica's copy, as Mirrored.
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("uneven", [False, True])
-@pytest.mark.parametrize("step, raises", [
-    (lambda lr, step, g: lr * g, False),  # TF converts lr to float32 against the array.
-    (lambda lr, step, g: (lr / 3) * g, True),  # TF: Python's float64 division first.
-    (lambda lr, step, g: lr * 3, True),
-    (lambda lr, step, g: (step / 10) * g, True),  # int / int: Python's float64 too.
-    (lambda lr, step, g: (jnp.float32(lr) / 3) * g, False),  # A tensor: float32 in TF.
-    (lambda lr, step, g: g * (step + 1) + lr, False)])  # Integers add exactly.
-def test_float_arithmetic_on_python_number_arguments_alone_raises(n, uneven, step, raises):
-    # TF hands run's Python numbers to the replica function as they are: its operators compute
-    # lr / 3 in float64, where jdist's traced numbers are float32, and no trace tells lr / 3
-    # from tf.constant(lr) / 3 (float32 in TF): jdist raises rather than guess.
+@pytest.mark.parametrize("step", [
+    lambda lr, step, g: lr * g,
+    lambda lr, step, g: (lr / 3) * g,
+    lambda lr, step, g: lr * 3 + 0 * g,
+    lambda lr, step, g: (step / 10) * g,
+    lambda lr, step, g: (jnp.float32(lr) / 3) * g,
+    lambda lr, step, g: g * (step + 1) + lr])
+def test_python_number_arguments_compute_as_jax_jit_traces_them(n, uneven, step):
+    # Python numbers are traced as jax.jit traces them (weak-typed, float32 without x64): lr / 3
+    # is float32's division, where TF's Python operators divide in float64 (docs/design.md).
     s = mirrored(n)
     g = per_replica(s, [np.full(r % 2 + 1 if uneven and n > 1 else 2, r + 1.0, np.float32)
                         for r in range(n)])
-    if raises:
-        with pytest.raises(errors.InvalidArgumentError, match="float64"):
-            s.run(step, args=(0.1, 7, g))
-        return
-    want = [step(np.float32(0.1), 7, c) for c in s.experimental_local_results(g)]
-    assert_local_results(s, s.run(step, args=(0.1, 7, g)), want)
+    want = [jax.jit(step)(0.1, 7, c) for c in s.experimental_local_results(g)]
+    assert_local_results(s, s.run(step, args=(0.1, 7, g)), want, 0, 0)
 
 
 @pytest.mark.parametrize("n", REPLICA_COUNTS)
@@ -230,15 +225,13 @@ def test_a_python_bool_is_a_flag_the_step_branches_on(n, training):
 
 
 @pytest.mark.parametrize("n", [2, 3, 8])
-def test_a_tf_op_on_a_python_number_is_each_replicas_own_tensor(n):
-    # x * 2 on a Python int is a Python int in TF (one object: its SUM raises); tf.reduce_sum
-    # (jnp.sum) or tf.cast (jnp.float32) of it is a tensor per replica, whose SUM adds them.
+def test_an_op_on_a_python_number_is_the_same_on_every_replica(n):
     s = mirrored(n)
-    for op, want in ((jnp.sum, 2.5 * n), (jnp.float32, 2.5 * n)):
-        np.testing.assert_allclose(float(s.reduce("sum", s.run(op, args=(2.5,)), axis=None)),
-                                   want, rtol=1e-6)
-    with pytest.raises(ValueError, match="non-DistributedValues"):
-        s.reduce("sum", s.run(lambda k: k * 2, args=(3,)), axis=None)
+    for op in (jnp.sum, jnp.float32, lambda k: k * 2):
+        out = s.run(op, args=(2.5,))
+        assert isinstance(out, jdist.Mirrored)
+        np.testing.assert_allclose(float(s.reduce("sum", out, axis=None)), op(2.5) * n,
+                                   rtol=1e-6)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])

@@ -207,8 +207,8 @@ def test_merge_call_runs_once_on_the_true_values():
         return mean, back
     mean, back = s.run(step, args=(per_replica(s, comps),))
     assert len(calls) == 1
-    assert_local_results(s, mean, [12.0])  # TF: the merge's one tensor, returned as it is.
-    assert not isinstance(mean, jdist.DistributedValues)
+    assert_local_results(s, mean, [12.0] * 3)  # The same on every replica: Mirrored.
+    assert isinstance(mean, jdist.Mirrored)
     assert_local_results(s, back, comps)
 
 
@@ -410,8 +410,9 @@ def test_merge_call_of_python_numbers_that_differ_between_replicas(n):
     total = s.run(lambda x: jdist.get_replica_context().merge_call(
         merge_fn, args=(x.shape[0], 7)), args=(v,))
     assert seen == [("PerReplica", 7)]
-    result, = s.experimental_local_results(total)  # merge_fn's plain array: one tensor, as TF.
-    assert result.dtype == np.int32 and int(result) == sum(rows)
+    assert isinstance(total, jdist.Mirrored)  # merge_fn's plain array: every replica's.
+    assert_local_results(s, total, [sum(rows)] * n)
+    assert all(r.dtype == np.int32 for r in s.experimental_local_results(total))
 
 
 @pytest.mark.parametrize("n", [2, 3, 8])

@@ -21,7 +21,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jdist._src import errors
 from jdist._src import host_values
@@ -266,12 +265,6 @@ def require_cross_replica(strategy, what):
             f"in the cross-replica context. Inside the replica function use {alternative}.")
 
 
-def is_captured(value) -> bool:
-    """Whether ``value``, met while a replica function is traced, is an array the function
-    captured from outside: concrete, where everything the step computes is a tracer."""
-    return isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
-
-
 @dataclasses.dataclass
 class _Binding:
     """What a replica context knows while its replica function is being traced."""
@@ -281,72 +274,6 @@ class _Binding:
     # While one replica of an uneven step is traced (`jdist._src.uneven`): its merge_call and
     # all_gather become steps of their own, run across replicas between the traced pieces.
     exact: Any = None
-    # The arrays every replica holds as the same tensor object in TF (by id): what merge_call
-    # handed over as it is, and run's plain (not distributed) arguments. TF's run returns such
-    # a value unwrapped, and its collectives take it as one value (`shared`).
-    one_object: dict = dataclasses.field(default_factory=dict)
-    # run's replicated arguments (by id: their index among its argument leaves), and the
-    # indices of those a collective took as they are: TF takes a plain one as one tensor, so a
-    # call passing one plain gets a program keyed `run_arguments.SHARED`.
-    replicated_arguments: dict = dataclasses.field(default_factory=dict)
-    collected: set = dataclasses.field(default_factory=set)
-    # run's Python-number arguments (by id). TF hands each replica the number itself, which
-    # its merge_call takes as one value; its all_reduce sums the replicas' copies.
-    python_numbers: dict = dataclasses.field(default_factory=dict)
-
-    def hand_over(self, value):
-        """``value``, a plain array a merge_fn returned or a plain argument of run, given to
-        the replica (and recorded)."""
-        self.one_object[id(value)] = value
-        return value
-
-    def handed_over(self, value) -> bool:
-        """Whether ``value`` is itself an array `hand_over` gave the replica."""
-        return self.one_object.get(id(value)) is value
-
-    def shared(self, value) -> bool:
-        """Whether every replica holds ``value`` as the same tensor object in TF: an array the
-        step captured (`is_captured`) or one `hand_over` gave it. TF's regroup takes such a
-        value as one."""
-        return is_captured(value) or self.handed_over(value)
-
-    def python_number(self, value) -> bool:
-        """Whether ``value`` is itself one of run's Python-number arguments."""
-        return self.python_numbers.get(id(value)) is value
-
-    def replicated_argument(self, value) -> Optional[int]:
-        """The index of the replicated argument ``value`` is itself, or None."""
-        entry = self.replicated_arguments.get(id(value))
-        return entry[1] if entry is not None and entry[0] is value else None
-
-    def note_collected(self, leaves):
-        """Records the replicated arguments among ``leaves`` that a collective takes."""
-        self.collected.update(j for j in map(self.replicated_argument, leaves) if j is not None)
-
-    def each_own(self, value, combine, batched=None):
-        """``combine(value)`` over the leaves each replica computed itself; a `shared` leaf is
-        one value in TF, so ``all_reduce`` and ``all_gather`` give it back as it is (every
-        replica its own copy, as TF's results are). ``batched`` names a call that TF makes
-        one batch of the nest's leaves: there a shared leaf beside others raises, as TF's
-        ``batch_reduce_to`` of one value beside per-replica ones does (IndexError)."""
-        leaves, tree = jax.tree_util.tree_flatten(value)
-        self.note_collected(leaves)
-        shared = [self.shared(x) for x in leaves]
-        if not any(shared):
-            return combine(value)
-        if batched is not None and not all(  # run's plain arguments: shared once collected.
-                one or self.replicated_argument(x) is not None for x, one in zip(leaves, shared)):
-            raise errors.InvalidArgumentError(
-                f"{batched} of a nest holding a tensor every replica holds as one object (a "
-                "plain argument of strategy.run, a plain array a merge_fn returned, or one the "
-                "step captured) beside per-replica values: TF's default cross-device ops "
-                "reduce the nest as one batch and raise there (IndexError). Reduce that tensor "
-                "in a call of its own (which gives it back as it is, as in TF), or give the "
-                "strategy cross_device_ops (ReductionToOneDevice), which TF's reduce value by "
-                "value.")
-        own = iter(combine([x for x, one in zip(leaves, shared) if not one]))
-        return tree.unflatten([lax.optimization_barrier(x) if one else next(own)
-                               for x, one in zip(leaves, shared)])
 
 
 class ReplicaContext:
@@ -457,15 +384,7 @@ class ReplicaContext:
         self._strategy.extended._check_collective_dtypes(value, "all_reduce")
         if self.num_replicas_in_sync == 1:  # TF: one replica's value reduces to itself, dtype
             return jax.tree_util.tree_map(jnp.asarray, value)  # too (an int MEAN stays int).
-        if self._binding is None:
-            return self._collectives.all_reduce(op, value, options)
-        # TF's default CollectiveAllReduce raises (IndexError) for a batch holding one tensor
-        # every replica holds as one object beside per-replica values; CrossDeviceOps given to
-        # the strategy reduce such a value on its own.
-        by_collective_ops = self._strategy.extended._tf_collective_ops
-        return self._binding.each_own(
-            value, lambda own: self._collectives.all_reduce(op, own, options),
-            "all_reduce" if by_collective_ops else None)
+        return self._collectives.all_reduce(op, value, options)
 
     def all_gather(self, value: Any, axis: int, options: Optional[Any] = None) -> Any:
         """Concatenates each replica's ``value`` along ``axis``; every replica gets the result.
@@ -483,9 +402,7 @@ class ReplicaContext:
         packing.as_options(options)
         host_values.check_arrays(value, "all_gather")
         self._strategy.extended._check_gather(value, axis, "all_gather")
-        if self._binding is None or self.num_replicas_in_sync == 1:
-            return self._collectives.all_gather(value, axis)
-        return self._binding.each_own(value, lambda own: self._collectives.all_gather(own, axis))
+        return self._collectives.all_gather(value, axis)
 
     def merge_call(self, merge_fn: Callable[..., Any], args: Sequence[Any] = (),
                    kwargs: Optional[dict] = None) -> Any:

@@ -16,7 +16,6 @@ On GPU and TPU the guard is off, so dispatch stays asynchronous.
 
 import contextlib
 import functools
-import inspect
 import threading
 
 import jax
@@ -24,7 +23,6 @@ from jax.extend import core
 
 from jdist._src import context
 from jdist._src import errors
-from jdist._src import function_numbers
 from jdist._src import host_values
 from jdist._src import jax_internals
 from jdist._src.run_arguments import SCALARS
@@ -103,36 +101,6 @@ class DispatchGuard:
         with self._lock:
             _wait(self._in_flight)
             self._in_flight = ()
-
-
-class _Lowered:
-    """``jax.jit(...).lower``'s result for a `function`: every attribute is JAX's, and
-    ``compile()`` gives a program called as the function calls its own (its Python numbers
-    compiled in)."""
-
-    def __init__(self, lowered, taking):
-        self._lowered, self._taking = lowered, taking
-
-    def compile(self, *args, **kwargs):
-        return _Compiled(self._lowered.compile(*args, **kwargs), self._taking)
-
-    def __getattr__(self, name):
-        return getattr(self._lowered, name)
-
-
-class _Compiled:
-    """JAX's compiled program of a `_Lowered`, called on arguments flattened as they were
-    when it was lowered."""
-
-    def __init__(self, compiled, taking):
-        self._compiled, self._taking = compiled, taking
-
-    def __call__(self, *args, **kwargs):
-        args, kwargs = self._taking(args, kwargs)  # Its Python numbers are compiled in.
-        return self._compiled(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._compiled, name)
 
 
 def _launch_while_tracing(program, args, waited):
@@ -311,45 +279,14 @@ def function(fun=None, **jit_kwargs):
 
 class _GuardedFunction:
     """What `function` compiles: ``fun`` under ``jax.jit``, each call sent through the CPU
-    guard; a call on values of different shapes per replica runs ``fun`` as Python."""
+    guard; a call on values of different shapes per replica runs ``fun`` as Python. Python
+    numbers are traced as ``jax.jit`` traces them (one program for every value)."""
 
     def __init__(self, fun, jit_kwargs):
-        self._fun, self._jit_kwargs = fun, jit_kwargs
-        self.jitted = self._jit(None)
-        # Python-number arguments are compiled in, as tf.function's (`function_numbers`).
-        self._by_numbers = function_numbers.ProgramsByNumbers(
-            getattr(fun, "__name__", "function"), self._jit)
-        self._static = {}  # Per number of positional arguments: `_static_arguments`.
+        self._fun = fun
+        traced = functools.wraps(fun)(lambda *args, **kwargs: self._traced(args, kwargs))
+        self.jitted = jax.jit(traced, **jit_kwargs)
         self._guard = guard_for(jax.default_backend(), jax.local_device_count())
-
-    def _jit(self, numbers):
-        """``fun`` under ``jax.jit``, its Python numbers ``numbers`` put back as it is traced."""
-        def traced(*args, **kwargs):
-            return self._traced(*function_numbers.put_back((args, kwargs), numbers))
-        return jax.jit(functools.wraps(self._fun)(traced), **self._jit_kwargs)
-
-    def _program(self, args, kwargs):
-        """``(jitted, call, numbers)``: the compiled function for the call's Python numbers,
-        the call as it takes it, and their key (`_taken`)."""
-        call, numbers = self._taken(args, kwargs)
-        return (self.jitted if numbers is None else self._by_numbers.get(numbers)), call, numbers
-
-    def _taken(self, args, kwargs):
-        """``(call, numbers)``: the call with its Python numbers taken out, and their key (None:
-        none). Checks the call's host values first (every call: `host_values.check_host_leaves`)."""
-        leaves = jax.tree_util.tree_leaves((args, kwargs))
-        types = set(map(type, leaves))
-        host_values.check_host_leaves(leaves, types)
-        if not function_numbers.holds_numbers(types):
-            return (args, kwargs), None
-        return function_numbers.take_out((args, kwargs), self._static_for(len(args)))
-
-    def _static_for(self, count):
-        """`_static_arguments` of a call with ``count`` positional arguments (kept)."""
-        static = self._static.get(count)
-        if static is None:
-            static = self._static[count] = _static_arguments(self._fun, self._jit_kwargs, count)
-        return static
 
     def _traced(self, args, kwargs):
         if _holds_ragged_values((args, kwargs)):
@@ -360,10 +297,11 @@ class _GuardedFunction:
         try:
             with _inside_function():
                 # Every call: an int64 host number int32 cannot hold raises (JAX would wrap it).
-                jitted, call, numbers = self._program(args, kwargs)
+                host_values.check_host_leaves(jax.tree_util.tree_leaves((args, kwargs)))
                 if self._guard.inside_launch():  # Traced by a launch: part of its program.
-                    return jitted(*call[0], **call[1])
-                return self._launch(jitted, call)
+                    return self.jitted(*args, **kwargs)
+                return self._guard.dispatch(lambda: self.jitted(*args, **kwargs),
+                                            spans_all_devices=False)
         except (_RaggedArguments, TypeError):
             # Values of different shapes per replica (a partial batch): no program has them,
             # so ``fun`` runs as Python for this call and each ``run`` in it computes them
@@ -373,53 +311,15 @@ class _GuardedFunction:
                 raise
         return _as_python(self._fun, args, kwargs)
 
-    def _launch(self, jitted, call):
-        """Launches ``jitted`` on ``call`` (the call with its Python numbers out)."""
-        return self._guard.dispatch(lambda: jitted(*call[0], **call[1]),
-                                    spans_all_devices=False)
-
     def lower(self, *args, **kwargs):
         """``jax.jit``'s ``lower``; the lowered program's ``compile()`` takes what the function
         takes, dataset elements included."""
         with _inside_function():
-            jitted, call, numbers = self._program(args, kwargs)
+            host_values.check_host_leaves(jax.tree_util.tree_leaves((args, kwargs)))
             try:
-                return _Lowered(jitted.lower(*call[0], **call[1]),
-                                functools.partial(self._program_numbers, numbers))
+                return self.jitted.lower(*args, **kwargs)
             except _RaggedArguments as ragged:
                 raise errors.UnevenValuesError(str(ragged)) from None
-
-    def _program_numbers(self, numbers, args, kwargs):
-        """A lowered program's call: ``(args, kwargs)`` with the Python numbers it was lowered
-        for taken out (compiled in); other numbers raise, as they are another program."""
-        call, given = self._taken(args, kwargs)
-        if not function_numbers.same_numbers(given, numbers):
-            raise errors.InvalidArgumentError(
-                "this compiled jdist.function was lowered for the Python numbers "
-                f"{[e[3] for e in numbers or ()]} and is called with "
-                f"{[e[3] for e in given or ()]}: like tf.function, jdist.function compiles "
-                "Python-number arguments in. Lower it again for these numbers, or pass the "
-                "numbers as arrays (jnp.float32(lr)).")
-        return call
-
-
-def _static_arguments(fun, jit_kwargs, count):
-    """Whether the argument leaf at a path of ``(args, kwargs)`` (``count`` positional ones)
-    is one of ``jax.jit``'s static arguments, which its program does not take: by number or
-    by name, either naming a positional parameter of ``fun`` (as ``jax.jit`` reads them)."""
-    numbers = jit_kwargs.get("static_argnums", ())
-    numbers = {numbers} if isinstance(numbers, int) else set(numbers)
-    numbers = {i + count if i < 0 else i for i in numbers}
-    names = jit_kwargs.get("static_argnames", ())
-    names = {names} if isinstance(names, str) else set(names)
-    try:
-        params = [p.name for p in inspect.signature(fun).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):  # No signature (a builtin): numbers and names as given.
-        params = []
-    names |= {params[i] for i in numbers if i < len(params)}
-    numbers |= {params.index(name) for name in names if name in params}
-    return lambda path: (path[1].key in names if path[0].idx == 1 else path[1].idx in numbers)
 
 
 def _checked_outputs(outputs):

@@ -101,12 +101,6 @@ class RemoteValueError(JdistError, RuntimeError):
     """
 
 
-class RetracingWarning(UserWarning):
-    """A `jdist.function` has compiled a program for each of several values of its Python-number
-    arguments, as ``tf.function`` retraces for them; pass a number that changes between calls as
-    an array (``jnp.float32(lr)``) to share one program."""
-
-
 class X64CastWarning(UserWarning):
     """Without ``jax_enable_x64``, jdist holds float64 host values as float32, as ``jax.jit``
     does, and says so once per dtype and process (TF computes with them in float64)."""

@@ -13,7 +13,6 @@ from jax.custom_derivatives import SymbolicZero
 from jdist._src import context
 from jdist._src import errors
 from jdist._src import host_values
-from jdist._src.invariance import MERGE_SCOPE
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
@@ -30,7 +29,7 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
     Args:
       strategy: the strategy whose replica function is traced.
       num_replicas: its replica count.
-      binding: the replica context's `context._Binding` (axis name, rows, handed-over arrays).
+      binding: the replica context's `context._Binding` (its axis name).
       merge_fn, args, kwargs: as given to ``ReplicaContext.merge_call``.
 
     Returns:
@@ -38,21 +37,14 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
     """
     axis = binding.axis_name
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
-    binding.note_collected(leaves)
     views = []
     for leaf in leaves:
         host_values.check_host_numbers(leaf)  # A host array the step closed over.
-        if (not isinstance(leaf, ARRAYS) or num_replicas == 1
-                or binding.shared(leaf) or binding.python_number(leaf)):
-            # Python objects pass as they are; so does one replica's value, a tensor every
-            # replica holds as that one object in TF (`context._Binding.shared`), and a Python
-            # number run was given (TF's merge_fn gets that number: its SUM raises).
-            views.append(leaf)
+        if not isinstance(leaf, ARRAYS) or num_replicas == 1:
+            views.append(leaf)  # Python objects pass as they are; so does one replica's value.
             continue
         # Every replica gets every replica's value: merge_fn runs SPMD on the same inputs.
-        with jax.named_scope(MERGE_SCOPE):  # Found by `invariance.check_python_merges`.
-            view = PerReplica._from_stacked(lax.all_gather(jnp.asarray(leaf), axis))
-        views.append(view)
+        views.append(PerReplica._from_stacked(lax.all_gather(jnp.asarray(leaf), axis)))
     m_args, m_kwargs = jax.tree_util.tree_unflatten(tree, views)
     with context.cross_replica_scope(strategy, in_merge=True):
         result = merge_fn(strategy, *m_args, **m_kwargs)
@@ -61,38 +53,27 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
     def unpack(x):  # Distributed results per replica, as TF's select_replica unpacks them.
         if isinstance(x, PerReplica):
             return x.stacked[replica]
-        if isinstance(x, Mirrored):
-            return x.value
-        # A plain tensor: if the replica returns it as it is, TF's run returns it unwrapped,
-        # and its collectives take it as one value. A Python number (run's, handed back by a
-        # MEAN) or a NumPy value stays what it is: TF's all_reduce adds the replicas' copies.
-        if isinstance(x, jax.Array) and not binding.python_number(x):
-            return binding.hand_over(x)
-        return x
+        return x.value if isinstance(x, Mirrored) else x
     return jax.tree_util.tree_map(unpack, result, is_leaf=is_distributed)
 
 
-def without_gradient(value, binding):
+def without_gradient(value):
     """``value``, the arguments of a ``merge_call`` on a strategy whose ``merge_fn`` TF runs
     outside the replica's gradient tape (``MirroredStrategy``'s merge_fn runs on another
     thread): TF's ``tape.gradient`` records nothing through it, and gives None where nothing
     else connects. ``jax.grad`` has no None, so a gradient that comes back through
     ``merge_call`` to these arguments raises `NoGradientError` instead of being one TF does
     not compute. A ``merge_call`` inside a differentiated function whose result the loss does
-    not use (logging a loss) is fine: its gradient is a symbolic zero. Arrays every replica
-    holds as one object and run's replicated arguments pass as they are (merge_call knows them
-    by identity).
+    not use (logging a loss) is fine: its gradient is a symbolic zero.
 
     Args:
       value: merge_call's ``(args, kwargs)``.
-      binding: the replica context's `context._Binding`.
 
     Returns:
       ``value`` with its traced inexact arrays behind the gradient boundary.
     """
     def leaf(x):
-        if (isinstance(x, jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.inexact)
-                and not binding.shared(x) and binding.replicated_argument(x) is None):
+        if isinstance(x, jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.inexact):
             return _no_gradient(x)
         return x
     return jax.tree_util.tree_map(leaf, value, is_leaf=is_distributed)

@@ -39,7 +39,7 @@ class MirroredExtended(StrategyExtended):
     # gradient tape; OneDeviceStrategy's runs inline, where gradients flow (`merge`).
     _gradients_through_merge_call = False
     _ops_per_value = True  # TF's MirroredStrategy: int32 values go to ReductionToOneDevice.
-    _plain_values_as_they_are = False
+    _one_replica_values_wrapped = True
     # The options a replica context's all_reduce merges its own into (TF: the strategy's).
     _all_reduce_options = None
 
@@ -161,9 +161,9 @@ class _ReplicaAxisCollectives(ReplicaCollectives):
 
     def merge_call(self, merge_fn, args, kwargs):
         if not self._gradients_through_merge:
-            args, kwargs = merge.without_gradient((args, kwargs), self._binding)
+            args, kwargs = merge.without_gradient((args, kwargs))
         if self._binding.exact is not None:
-            return self._binding.exact.merge_call(merge_fn, args, kwargs, self._binding)
+            return self._binding.exact.merge_call(merge_fn, args, kwargs)
         return self._runner.merge_call(self._binding, merge_fn, args, kwargs)
 
 
@@ -238,4 +238,4 @@ class _OneDeviceExtended(MirroredExtended):
 
     _gradients_through_merge_call = True
     _ops_per_value = False
-    _plain_values_as_they_are = True
+    _one_replica_values_wrapped = False

@@ -2,10 +2,8 @@
 in the program key, and the abstract value a trace takes for it (`jdist._src.spmd`).
 
 Kinds: a `PerReplica` (stacked, the replica axis first), a `Mirrored`, a plain array or Python
-number (one value every replica gets), a static Python object (compiled in). A plain array that
-a collective takes as it is gets a kind of its own, `SHARED`: TF hands every replica that one
-tensor and its collectives take it as one value, while other plain arguments share their
-program with `Mirrored` ones, whose collectives combine each replica's copy (docs/design.md).
+number (one value every replica gets, as a `Mirrored` is: collectives combine each replica's
+copy), a static Python object (compiled in).
 """
 
 import jax
@@ -23,11 +21,7 @@ from jdist._src.values import is_step_output
 from jdist._src.values import ragged_components
 
 PER_REPLICA, MIRRORED, ARRAY, STATIC = "per_replica", "mirrored", "array", "static"
-SHARED = "shared"
 SCALARS = (bool, int, float, complex)
-# A trace's entry for a Python-number argument (`trace_statics`): TF hands the replicas that
-# number itself, which its merge_call takes as one value (not per replica).
-PYTHON_NUMBER = "python number"
 
 
 def classify_leaf(leaf, place):
@@ -79,7 +73,6 @@ def fast_leaf(leaf, num_replicas):
     """Whether the fast path takes ``leaf``: an array or an even distributed value."""
     if isinstance(leaf, PerReplica):
         return not leaf.ragged and leaf.num_replicas == num_replicas
-    # Python numbers take the general path: it knows which outputs they alone compute.
     return isinstance(leaf, (Mirrored,) + ARRAYS)
 
 
@@ -94,20 +87,10 @@ def placed(leaf, place):
         value, leaf.num_replicas, is_step_output(leaf))
 
 
-def shared_kinds(kinds, leaves, collected):
-    """``kinds`` with `SHARED` for the plain array arguments among ``collected`` (None if
-    there are none)."""
-    shared = [j for j in collected if kinds[j] == ARRAY and isinstance(leaves[j], ARRAYS)]
-    if not shared:
-        return None
-    return tuple(SHARED if j in shared else k for j, k in enumerate(kinds))
-
-
 def trace_statics(leaves, kinds):
     """What a trace takes per argument leaf beside its abstract value: a static leaf itself,
-    `PYTHON_NUMBER` for a Python number (traced as an array), None for the others."""
-    return [leaf if kind == STATIC else PYTHON_NUMBER if isinstance(leaf, SCALARS) else None
-            for leaf, kind in zip(leaves, kinds)]
+    None for the others."""
+    return [leaf if kind == STATIC else None for leaf, kind in zip(leaves, kinds)]
 
 
 def program_key(in_tree, kinds, signature):

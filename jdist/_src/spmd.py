@@ -33,12 +33,7 @@ from jdist._src import merge
 from jdist._src import run_arguments
 from jdist._src import staged_outputs
 from jdist._src import uneven
-from jdist._src.run_arguments import ARRAY
-from jdist._src.run_arguments import MIRRORED
 from jdist._src.run_arguments import PER_REPLICA
-from jdist._src.run_arguments import PYTHON_NUMBER
-from jdist._src.run_arguments import SCALARS
-from jdist._src.run_arguments import SHARED
 from jdist._src.run_arguments import STATIC
 from jdist._src.uneven_trace import OUTPUT
 from jdist._src.values import ARRAYS
@@ -66,23 +61,15 @@ class _Program:
     out_tree: Any
     out_varying: tuple  # Per output array: whether it differs between replicas.
     out_statics: tuple  # Per output leaf: a Python object returned as it is, or `OUTPUT`.
-    out_plain: tuple  # Per output array: one tensor in TF (Python numbers', a merge's, captured).
-    out_passed: tuple  # Per output array: the argument leaf it returns as it is, or None.
-    # The Mirrored argument leaves a collective (all_reduce, all_gather, merge_call) takes as
-    # they are: TF takes a plain one as one tensor, so a plain call needs its own program.
-    collected_args: tuple
     num_replicas: int
     token_index: Optional[int]  # The output the CPU guard waits on (the fast path's).
 
     def __post_init__(self):
         # How the outputs are wrapped, worked out once (in `values.wrap_at`).
-        kinds = list(zip(self.out_varying, self.out_plain))
-        self.mirrored_at = tuple(i for i, (v, plain) in enumerate(kinds)
-                                 if not (v or plain) and self.num_replicas > 1)
-        self.per_replica_at = tuple(i for i, (v, _) in enumerate(kinds) if v)
+        self.mirrored_at = tuple(i for i, v in enumerate(self.out_varying)
+                                 if not v and self.num_replicas > 1)
+        self.per_replica_at = tuple(i for i, v in enumerate(self.out_varying) if v)
         self.has_statics = any(st is not OUTPUT for st in self.out_statics)
-        self.passed_at = tuple((k, j) for k, j in enumerate(self.out_passed) if j is not None)
-        self.wraps_more = bool(self.passed_at or self.has_statics)
 
     @functools.cached_property
     def jitted(self):
@@ -164,27 +151,23 @@ class ReplicatedRunner:
             if outputs is None:
                 return self._run_general(cache, args, kwargs)
         (number, arrays), = outputs.items()
-        return self._wrap_outputs(cache.plans[number], arrays, call)
+        return self._wrap_outputs(cache.plans[number], arrays)
 
     def _launch_canonical(self, cache, call):
-        """The direct program's outputs on ``call`` made canonical (None: it cannot be, or
-        its program is not the call's: a collective takes a plain argument, `_Program`)."""
+        """The direct program's outputs on ``call`` made canonical (None: it cannot be)."""
         placing = cache.placing
         if placing is not None:
             outputs = self._launch_placed_as_before(cache, placing, call)
             if outputs is not None:
                 return outputs
             cache.placing = None
-        canonical, changed, plain = self._canonical(cache, call)
+        canonical, changed = self._canonical(cache, call)
         if canonical is None:
             return None
         outputs = self._launch_direct(cache, canonical, changed)
         if outputs is None:
             return None
-        (number, _), = outputs.items()  # Plain arguments a collective takes: the general path.
-        if set(cache.plans[number].collected_args) & set(plain):
-            cache.placing = None
-            return None
+        (number, _), = outputs.items()
         if cache.placing is not None:  # The program the next call's placing is checked by.
             cache.placing = (cache.placing[0], number)
         return outputs
@@ -198,14 +181,14 @@ class ReplicatedRunner:
             return None
 
     def _canonical(self, cache, call):
-        """``(arguments, changed, plain)``: ``call``'s arguments as the direct program takes
-        them (every array placed on the mesh, plain ones as `Mirrored` on several replicas),
-        whether that changed any, and the indices of the plain ones; ``(None, False, ())`` for
-        arguments it does not take (ragged values, Python objects and numbers).
+        """``(arguments, changed)``: ``call``'s arguments as the direct program takes them
+        (every array placed on the mesh, plain ones as `Mirrored` on several replicas) and
+        whether that changed any; ``(None, False)`` for arguments it does not take (ragged
+        values, Python objects and numbers).
         Records in ``cache.placing`` where the arrays it placed were, for the next call."""
         leaves, tree = jax.tree_util.tree_flatten(call, is_leaf=is_distributed)
         if not all(run_arguments.fast_leaf(leaf, self._n) for leaf in leaves):
-            return None, False, ()
+            return None, False
         place = self._programs
         placed = [run_arguments.placed(leaf, place) if is_distributed(leaf) else leaf
                   for leaf in leaves]
@@ -247,7 +230,7 @@ class ReplicatedRunner:
         if self._n > 1 and plain:
             wrap_at(leaves, plain, self._n)
             changed = True
-        return jax.tree_util.tree_unflatten(tree, leaves), changed, plain
+        return jax.tree_util.tree_unflatten(tree, leaves), changed
 
     def _run_in_merge(self, fn, args, kwargs):
         """``run`` inside a traced ``merge_fn``: every replica's values are at hand (the merge
@@ -285,12 +268,9 @@ class ReplicatedRunner:
         if call.ragged:
             return self._run_exact(cache, in_tree, call, leaves)
         program = self._program(cache, in_tree, call.kinds, call.signature, leaves)
-        shared = run_arguments.shared_kinds(call.kinds, leaves, program.collected_args)
-        if shared is not None:  # A collective takes a plain argument: TF's one tensor.
-            program = self._program(cache, in_tree, shared, call.signature, leaves)
         outputs = (program.jitted(*call.dynamic) if call.tracing  # Inside jdist.function.
                    else self._guard.dispatch(program.jitted, *call.dynamic))
-        return self._wrap_outputs(program, outputs, leaves)
+        return self._wrap_outputs(program, outputs)
 
     def _classify(self, leaves):
         """The call's arguments as the program cache sees them (placing what is not yet on the
@@ -359,19 +339,11 @@ class ReplicatedRunner:
                 else invariance.same_outputs(inner, replicated_in))
         program = staged_outputs.staged_program(record["staged"], same, self._mesh, self._axis)
         varying = tuple(not s for s in same)
-        python_in = [isinstance(leaf, SCALARS) for leaf, k in zip(leaves, kinds) if k != STATIC]
-        by_var = dict(zip(traced.jaxpr.invars, python_in))
-        python = [by_var.get(v, False) for v in eqn.invars]
-        invariance.check_python_float_arithmetic(inner, python)
-        invariance.check_python_merges(inner, python)
-        plain = invariance.python_outputs(inner, python)
-        plain = [p or one for p, one in zip(plain, record["unwrapped"])]
         # The CPU guard waits on the smallest output (every output of a device is ready at
         # once), picked out after the call: returning it twice would cost a copy.
         sizes = [math.prod(shape) * (1 if s else n) for s, shape in zip(same, record["shapes"])]
         token = min(range(len(sizes)), key=sizes.__getitem__, default=None)
-        return _Program(program, record["tree"], varying, record["statics"],
-                        tuple(plain), record["passed"], record["collected"], n, token)
+        return _Program(program, record["tree"], varying, record["statics"], n, token)
 
     def trace(self, fn, in_tree, kinds, statics, abstract, exact=None, staged=False):
         """Traces ``fn`` once as the body of a ``shard_map`` over the replica axis.
@@ -390,8 +362,7 @@ class ReplicatedRunner:
         Returns:
           ``(traced, eqn, record)``: the closed jaxpr, its single ``shard_map`` equation, and
           the outputs' ``record["tree"]``, ``record["statics"]`` (Python objects returned as
-          they are, TF's regroup; `OUTPUT` for arrays), and per array ``record["shapes"]`` and
-          ``record["unwrapped"]`` (one tensor in TF, the same object on every replica).
+          they are, TF's regroup; `OUTPUT` for arrays), and per array ``record["shapes"]``.
         """
         axis, record = self._axis, {}
 
@@ -401,13 +372,6 @@ class ReplicatedRunner:
                       else next(it) for kind, static in zip(kinds, statics)]
             args, kwargs = jax.tree_util.tree_unflatten(in_tree, values)
             binding = context._Binding(axis, lax.axis_index(axis), exact=exact)
-            for i, (v, kind) in enumerate(zip(values, kinds)):
-                if kind in (MIRRORED, ARRAY, SHARED):
-                    binding.replicated_arguments[id(v)] = (v, i)
-                if statics[i] is PYTHON_NUMBER:
-                    binding.python_numbers[id(v)] = v
-                if kind == SHARED:  # A plain argument a collective takes: TF's one tensor.
-                    binding.hand_over(v)
             ctx = context.ReplicaContext(self._strategy, binding.replica_id, _binding=binding)
             try:
                 with context.replica_scope(ctx):
@@ -417,11 +381,6 @@ class ReplicatedRunner:
             out_leaves, record["tree"] = jax.tree_util.tree_flatten(out, is_leaf=is_distributed)
             record["statics"] = tuple(_output_static(x) for x in out_leaves)
             returned = [x for x, st in zip(out_leaves, record["statics"]) if st is OUTPUT]
-            # One tensor object on every replica in TF (`context._Binding.shared`).
-            record["unwrapped"] = tuple(binding.shared(x) for x in returned)
-            record["collected"] = tuple(sorted(binding.collected))
-            # A replicated argument returned as it is: one tensor in TF if it came plain.
-            record["passed"] = tuple(binding.replicated_argument(x) for x in returned)
             arrays = [jnp.asarray(x) for x in returned]
             record["shapes"] = tuple(x.shape for x in arrays)
             return [x[None] for x in arrays]
@@ -448,10 +407,7 @@ class ReplicatedRunner:
                 "jdist.function as arguments (it runs its function as Python for such a batch), "
                 "call strategy.run outside the jitted function for this batch, or batch the data "
                 "with drop_remainder=True.")
-        # Its plain array arguments are TF's one tensor (`SHARED`): an uneven plan keys
-        # `Mirrored` and plain arguments apart anyway.
-        kinds = tuple(SHARED if k == ARRAY and isinstance(leaf, ARRAYS) else k
-                      for k, leaf in zip(call.kinds, leaves))
+        kinds = call.kinds
         dynamic = call.dynamic
         key = run_arguments.program_key(in_tree, kinds, call.signature)
         # Several workers: each compares its view of every replica's shapes with the others'
@@ -468,25 +424,14 @@ class ReplicatedRunner:
                                                      dynamic, abstract)
         return plan(dynamic)
 
-    def _wrap_outputs(self, program, outputs, leaves):
-        """The step's output nest from the program's flat outputs (``leaves``: the call's)."""
+    def _wrap_outputs(self, program, outputs):
+        """The step's output nest from the program's flat outputs."""
         wrapped = list(outputs)
         wrap_at(wrapped, program.mirrored_at, self._n, program.per_replica_at)
-        if program.wraps_more:  # Off the common path: each line here runs on every step.
-            wrapped = self._wrap_more(program, outputs, wrapped, leaves)
-        return program.out_tree.unflatten(wrapped)
-
-    def _wrap_more(self, program, outputs, wrapped, leaves):
-        """`_wrap_outputs`' rarer cases: arguments returned as they are, objects."""
-        if program.passed_at and not isinstance(leaves, list):  # `run` gives the call.
-            leaves = jax.tree_util.tree_flatten(leaves, is_leaf=is_distributed)[0]
-        for k, j in program.passed_at:  # A plain argument returned as it is is TF's one
-            if not is_distributed(leaves[j]):  # tensor; a Python number, the object itself.
-                wrapped[k] = leaves[j] if isinstance(leaves[j], SCALARS) else outputs[k]
-        if program.has_statics:
+        if program.has_statics:  # Python objects the function returned, TF's regroup.
             arrays = iter(wrapped)
             wrapped = [next(arrays) if st is OUTPUT else st for st in program.out_statics]
-        return wrapped
+        return program.out_tree.unflatten(wrapped)
 
     def merge_call(self, binding, merge_fn, args, kwargs):
         """A replica context's ``merge_call`` while its function is traced (`merge`)."""

@@ -34,7 +34,6 @@ from jdist._src.values import PerReplica
 from jdist._src.values import check_replica_count
 from jdist._src.values import is_distributed
 from jdist._src.values import is_python_number
-from jdist._src.values import keep_python_numbers
 from jdist._src.values import local_results
 
 
@@ -284,9 +283,9 @@ class Strategy(TF1Methods):
         columns = [list(c) for c in zip(*(jax.tree_util.tree_leaves(v) for v in per_replica))]
         for column in columns:
             check_placeable(column)
-        leaves = [keep_python_numbers(self._extended._distribute_components(
-            [python_numbers_as_tf(x) if is_python_number(x) else x for x in c]), c)
-            for c in columns]  # Python numbers as TF's tensors of them (3: int32).
+        leaves = [self._extended._distribute_components(  # Python numbers as TF's tensors
+            [python_numbers_as_tf(x) if is_python_number(x) else x for x in c])  # (3: int32).
+            for c in columns]
         return jax.tree_util.tree_unflatten(trees[0], leaves)
 
     # ----- Distributed input: thin delegations to jdist._src.input (see that module). -----

@@ -19,7 +19,6 @@ from jdist._src import cross_device_ops as cross_device_ops_lib
 from jdist._src import destinations as destinations_lib
 from jdist._src import devices as devices_lib
 from jdist._src import errors
-from jdist._src import plain_values
 from jdist._src import uneven_multi_worker
 from jdist._src.base import Axis
 from jdist._src.base import Destinations
@@ -38,10 +37,8 @@ from jdist._src.values import PerReplica
 from jdist._src.values import check_replica_count
 from jdist._src.values import is_distributed
 from jdist._src.host_values import check_placeable
-from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.values import is_python_number
 from jdist._src.values import is_step_output
-from jdist._src.values import keep_python_numbers
 from jdist._src.values import local_results
 from jdist._src.values import spans_workers
 
@@ -67,10 +64,9 @@ class StrategyExtended:
     _tf_collective_ops: bool = False
     # Whether TF's strategy picks its cross-device ops value by value (`_check_batch_reduce`).
     _ops_per_value: bool = False
-    # Whether TF's strategy hands a plain (not distributed) value back as it is from reduce
-    # and reduce_to, whatever the op (the default and OneDeviceStrategy); the mirrored ones
-    # pass it to ``reduce_non_distributed_value`` (`plain_values`).
-    _plain_values_as_they_are: bool = True
+    # Whether a one-replica strategy's values from a value function are `PerReplica`s of
+    # one (TF's MirroredStrategy), or handed back as they are (the default, OneDevice).
+    _one_replica_values_wrapped: bool = False
     #: The ``jax.sharding.Mesh`` of the replicas; None for the default strategy (no mesh).
     mesh: Optional[jax.sharding.Mesh] = None
     #: Whether this process writes checkpoints / summaries (TF): true on one worker; a
@@ -289,13 +285,11 @@ class StrategyExtended:
 
     def _one_replica_value(self, host):
         """A value a one-replica strategy's value function returned, as TF's strategy holds it:
-        its mirrored strategies wrap it in a `PerReplica` of one (a Python number's local result
-        is the number; a program takes TF's tensor of it); its one-device and default
+        its mirrored strategies wrap it in a `PerReplica` of one; its one-device and default
         strategies hand it back as it is (an array placed where `run` takes it)."""
-        if not self._plain_values_as_they_are:
+        if self._one_replica_values_wrapped:
             check_placeable([host])  # What a device cannot hold raises, as on several.
-            tensor = python_numbers_as_tf(host) if is_python_number(host) else host
-            return keep_python_numbers(self._distribute_components([tensor]), [host])
+            return self._distribute_components([host])
         if is_python_number(host):
             return host
         return self._place_one_replica_value(host)
@@ -319,8 +313,8 @@ class StrategyExtended:
 
         Returns:
           A `Mirrored` value or an array, as ``destinations`` says. As in TF, a MEAN of a
-          `Mirrored` value or of a non-distributed one is that value as it is, and a NumPy
-          array of zeros comes back as zeros (SUM too), wherever the destinations are.
+          `Mirrored` value or of a non-distributed one is that value as it is, wherever the
+          destinations are (`reduce_plain`).
 
         Example:
           >>> import jax, numpy as np, jdist
@@ -335,12 +329,12 @@ class StrategyExtended:
         context.require_cross_replica(self._container_strategy_ref, "extended.reduce_to")
         op = ReduceOp.from_any(reduce_op)
         value = self._as_worker_value(value)  # Checked with every worker's numbers.
+        if not is_distributed(value):  # Before the destinations are read, as in TF.
+            return reduce_plain(op, value, self._num_replicas)
         check_reducible(op, value, adds=self._num_replicas > 1)
         self._check_collective_dtypes(value, "extended.reduce_to", reduces_one=True)
-        unreduced = (value if self._plain_values_as_they_are and not is_distributed(value)
-                     else plain_values.unreduced(op, value))
-        if unreduced is not plain_values.REDUCE:  # Before the destinations are read, as in TF.
-            return unreduced
+        if isinstance(value, Mirrored) and not is_step_output(value) and op is ReduceOp.MEAN:
+            return value
         return self._reduce_to(op, value, self._target(destinations), options)
 
     def batch_reduce_to(self, reduce_op: ReduceOpLike, value_destination_pairs: Sequence[tuple],
@@ -473,14 +467,32 @@ class StrategyExtended:
                     "replica. Reduce it with MEAN (the value itself), or multiply it by "
                     "strategy.num_replicas_in_sync.")
             value = value.value
-        elif axis is None and (n > 1 or not self._plain_values_as_they_are):
-            return plain_values.reduce_plain(asked, value, n)
-        elif n == 1 and axis is None:  # The default strategy and OneDeviceStrategy.
-            return value
+        elif axis is None:
+            return reduce_plain(asked, value, n)
         # The same value on every replica (TF runs the within-replica reduce on each of them).
         value = jnp.asarray(value)
         axes = collectives.normalize_axis(axis, value.ndim)
         return collectives.replicated_reduce(op, value, axes, n, mean_is_value=not step_output)
+
+
+def reduce_plain(op: ReduceOp, value: Any, num_replicas: int) -> Any:
+    """``reduce`` (no axis) or ``reduce_to`` of a value that is not distributed (an array, a
+    Python number, None): one value, not one per replica, so its MEAN is the value and its SUM
+    is the value on one replica and raises on several, as TF's
+    ``reduce_non_distributed_value`` (without its special cases for zeros).
+
+    Example:
+      >>> reduce_plain(ReduceOp.MEAN, 0.5, 3), reduce_plain(ReduceOp.SUM, 0.5, 1)
+      (0.5, 0.5)
+    """
+    if op is ReduceOp.SUM and num_replicas > 1:
+        text = repr(value)
+        raise errors.InvalidArgumentError(
+            f"A non-DistributedValues value {text[:57] + '...' if len(text) > 60 else text} "
+            "cannot be reduced with ReduceOp.SUM on a strategy with several replicas: it is one "
+            "value, not one per replica (TF raises too). Reduce the PerReplica value returned "
+            "by strategy.run, or use MEAN, which gives the value back.")
+    return value
 
 
 def _check_broadcast_destinations(destinations):

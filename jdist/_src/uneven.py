@@ -37,10 +37,8 @@ from jax.sharding import PartitionSpec as P
 from jdist._src import errors
 from jdist._src import host_values
 from jdist._src import invariance
-from jdist._src.run_arguments import ARRAY
 from jdist._src.run_arguments import PER_REPLICA
 from jdist._src.run_arguments import SCALARS
-from jdist._src.run_arguments import SHARED
 from jdist._src import uneven_mesh
 from jdist._src.uneven_mesh import BLOCK
 from jdist._src.uneven_mesh import PLAIN
@@ -51,7 +49,6 @@ from jdist._src import uneven_trace
 from jdist._src.uneven_merge import merge_p
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
-from jdist._src.values import keep_python_numbers
 from jdist._src.values import ragged_components
 
 
@@ -74,8 +71,8 @@ def plan(runner, fn, in_tree, kinds, statics, dynamic, abstract):
 
 
 # ------------------------------------------------------------------------ pieces and steps
-# How an output leaves an exact step (UNWRAPPED: one tensor in TF, see `spmd.trace`).
-MIRRORED, STACKED, RAGGED, UNWRAPPED = "mirrored", "stacked", "ragged", "unwrapped"
+# How an output leaves an exact step.
+MIRRORED, STACKED, RAGGED = "mirrored", "stacked", "ragged"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,12 +237,6 @@ def _devices(programs):
     return tuple(programs.mesh.devices.flat)
 
 
-def _local(values, programs):
-    """The entries of ``values`` (one per replica) of this process's replicas."""
-    return tuple(v for v, d in zip(values, _devices(programs))
-                 if d.process_index == jax.process_index())
-
-
 # ------------------------------------------------------------------------------ the plan
 @dataclasses.dataclass(frozen=True)
 class _Plan:
@@ -256,7 +247,7 @@ class _Plan:
     replica_consts: dict  # Per local replica: per body input, its constant on its device.
     replica_ids: dict  # Per local replica: its id as an int32 on its device.
     steps: tuple  # Per cut: a `_CollectiveStep` or a `_MergeStep`.
-    out_kinds: tuple  # Per output: MIRRORED, STACKED, RAGGED or UNWRAPPED.
+    out_kinds: tuple  # Per output: MIRRORED, STACKED or RAGGED.
     out_tree: Any
     out_statics: tuple  # Per output leaf: a Python object returned as it is, or `OUTPUT`.
     ragged_args: frozenset
@@ -274,9 +265,8 @@ class _Plan:
             forms = uneven_trace.output_forms(distinct)
             same = [s and len({f[j] for f in forms}) == 1 for j, s in enumerate(same)]
         shapes = [[tuple(v.aval.shape) for v in t.jaxpr.outvars] for t in traces]
-        unwrapped = [all(col) for col in zip(*(_one_tensor(t, dynamic, kinds) for t in traces))]
         out_kinds = tuple(
-            (UNWRAPPED if unwrapped[j] and n > 1 else MIRRORED if s and n > 1 else STACKED)
+            (MIRRORED if s and n > 1 else STACKED)
             if len({sh[j] for sh in shapes}) == 1 else RAGGED for j, s in enumerate(same))
         ragged_args = frozenset(i for i, x in enumerate(dynamic)
                                 if isinstance(x, PerReplica) and x.ragged)
@@ -365,7 +355,7 @@ class _Plan:
                                       for p in self.replica_programs)])
         if kind == RAGGED:
             return PerReplica._from_components(tuple(values))
-        if kind in (MIRRORED, UNWRAPPED):
+        if kind == MIRRORED:
             return self._wrap(j, jax.make_array_from_single_device_arrays(
                 values[0].shape, self.programs.replicated_sharding, values))
         return self._wrap(j, jax.make_array_from_single_device_arrays(
@@ -377,21 +367,7 @@ class _Plan:
         kind = self.out_kinds[j]
         if kind == STACKED:
             return PerReplica._from_stacked(array)
-        return array if kind == UNWRAPPED else Mirrored._from_value(
-            array, len(self.replica_programs), True)
-
-
-def _one_tensor(trace, dynamic, kinds):
-    """Per output of ``trace``: whether TF's run returns it as one tensor, as the even step's
-    program decides (`spmd.trace`'s "unwrapped", results of Python numbers alone, and plain
-    arguments returned as they are: ``kinds``' "array" or "shared", not "mirrored")."""
-    python = [kind == "arg" and isinstance(dynamic[i], SCALARS)
-              for kind, i in trace.sources]
-    passed = [j is not None and kinds[j] in (ARRAY, SHARED) for j in trace.out_passed]
-    invariance.check_python_float_arithmetic(trace.jaxpr, python)
-    invariance.check_python_merges(trace.jaxpr, python)
-    return [u or p or a for u, p, a in zip(trace.out_unwrapped, passed,
-                                           invariance.python_outputs(trace.jaxpr, python))]
+        return Mirrored._from_value(array, len(self.replica_programs), True)
 
 
 def _regroup(programs, traces):
@@ -406,10 +382,8 @@ def _regroup(programs, traces):
             # PerReplica checks the numbers are of one kind and picks their dtype; built from a
             # callback, each process places only its own replicas' numbers.
             numbers = np.asarray(values, PerReplica(list(values)).stacked.dtype)
-            statics.append(keep_python_numbers(PerReplica._from_stacked(
-                jax.make_array_from_callback(numbers.shape, programs.per_replica_sharding,
-                                             lambda index: numbers[index])),
-                _local(values, programs)))
+            statics.append(PerReplica._from_stacked(jax.make_array_from_callback(
+                numbers.shape, programs.per_replica_sharding, lambda index: numbers[index])))
         else:
             raise errors.UnsupportedValueError(
                 f"the replicas returned different Python objects ({list(values)}); return "

@@ -69,7 +69,6 @@ class Merge:
     out_tree: Any
     out_statics: tuple  # Per output leaf: a Python object, or `_OPERAND` for an array.
     out_same: tuple  # Per array output: whether every replica receives the same value.
-    out_plain: tuple  # Per array output: a plain array merge_fn returned (not distributed).
     replica_avals: tuple  # Per replica: the avals of its array outputs.
     replica_outputs: tuple  # Per replica: indices of its array outputs among `run`'s results.
     replica_in_avals: tuple  # Per replica: the avals of its array arguments.
@@ -91,32 +90,21 @@ class _ReplicaTrace:
         self._replica = replica
         self._count = 0
 
-    def merge_call(self, merge_fn, args, kwargs, binding=None):
-        """The replica's result of a merge_call; ``binding`` (the replica context's) records
-        the plain arrays merge_fn returned, as the even step's merge_call does."""
+    def merge_call(self, merge_fn, args, kwargs):
+        """The replica's result of a merge_call."""
         index, self._count = self._count, self._count + 1
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
-        if binding is not None and any(binding.handed_over(leaf) or binding.python_number(leaf)
-                                       for leaf in leaves):
-            raise errors.UnevenValuesError(
-                "merge_call got a tensor every replica holds as one object (a plain argument of "
-                "strategy.run, a Python number given to it, or a plain array a merge_fn "
-                "returned) in a step on values of "
-                "different shapes; TF hands it to merge_fn as it is, which such a step cannot. "
-                "Pass it to merge_fn by closure, or to run as a Mirrored value.")
         merge = self._resolved.get(index)
         if merge is not None and merge.numbers:  # Per-replica numbers: merge_fn's PerReplica.
             leaves = [_number_array(x) if i in merge.numbers else x for i, x in enumerate(leaves)]
-        operands = [leaf for leaf in leaves if _is_operand(leaf)]
+        operands = [leaf for leaf in leaves if _is_array(leaf)]
         if merge is None:
-            statics = tuple(_OPERAND if _is_operand(leaf) else leaf for leaf in leaves)
+            statics = tuple(_OPERAND if _is_array(leaf) else leaf for leaf in leaves)
             avals = tuple(jax.typeof(jnp.asarray(x)) for x in operands)
             raise _Suspend(index, _MergeRequest(merge_fn, tree, statics, avals))
         outs = merge_p.bind(*operands, index=index, out_avals=merge.replica_avals[self._replica],
                             out_same=merge.out_same, gathers=merge_fn is _gather_all,
                             merge_body=merge.body)
-        if binding is not None:
-            outs = [binding.hand_over(x) if plain else x for x, plain in zip(outs, merge.out_plain)]
         return merge.rebuild(outs)
 
     def all_gather(self, value, axis, all_sum, axis_name):
@@ -178,10 +166,6 @@ def _is_array(x):
     return isinstance(x, ARRAYS)
 
 
-def _is_operand(x):
-    """An array merge_fn receives per replica; a captured one (`context.is_captured`) is the
-    same tensor on every replica, which TF hands to merge_fn as it is."""
-    return _is_array(x) and not context.is_captured(x)
 
 
 # --------------------------------------------------------------------------------- tracing
@@ -193,8 +177,6 @@ class Trace:
     replicated_in: tuple  # Per body input: whether it is the same on every replica.
     out_tree: Any
     out_statics: tuple  # Per output leaf: a Python object the replica returned, or `OUTPUT`.
-    out_unwrapped: tuple  # Per output array: one tensor in TF (`spmd.trace`'s "unwrapped").
-    out_passed: tuple  # Per output array: the argument leaf it returns as it is, or None.
 
     @functools.cached_property
     def cuts(self):
@@ -269,7 +251,7 @@ def _sources(traced, eqn, outer_sources=None):
     return tuple(out)
 
 
-def _flat_trace(traced, eqn, mesh, out_tree, out_statics, out_unwrapped, out_passed):
+def _flat_trace(traced, eqn, mesh, out_tree, out_statics):
     """The `Trace` of a traced body, re-traced with cut-holding calls inlined if it has any."""
     sources = _sources(traced, eqn)
     inner = eqn.params["jaxpr"]
@@ -294,7 +276,7 @@ def _flat_trace(traced, eqn, mesh, out_tree, out_statics, out_unwrapped, out_pas
                 "do. Move the collective out of the loop, run this batch's steps one by one outside "
                 "it, or batch the data with drop_remainder=True.")
     replicated = tuple(all(a is None for a in spec) for spec in eqn.params["in_specs"])
-    return Trace(inner, sources, replicated, out_tree, out_statics, out_unwrapped, out_passed)
+    return Trace(inner, sources, replicated, out_tree, out_statics)
 
 
 def _resolve_merge(strategy, requests):
@@ -382,7 +364,7 @@ def _merge_outputs(out_leaves, n):
 
 
 def _merge_from(closed, out_tree, out_leaves, n, in_avals, numbers):
-    statics, same, plain, outputs = [], [], [], [[] for _ in range(n)]
+    statics, same, outputs = [], [], [[] for _ in range(n)]
     position = 0
     for leaf in out_leaves:
         if isinstance(leaf, PerReplica):
@@ -390,19 +372,17 @@ def _merge_from(closed, out_tree, out_leaves, n, in_avals, numbers):
                 outputs[r].append(position + r)
             position += n
             same.append(False)
-            plain.append(False)
         elif isinstance(leaf, Mirrored) or _is_array(leaf):
             for r in range(n):
                 outputs[r].append(position)
             position += 1
             same.append(True)
-            plain.append(not isinstance(leaf, Mirrored))
         else:
             statics.append(leaf)
             continue
         statics.append(_OPERAND)
     out_avals = [jax.core.ShapedArray(a.shape[1:], a.dtype) for a in closed.out_avals]
-    return Merge(out_tree, tuple(statics), tuple(same), tuple(plain),
+    return Merge(out_tree, tuple(statics), tuple(same),
                   tuple(tuple(out_avals[i] for i in outs) for outs in outputs),
                   tuple(tuple(outs) for outs in outputs), in_avals,
                   jax.jit(core.jaxpr_as_fun(closed)), numbers,
@@ -461,7 +441,7 @@ def trace_replicas(runner, fn, in_tree, kinds, statics, per_replica):
                     error.add_note(_EMPTY_BATCH.format(replica=r))
                 raise
             traces[key] = _flat_trace(traced, eqn, runner.programs.mesh, record["tree"],
-                                      record["statics"], record["unwrapped"], record["passed"])
+                                      record["statics"])
         if not suspended:
             traces = _grouped(traces)
             return [traces[key] for key in keys], resolved

@@ -91,9 +91,7 @@ class PerReplica(DistributedValues):
     """
 
     # `_components`: the per-replica arrays of a ragged value (then `_stacked` is None).
-    # `_numbers`: the Python numbers it was made of, one per local replica, which TF's
-    # PerReplica holds as they are (its local results), or None.
-    __slots__ = ("_stacked", "_lengths", "_components", "_numbers")
+    __slots__ = ("_stacked", "_lengths", "_components")
 
     def __init__(self, values: Sequence[Any]) -> None:
         if isinstance(values, DistributedValues) or not isinstance(values, (tuple, list)):
@@ -104,13 +102,11 @@ class PerReplica(DistributedValues):
             raise errors.InvalidArgumentError("PerReplica needs at least one replica value.")
         stacked, components = _stack_or_keep(values)
         self._init(stacked, components, None)
-        keep_python_numbers(self, values)
 
     def _init(self, stacked, components, lengths):
         self._stacked = stacked
         self._components = components
         self._lengths = None if lengths is None else tuple(int(n) for n in lengths)
-        self._numbers = None
 
     @classmethod
     def _from_stacked(cls, stacked, lengths=None):
@@ -162,8 +158,6 @@ class PerReplica(DistributedValues):
         return self._stacked.shape[0]
 
     def _local_results(self):
-        if self._numbers is not None:  # As TF holds them (0.1, not float32's 0.100000001).
-            return self._numbers
         if self._components is not None:  # Multi-worker: other workers' replicas are specs.
             return tuple(c for c in self._components if not isinstance(c, jax.ShapeDtypeStruct))
         if _spans_processes(self._stacked):  # Multi-worker (issue 10): this process's replicas.
@@ -345,21 +339,6 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
 def is_python_number(value) -> bool:
     """Whether ``value`` is a Python number (a bool, int, float or complex; NumPy's are arrays)."""
     return type(value) in (bool, int, float, complex)
-
-
-def keep_python_numbers(value: "PerReplica", numbers) -> "PerReplica":
-    """``value``, made of this process's replicas' ``numbers``: where every one is a Python
-    number, its local results are those numbers, as TF's ``PerReplica`` holds them (programs
-    take its stacked array, float32 for floats, as TF's ``tf.function`` converts them).
-
-    Example:
-      >>> v = keep_python_numbers(PerReplica._from_stacked(np.float32([0.1, 0.2])), (0.1, 0.2))
-      >>> v.values
-      (0.1, 0.2)
-    """
-    if all(map(is_python_number, numbers)):
-        value._numbers = tuple(numbers)
-    return value
 
 
 def _stack_or_keep(values):
