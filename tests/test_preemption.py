@@ -1,6 +1,7 @@
 """jdist.experimental.PreemptionCheckpointHandler (issue 48): a training process sent SIGTERM
 mid-epoch saves at the next step boundary and exits with the configured code; a second process,
-on another replica count, resumes there and ends with the uninterrupted run's parameters. With
+on another replica count, or 2 launched workers, resumes there and ends with the uninterrupted
+run's parameters. With
 2 workers x 2 devices (loopback, every process bounded and ended by its pid) a SIGTERM to one
 worker stops both at one step, and a worker killed mid-collective ends the other, typed."""
 
@@ -28,8 +29,11 @@ import _preemption_program as program  # noqa: E402
 PROGRAM = str(pathlib.Path(program.__file__))
 
 
-def start(directory, replicas, delay):
-    return subprocess.Popen([sys.executable, PROGRAM, str(directory), str(replicas), str(delay)],
+def start(directory, replicas, delay, launcher=()):
+    """One process on ``replicas`` devices, or with ``launcher`` (``jdist.launch`` options)
+    the launched workers, each on all its devices (their lines prefixed ``[worker i]``)."""
+    command = [sys.executable, "-m", "jdist.launch", *launcher] if launcher else [sys.executable]
+    return subprocess.Popen(command + [PROGRAM, str(directory), str(replicas), str(delay)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -56,23 +60,31 @@ def uninterrupted(tmp_path_factory):
     return params, seen
 
 
-def resumed_matches(directory, replicas, before, uninterrupted):
-    """Resumes in a new process on ``replicas`` replicas: it continues where ``before`` (the
-    steps' ids) stopped, and ends with the uninterrupted run's parameters (within 1e-6)."""
-    code, lines, err = finish(start(directory, replicas, 0.0))
+def resumed_matches(directory, replicas, before, uninterrupted, launcher=()):
+    """Resumes on ``replicas`` replicas (or the launched workers): worker 0 continues where
+    ``before`` (the steps' ids) stopped, with the same global batches (gathered in another
+    order across workers: DATA sharding), and ends with the uninterrupted run's parameters
+    (within 1e-6)."""
+    code, lines, err = finish(start(directory, replicas, 0.0, launcher))
     assert code == 0, err
+    prefix = "[worker 0] " if launcher else ""
+    lines = [line[len(prefix):] for line in lines if line.startswith(prefix)]
     reference, seen = uninterrupted
-    assert steps_of(lines) == seen[len(before):]
+    order = sorted if launcher else list
+    assert [order(ids) for ids in steps_of(lines)] == [order(ids) for ids in seen[len(before):]]
     resumed = json.loads(lines[-1][len("done "):])
     for key, value in reference.items():
         np.testing.assert_allclose(np.asarray(resumed[key], np.float32), value, rtol=0,
                                    atol=1e-6)
 
 
-def test_sigterm_mid_epoch_saves_exits_and_resumes_on_another_replica_count(tmp_path,
-                                                                              uninterrupted):
+@pytest.mark.parametrize("replicas,resume,launcher", [
+    (2, 3, ()),  # 1 x 2 -> 1 x 3.
+    (4, 0, ("--nproc", "2", "--devices-per-proc", "2"))])  # 1 x 4 -> 2 workers x 2.
+def test_sigterm_mid_epoch_saves_exits_and_resumes_on_another_replica_count(
+        tmp_path, uninterrupted, replicas, resume, launcher):
     directory = tmp_path / "preempted"
-    first = start(directory, 2, 0.3)
+    first = start(directory, replicas, 0.3)
     watchdog = threading.Timer(120, first.kill)  # Bounds the read below: ends it by its pid.
     watchdog.start()
     try:
@@ -90,7 +102,7 @@ def test_sigterm_mid_epoch_saves_exits_and_resumes_on_another_replica_count(tmp_
     with jdist.checkpoint.CheckpointManager(directory) as manager:
         assert manager.latest_step == len(before) and 4 <= len(before) < program.PER_EPOCH
     assert before == uninterrupted[1][:len(before)]
-    resumed_matches(directory, 3, before, uninterrupted)
+    resumed_matches(directory, resume, before, uninterrupted, launcher)
 
 
 def start_workers(directory, folder, delay):
