@@ -105,11 +105,14 @@ def test_sigterm_mid_epoch_saves_exits_and_resumes_on_another_replica_count(
     resumed_matches(directory, resume, before, uninterrupted, launcher)
 
 
-def start_workers(directory, folder, delay):
-    """2 workers x 2 CPU devices on loopback, each one's output in ``folder/worker<i>.txt``."""
+def start_workers(directory, folder, delay, **options):
+    """2 workers x 2 CPU devices on loopback, each one's output in ``folder/worker<i>.txt``;
+    ``options``: the program's ``JDIST_TEST_*`` settings, e.g. ``TIMEOUT=2``."""
     ports, procs = free_ports(2), []
+    base = {**os.environ, "JAX_PLATFORMS": "cpu",
+            **{f"JDIST_TEST_{k}": str(v) for k, v in options.items()}}
     for i in range(2):
-        env = worker_env({**os.environ, "JAX_PLATFORMS": "cpu"}, ports, i, devices_per_proc=2)
+        env = worker_env(base, ports, i, devices_per_proc=2)
         with open(folder / f"worker{i}.txt", "w") as out:
             procs.append(subprocess.Popen([sys.executable, PROGRAM, str(directory), "0",
                                            str(delay)], env=env, stdout=out,
@@ -127,10 +130,10 @@ def wait_for(path, text, procs, timeout=90):
     return False
 
 
-def signal_worker_1(directory, folder, step, signum, timeout):
+def signal_worker_1(directory, folder, step, signum, timeout, **options):
     """Starts the 2 x 2 job, sends ``signum`` to worker 1 once it has printed ``step``, and
     returns each process's (status, seconds) (`end_all`) and both workers' output."""
-    procs = start_workers(directory, folder, 0.3)
+    procs = start_workers(directory, folder, 0.3, **options)
     try:
         assert wait_for(folder / "worker1.txt", f"step {step} ", procs)
         os.kill(procs[1].pid, signum)
@@ -186,6 +189,50 @@ def test_a_worker_killed_inside_a_collective_ends_the_other_typed(tmp_path):
     assert "jdist.errors.UnavailableError: worker 1 (task worker:1" in out
     with jdist.checkpoint.CheckpointManager(directory) as manager:
         assert manager.latest_step is None
+
+
+def test_a_chief_saving_longer_than_the_timeout_is_not_reported_dead(tmp_path):
+    """Worker 0's wait for its preemption checkpoint takes 5 s more, with a 2 s timeout: worker
+    1, which has exited and waits for it to end, does not report it (its heartbeat goes on and
+    it announces the save); both exit 75 with the checkpoint."""
+    directory = tmp_path / "slow"
+    ended, out = signal_worker_1(directory, tmp_path, 4, signal.SIGTERM, 60, TIMEOUT=2,
+                                 SLOW_SAVE=5)
+    assert [code for code, _ in ended] == [75, 75], out
+    assert ended[0][1] > 5, ended  # The save did take longer than the timeout.
+    with jdist.checkpoint.CheckpointManager(directory) as manager:
+        assert manager.all_steps() == [len(steps_of(out[0].splitlines()))]
+
+
+def test_a_peer_waits_in_a_collective_for_a_chief_saving_longer_than_the_timeout(tmp_path,
+                                                                                 uninterrupted):
+    """The same mid-training (a save after step 3): worker 1 runs on into step 4's collective
+    and waits there the 5 s; the job ends with the uninterrupted run's parameters."""
+    procs = start_workers(tmp_path / "slow", tmp_path, 0.0, TIMEOUT=2, SLOW_SAVE=5, SAVE_AT=3)
+    ended = end_all(procs, 90)
+    out = [(tmp_path / f"worker{i}.txt").read_text() for i in range(2)]
+    assert [code for code, _ in ended] == [0, 0], out
+    assert min(seconds for _, seconds in ended) > 5, ended
+    for text in out:
+        done = json.loads(text.splitlines()[-1][len("done "):])
+        for key, value in uninterrupted[0].items():
+            np.testing.assert_allclose(np.asarray(done[key], np.float32), value, rtol=0,
+                                       atol=1e-6)
+
+
+def test_a_busy_peer_is_waited_for_while_its_heartbeat_goes_on():
+    """The rule the two tests above exercise: a peer that publishes it is busy (saving) is
+    never behind, but it is reported once its heartbeat stops (it died mid-save), and once it
+    stays behind ``timeout`` seconds after the save."""
+    from jdist._src.watchdog import _Peer
+    peer = _Peer()
+    assert peer.update("1 3 0 1", 5, now=1000.0, timeout=2) is None
+    assert peer.update("9 3 0 1", 5, now=1010.0, timeout=2) is None  # Behind 10 s, saving.
+    assert "stopped sending heartbeats" in peer.update("9 3 0 1", 5, now=1013.0, timeout=2)
+    peer = _Peer()
+    assert peer.update("1 3 0 1", 5, now=1000.0, timeout=2) is None
+    assert peer.update("2 3 0 0", 5, now=1001.5, timeout=2) is None  # Saved; behind 1.5 s.
+    assert "did not launch" in peer.update("3 3 0 0", 5, now=1002.5, timeout=2)
 
 
 def test_the_handler_needs_a_checkpoint_manager_and_gives_the_signal_back(tmp_path):
