@@ -10,7 +10,8 @@ worker 0 pauses DELAY seconds after each step: the other waits inside the next s
 collective, where the test's signal reaches it. For the watchdog's tests, ``JDIST_TEST_TIMEOUT``
 sets the workers' timeout (default 5 s), ``JDIST_TEST_SLOW_SAVE`` makes the chief's wait for its
 first checkpoint write that many seconds longer, and ``JDIST_TEST_SAVE_AT`` saves (and waits)
-after that step besides.
+after that step besides. ``JDIST_TEST_STOP_AT=K`` preempts worker 1 of the first start
+(``JDIST_RESTART`` 0) after K steps, as its ``termination_watcher_fn``.
 """
 
 import json
@@ -84,7 +85,11 @@ def train(directory, replicas, delay=0.0, report=lambda step, ids: None):
         strategy = jdist.MirroredStrategy(jax.local_devices()[:replicas])
     dist, seen = dataset(strategy), []
     params = jdist.mirror(init_params(), strategy)
-    config = jdist.experimental.TerminationConfig(exit_code=75, check_every=2)
+    stop_at = int(os.environ.get("JDIST_TEST_STOP_AT", 0)) * (os.environ.get("JDIST_RESTART")
+                                                               == "0")
+    config = jdist.experimental.TerminationConfig(
+        exit_code=75, check_every=2,
+        termination_watcher_fn=lambda: 0 < stop_at <= len(seen) and jax.process_index() == 1)
     with jdist.checkpoint.CheckpointManager(directory, strategy) as manager:
         handler = jdist.experimental.PreemptionCheckpointHandler(None, manager,
                                                                  termination_config=config)

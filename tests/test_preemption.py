@@ -258,6 +258,32 @@ if attempt < int(sys.argv[2]):
 """
 
 
+def test_the_launcher_restarts_a_preempted_job_on_fewer_workers(tmp_path, uninterrupted):
+    """``--nproc 2 --restart-nproc 1``: worker 1 is preempted after step 5 (its
+    termination_watcher_fn), both exit 75 after the chief's checkpoint at step 6 (they agree
+    every 2 steps), and the job goes on as 1 worker x 2 devices from there: the same global
+    batches, and the uninterrupted run's parameters within 1e-6."""
+    out = subprocess.run(
+        [sys.executable, "-m", "jdist.launch", "--nproc", "2", "--devices-per-proc", "2",
+         "--max-restarts", "1", "--restart-nproc", "1", PROGRAM, str(tmp_path), "0", "0"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "JDIST_TEST_STOP_AT": "5"})
+    assert out.returncode == 0, out.stderr
+    assert "starting the job again (1 of 1 restarts, 1 workers)" in out.stderr
+    lines = [line[len("[worker 0] "):] for line in out.stdout.splitlines()
+             if line.startswith("[worker 0] ")]
+    reference, seen = uninterrupted
+    assert [sorted(ids) for ids in steps_of(lines)] == [sorted(ids) for ids in seen]
+    assert [line.split()[1] for line in lines[:8]] == "1 2 3 4 5 6 7 8".split()
+    assert "[worker 1] step 7 " not in out.stdout  # The restart has no worker 1.
+    with jdist.checkpoint.CheckpointManager(tmp_path) as manager:
+        assert manager.all_steps() == [6]
+    resumed = json.loads(lines[-1][len("done "):])
+    for key, value in reference.items():
+        np.testing.assert_allclose(np.asarray(resumed[key], np.float32), value, rtol=0,
+                                   atol=1e-6)
+
+
 @pytest.mark.parametrize("failures,status", [(1, 0), (3, 42)])
 def test_the_launcher_starts_a_failed_job_again(tmp_path, failures, status):
     """``--max-restarts 2``: worker 1 fails ``failures`` times; each start runs both anew."""
