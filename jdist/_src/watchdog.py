@@ -184,6 +184,8 @@ class Watchdog:
 
 
 _ABORT_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
+_ENDED, _FAILED = 1, 2  # What a worker publishes as its third field: it ends / it failed.
+_EXIT_POLL_S = 0.05
 _STARTED: list = []  # The process's started `Watchdog` (one at most: one strategy's runtime).
 
 
@@ -198,8 +200,6 @@ def busy():
     finally:
         for watchdog in _STARTED:
             watchdog.busy -= 1
-_ENDED, _FAILED = 1, 2  # What a worker publishes as its third field: it ends / it failed.
-_EXIT_POLL_S = 0.05
 
 
 def _try_get(client, key):
