@@ -174,8 +174,9 @@ class CheckpointManager:
 
         Raises:
           UnsupportedValueError: a leaf is a `PerReplica` value.
-          InvalidArgumentError: ``iterator`` cannot be positioned (a Python iterable, a tf.data
-            or per-worker pipeline); raised on every process.
+          InvalidArgumentError: ``iterator`` cannot be positioned (a Python iterable, a
+            tf.data dataset or prefetched tf.data iterator, a per-worker pipeline); raised on
+            every process.
         """
         position = None if iterator is None else iterator_state.iterator_state(iterator)
         if not self.should_checkpoint:

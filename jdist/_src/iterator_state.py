@@ -10,9 +10,17 @@ for the new strategy's replica count as every global batch is split (`input_batc
 
 Only a ``strategy.experimental_make_numpy_dataset(...)`` pipeline given to
 ``experimental_distribute_dataset`` can be positioned this way: a Python iterable cannot be
-positioned at all, and tf.data and grain iterators have their own checkpointing.
+positioned at all. A tf.data pipeline is positioned by tf.data's own iterator checkpointing,
+when jdist reads a tf.data iterator the caller made (``iter(tf_dataset)``) one element per step:
+with ``experimental_per_replica_buffer_size=0``, the tf.data iterator is then exactly at the
+handed-out position (jdist's prefetch would put it ahead, and a restore would skip batches).
+Its checkpoint (``tf.train.Checkpoint(iterator=...)``'s files, base64) goes into the same JSON.
 """
 
+import base64
+import os
+import sys
+import tempfile
 from typing import Any
 
 from jdist._src import errors
@@ -36,9 +44,50 @@ def _unpositionable(what):
         "iterator of strategy.experimental_distribute_dataset(strategy."
         "experimental_make_numpy_dataset"
         "(arrays)...) knows its position. Use a numpy dataset (its shuffle, batch, repeat, take, "
-        "skip and shard are tf.data's), or checkpoint a tf.data iterator with tf.data's own "
-        "checkpointing (tf.train.Checkpoint(iterator=iter(tf_dataset))), or leave the iterator "
-        "out and resume at an epoch boundary.")
+        "skip and shard are tf.data's), or give experimental_distribute_dataset a tf.data "
+        "iterator, iter(tf_dataset), with InputOptions(experimental_per_replica_buffer_size=0) "
+        "(tf.data checkpoints its position), or leave the iterator out and resume at an epoch "
+        "boundary.")
+
+
+def _tf_iterator(dataset):
+    """The tf.data iterator ``dataset`` reads (``iter(tf_dataset)``), else None."""
+    tf = sys.modules.get("tensorflow")
+    source = getattr(getattr(dataset, "_plan", None), "source", None)
+    if tf is None or source is None or not isinstance(source.dataset, tf.data.Iterator):
+        return None
+    return source.dataset
+
+
+def _tf_state(dataset, tf_iterator, read_early):
+    """The tf.data iterator's checkpoint, when it is at the handed-out position (not so with
+    a prefetch, nor when ``element_spec`` read its first batch and no step has taken it)."""
+    if dataset.options.experimental_per_replica_buffer_size != 0 or read_early:
+        raise errors.InvalidArgumentError(
+            "the tf.data iterator this distributed dataset reads is ahead of the batches handed "
+            "out (read ahead by the prefetch, or by element_spec before the first step): its "
+            "checkpoint would skip them. Make the distributed dataset with jdist.InputOptions("
+            "experimental_per_replica_buffer_size=0), and save after a step.")
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    with tempfile.TemporaryDirectory() as folder:
+        tf.train.Checkpoint(iterator=tf_iterator).write(os.path.join(folder, "iterator"))
+        files = {}
+        for name in sorted(os.listdir(folder)):
+            with open(os.path.join(folder, name), "rb") as f:
+                files[name] = base64.b64encode(f.read()).decode("ascii")
+    return {"format": _FORMAT, "tf.data": files}
+
+
+def _restore_tf(dataset, tf_iterator, files):
+    """Puts ``tf_iterator`` (unread) at the saved position; returns an iterator over it."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    with tempfile.TemporaryDirectory() as folder:
+        for name, text in files.items():
+            with open(os.path.join(folder, os.path.basename(name)), "wb") as f:
+                f.write(base64.b64decode(text))
+        tf.train.Checkpoint(iterator=tf_iterator).read(
+            os.path.join(folder, "iterator")).assert_consumed()
+    return dataset._iterator_at(Position(dataset))  # pylint: disable=protected-access
 
 
 class Position:
@@ -63,7 +112,11 @@ class Position:
 
     def state(self) -> dict:
         """The position as JSON (`iterator_state`)."""
-        numpy = _numpy_source(self.dataset)
+        numpy, tf_iterator = _numpy_source(self.dataset), _tf_iterator(self.dataset)
+        if tf_iterator is not None:
+            # pylint: disable-next=protected-access
+            early = self._batches == 0 and self.dataset._spec_known
+            return _tf_state(self.dataset, tf_iterator, early)
         if numpy is None:
             raise _unpositionable(_described(self.dataset))
         return {"format": _FORMAT, "pipeline": numpy.describe(), "seeds": self._seeds,
@@ -83,16 +136,18 @@ def iterator_state(iterator: Any) -> dict:
     """The position of ``iterator`` as JSON, for `iterator_from_state`.
 
     Args:
-      iterator: a `DistributedIterator` of a numpy dataset (``iter(dist_dataset)``).
+      iterator: a `DistributedIterator` of a numpy dataset (``iter(dist_dataset)``), or of an
+        unbuffered tf.data iterator (module doc).
 
     Returns:
       ``{"format", "pipeline", "seeds", "batches"}``: the pipeline's description (checked on
       restore), each shuffle's ``[seed, seed2, iterators made]`` when the iterator was made,
-      and the global batches it has handed out.
+      and the global batches it has handed out; for tf.data ``{"format", "tf.data"}``.
 
     Raises:
       InvalidArgumentError: ``iterator`` cannot be positioned (a Python iterable, a tf.data
-        or per-worker pipeline), naming what to use instead.
+        dataset or prefetched tf.data iterator, a per-worker pipeline), naming what to use
+        instead.
 
     Example:
       >>> import numpy as np, jdist
@@ -140,8 +195,10 @@ def iterator_from_state(dataset: Any, state: dict) -> Any:
       >>> s.gather(next(it), axis=0).tolist() == three.gather(next(resumed), axis=0).tolist()
       True
     """
-    numpy = _numpy_source(dataset)
-    if numpy is None:
+    numpy, tf_iterator = _numpy_source(dataset), _tf_iterator(dataset)
+    if "tf.data" in state and tf_iterator is not None:
+        return _restore_tf(dataset, tf_iterator, state["tf.data"])
+    if numpy is None or "tf.data" in state:
         raise _unpositionable(_described(dataset))
     if state.get("format") != _FORMAT or state["pipeline"] != numpy.describe():
         raise errors.InvalidArgumentError(
