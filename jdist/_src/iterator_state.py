@@ -10,11 +10,12 @@ for the new strategy's replica count as every global batch is split (`input_batc
 
 Only a ``strategy.experimental_make_numpy_dataset(...)`` pipeline given to
 ``experimental_distribute_dataset`` can be positioned this way: a Python iterable cannot be
-positioned at all. A tf.data pipeline is positioned by tf.data's own iterator checkpointing,
-when jdist reads a tf.data iterator the caller made (``iter(tf_dataset)``) one element per step:
-with ``experimental_per_replica_buffer_size=0``, the tf.data iterator is then exactly at the
-handed-out position (jdist's prefetch would put it ahead, and a restore would skip batches).
-Its checkpoint (``tf.train.Checkpoint(iterator=...)``'s files, base64) goes into the same JSON.
+positioned at all. A tf.data or grain pipeline is positioned by its own iterator state, when
+jdist reads an iterator the caller made (``iter(tf_dataset)``, ``iter(grain_dataset)``) one
+element per step: with ``experimental_per_replica_buffer_size=0`` that iterator is exactly at
+the handed-out position (jdist's prefetch would put it ahead, and a restore would skip
+batches). Its state (``tf.train.Checkpoint(iterator=...)``'s files in base64; grain's
+``get_state()``) goes into the same JSON.
 """
 
 import base64
@@ -44,33 +45,39 @@ def _unpositionable(what):
         "iterator of strategy.experimental_distribute_dataset(strategy."
         "experimental_make_numpy_dataset"
         "(arrays)...) knows its position. Use a numpy dataset (its shuffle, batch, repeat, take, "
-        "skip and shard are tf.data's), or give experimental_distribute_dataset a tf.data "
-        "iterator, iter(tf_dataset), with InputOptions(experimental_per_replica_buffer_size=0) "
-        "(tf.data checkpoints its position), or leave the iterator out and resume at an epoch "
-        "boundary.")
+        "skip and shard are tf.data's), or give experimental_distribute_dataset a tf.data or "
+        "grain iterator, iter(tf_dataset), with InputOptions(experimental_per_replica_buffer_"
+        "size=0) (tf.data checkpoints its position), or leave the iterator out and resume at an "
+        "epoch boundary.")
 
 
-def _tf_iterator(dataset):
-    """The tf.data iterator ``dataset`` reads (``iter(tf_dataset)``), else None."""
-    tf = sys.modules.get("tensorflow")
+def _own_state_iterator(dataset):
+    """``(kind, iterator)``: the tf.data or grain iterator ``dataset`` reads (the caller's
+    ``iter(tf_dataset)`` or ``iter(grain_dataset)``), else ``(None, None)``."""
     source = getattr(getattr(dataset, "_plan", None), "source", None)
-    if tf is None or source is None or not isinstance(source.dataset, tf.data.Iterator):
-        return None
-    return source.dataset
+    tf, grain = sys.modules.get("tensorflow"), sys.modules.get("grain")
+    if source is not None and tf is not None and isinstance(source.dataset, tf.data.Iterator):
+        return "tf.data", source.dataset
+    if (source is not None and grain is not None
+            and isinstance(source.dataset, grain.DatasetIterator)):
+        return "grain", source.dataset
+    return None, None
 
 
-def _tf_state(dataset, tf_iterator, read_early):
-    """The tf.data iterator's checkpoint, when it is at the handed-out position (not so with
-    a prefetch, nor when ``element_spec`` read its first batch and no step has taken it)."""
+def _own_state(dataset, kind, iterator, read_early):
+    """The tf.data or grain iterator's own state, when it is at the handed-out position (not
+    so with a prefetch, nor when ``element_spec`` read its first batch and no step took it)."""
     if dataset.options.experimental_per_replica_buffer_size != 0 or read_early:
         raise errors.InvalidArgumentError(
-            "the tf.data iterator this distributed dataset reads is ahead of the batches handed "
+            f"the {kind} iterator this distributed dataset reads is ahead of the batches handed "
             "out (read ahead by the prefetch, or by element_spec before the first step): its "
-            "checkpoint would skip them. Make the distributed dataset with jdist.InputOptions("
+            "state would skip them. Make the distributed dataset with jdist.InputOptions("
             "experimental_per_replica_buffer_size=0), and save after a step.")
+    if kind == "grain":
+        return {"format": _FORMAT, "grain": iterator.get_state()}
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     with tempfile.TemporaryDirectory() as folder:
-        tf.train.Checkpoint(iterator=tf_iterator).write(os.path.join(folder, "iterator"))
+        tf.train.Checkpoint(iterator=iterator).write(os.path.join(folder, "iterator"))
         files = {}
         for name in sorted(os.listdir(folder)):
             with open(os.path.join(folder, name), "rb") as f:
@@ -78,14 +85,17 @@ def _tf_state(dataset, tf_iterator, read_early):
     return {"format": _FORMAT, "tf.data": files}
 
 
-def _restore_tf(dataset, tf_iterator, files):
-    """Puts ``tf_iterator`` (unread) at the saved position; returns an iterator over it."""
+def _restore_own_state(dataset, kind, iterator, state):
+    """Puts ``iterator`` (unread) at the saved position; returns an iterator over it."""
+    if kind == "grain":
+        iterator.set_state(state)
+        return dataset._iterator_at(Position(dataset))  # pylint: disable=protected-access
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     with tempfile.TemporaryDirectory() as folder:
-        for name, text in files.items():
+        for name, text in state.items():
             with open(os.path.join(folder, os.path.basename(name)), "wb") as f:
                 f.write(base64.b64decode(text))
-        tf.train.Checkpoint(iterator=tf_iterator).read(
+        tf.train.Checkpoint(iterator=iterator).read(
             os.path.join(folder, "iterator")).assert_consumed()
     return dataset._iterator_at(Position(dataset))  # pylint: disable=protected-access
 
@@ -112,11 +122,11 @@ class Position:
 
     def state(self) -> dict:
         """The position as JSON (`iterator_state`)."""
-        numpy, tf_iterator = _numpy_source(self.dataset), _tf_iterator(self.dataset)
-        if tf_iterator is not None:
+        numpy, (kind, iterator) = _numpy_source(self.dataset), _own_state_iterator(self.dataset)
+        if iterator is not None:
             # pylint: disable-next=protected-access
             early = self._batches == 0 and self.dataset._spec_known
-            return _tf_state(self.dataset, tf_iterator, early)
+            return _own_state(self.dataset, kind, iterator, early)
         if numpy is None:
             raise _unpositionable(_described(self.dataset))
         return {"format": _FORMAT, "pipeline": numpy.describe(), "seeds": self._seeds,
@@ -142,7 +152,8 @@ def iterator_state(iterator: Any) -> dict:
     Returns:
       ``{"format", "pipeline", "seeds", "batches"}``: the pipeline's description (checked on
       restore), each shuffle's ``[seed, seed2, iterators made]`` when the iterator was made,
-      and the global batches it has handed out; for tf.data ``{"format", "tf.data"}``.
+      and the global batches it has handed out; for tf.data or grain ``{"format", "tf.data"}``
+      (tf.data's checkpoint files) or ``{"format", "grain"}`` (``get_state()``).
 
     Raises:
       InvalidArgumentError: ``iterator`` cannot be positioned (a Python iterable, a tf.data
@@ -195,16 +206,17 @@ def iterator_from_state(dataset: Any, state: dict) -> Any:
       >>> s.gather(next(it), axis=0).tolist() == three.gather(next(resumed), axis=0).tolist()
       True
     """
-    numpy, tf_iterator = _numpy_source(dataset), _tf_iterator(dataset)
-    if "tf.data" in state and tf_iterator is not None:
-        return _restore_tf(dataset, tf_iterator, state["tf.data"])
-    if numpy is None or "tf.data" in state:
+    numpy, (kind, iterator) = _numpy_source(dataset), _own_state_iterator(dataset)
+    if iterator is not None and kind in state:
+        return _restore_own_state(dataset, kind, iterator, state[kind])
+    if numpy is None and iterator is None:
         raise _unpositionable(_described(dataset))
-    if state.get("format") != _FORMAT or state["pipeline"] != numpy.describe():
+    this = f"a {kind} iterator" if numpy is None else numpy.describe()
+    if state.get("format") != _FORMAT or state.get("pipeline") != this:
+        saved = state.get("pipeline") or " or ".join(k for k in ("tf.data", "grain") if k in state)
         raise errors.InvalidArgumentError(
-            f"the saved iterator read the pipeline {state.get('pipeline')}, this dataset is "
-            f"{numpy.describe()} (rows, then each op): restore into a dataset made as the "
-            "saved one was.")
+            f"the saved iterator read {saved}, this dataset {this} (for a numpy pipeline: rows, "
+            "then each op): restore into a dataset made as the saved one was.")
     seeds = numpy.iteration_seeds
     for seed, saved in zip(seeds, state["seeds"]):
         seed.restore(saved)
