@@ -7,7 +7,11 @@ SIGTERM makes it save and exit with status 75 at the next step boundary. With ``
 is one worker of a `MultiWorkerMirroredStrategy` over all its local devices (REPLICAS is
 ignored; peers silent for 5 s end it), the workers agree on stopping every 2 steps, and only
 worker 0 pauses DELAY seconds after each step: the other waits inside the next step's
-collective, where the test's signal reaches it.
+collective, where the test's signal reaches it. For the watchdog's tests, ``JDIST_TEST_TIMEOUT``
+sets the workers' timeout (default 5 s), ``JDIST_TEST_SLOW_SAVE`` makes the chief's wait for its
+first checkpoint write that many seconds longer, and ``JDIST_TEST_SAVE_AT`` saves (and waits)
+after that step besides. ``JDIST_TEST_STOP_AT=K`` preempts worker 1 of the first start
+(``JDIST_RESTART`` 0) after K steps, as its ``termination_watcher_fn``.
 """
 
 import json
@@ -56,17 +60,36 @@ def make_step(strategy, seen):
     return train_step
 
 
+def slow_first_wait(seconds):
+    """Makes the chief's first wait for a write ``seconds`` longer (a slow file system)."""
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+    wait, waited = ocp.CheckpointManager.wait_until_finished, []
+
+    def slow(self):
+        if not waited and jax.process_index() == 0:
+            waited.append(time.sleep(seconds))
+        return wait(self)
+    ocp.CheckpointManager.wait_until_finished = slow
+
+
 def train(directory, replicas, delay=0.0, report=lambda step, ids: None):
     """Trains EPOCHS epochs from DIRECTORY's latest checkpoint; returns the host parameters."""
+    slow_first_wait(float(os.environ.get("JDIST_TEST_SLOW_SAVE", 0)))
+    save_at = int(os.environ.get("JDIST_TEST_SAVE_AT", 0))
     if "TF_CONFIG" in os.environ:
+        timeout = float(os.environ.get("JDIST_TEST_TIMEOUT", 5))
         strategy = jdist.MultiWorkerMirroredStrategy(
-            communication_options=jdist.CommunicationOptions(timeout_seconds=5))
+            communication_options=jdist.CommunicationOptions(timeout_seconds=timeout))
         delay *= strategy.extended.worker_index == 0
     else:
         strategy = jdist.MirroredStrategy(jax.local_devices()[:replicas])
     dist, seen = dataset(strategy), []
     params = jdist.mirror(init_params(), strategy)
-    config = jdist.experimental.TerminationConfig(exit_code=75, check_every=2)
+    stop_at = int(os.environ.get("JDIST_TEST_STOP_AT", 0)) * (os.environ.get("JDIST_RESTART")
+                                                               == "0")
+    config = jdist.experimental.TerminationConfig(
+        exit_code=75, check_every=2,
+        termination_watcher_fn=lambda: 0 < stop_at <= len(seen) and jax.process_index() == 1)
     with jdist.checkpoint.CheckpointManager(directory, strategy) as manager:
         handler = jdist.experimental.PreemptionCheckpointHandler(None, manager,
                                                                  termination_config=config)
@@ -80,6 +103,9 @@ def train(directory, replicas, delay=0.0, report=lambda step, ids: None):
                 while handler.total_run_calls < (epoch + 1) * PER_EPOCH:
                     params = handler.run(step, params, it)
                     report(handler.total_run_calls, seen[-1])
+                    if handler.total_run_calls == save_at:
+                        manager.save(save_at, params, iterator=it)
+                        manager.wait_until_finished()
                     time.sleep(delay)
                 assert next(it, None) is None  # Read to its end: the next epoch reshuffles.
                 it = None

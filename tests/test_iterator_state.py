@@ -136,7 +136,7 @@ def test_a_python_iterable_cannot_be_positioned(tmp_path):
     with jdist.checkpoint.CheckpointManager(tmp_path, strategy) as manager:
         with pytest.raises(errors.InvalidArgumentError, match="experimental_make_numpy_dataset"):
             manager.save(1, {"w": np.zeros(2, np.float32)}, iterator=it)
-        with pytest.raises(errors.InvalidArgumentError, match="tf.data's own checkpointing"):
+        with pytest.raises(errors.InvalidArgumentError, match="tf.data checkpoints its position"):
             manager.save(1, {"w": np.zeros(2, np.float32)}, iterator=iter(batches))
         assert manager.all_steps() == []
 

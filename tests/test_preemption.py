@@ -1,6 +1,7 @@
 """jdist.experimental.PreemptionCheckpointHandler (issue 48): a training process sent SIGTERM
 mid-epoch saves at the next step boundary and exits with the configured code; a second process,
-on another replica count, resumes there and ends with the uninterrupted run's parameters. With
+on another replica count, or 2 launched workers, resumes there and ends with the uninterrupted
+run's parameters. With
 2 workers x 2 devices (loopback, every process bounded and ended by its pid) a SIGTERM to one
 worker stops both at one step, and a worker killed mid-collective ends the other, typed."""
 
@@ -28,8 +29,11 @@ import _preemption_program as program  # noqa: E402
 PROGRAM = str(pathlib.Path(program.__file__))
 
 
-def start(directory, replicas, delay):
-    return subprocess.Popen([sys.executable, PROGRAM, str(directory), str(replicas), str(delay)],
+def start(directory, replicas, delay, launcher=()):
+    """One process on ``replicas`` devices, or with ``launcher`` (``jdist.launch`` options)
+    the launched workers, each on all its devices (their lines prefixed ``[worker i]``)."""
+    command = [sys.executable, "-m", "jdist.launch", *launcher] if launcher else [sys.executable]
+    return subprocess.Popen(command + [PROGRAM, str(directory), str(replicas), str(delay)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -56,23 +60,31 @@ def uninterrupted(tmp_path_factory):
     return params, seen
 
 
-def resumed_matches(directory, replicas, before, uninterrupted):
-    """Resumes in a new process on ``replicas`` replicas: it continues where ``before`` (the
-    steps' ids) stopped, and ends with the uninterrupted run's parameters (within 1e-6)."""
-    code, lines, err = finish(start(directory, replicas, 0.0))
+def resumed_matches(directory, replicas, before, uninterrupted, launcher=()):
+    """Resumes on ``replicas`` replicas (or the launched workers): worker 0 continues where
+    ``before`` (the steps' ids) stopped, with the same global batches (gathered in another
+    order across workers: DATA sharding), and ends with the uninterrupted run's parameters
+    (within 1e-6)."""
+    code, lines, err = finish(start(directory, replicas, 0.0, launcher))
     assert code == 0, err
+    prefix = "[worker 0] " if launcher else ""
+    lines = [line[len(prefix):] for line in lines if line.startswith(prefix)]
     reference, seen = uninterrupted
-    assert steps_of(lines) == seen[len(before):]
+    order = sorted if launcher else list
+    assert [order(ids) for ids in steps_of(lines)] == [order(ids) for ids in seen[len(before):]]
     resumed = json.loads(lines[-1][len("done "):])
     for key, value in reference.items():
         np.testing.assert_allclose(np.asarray(resumed[key], np.float32), value, rtol=0,
                                    atol=1e-6)
 
 
-def test_sigterm_mid_epoch_saves_exits_and_resumes_on_another_replica_count(tmp_path,
-                                                                              uninterrupted):
+@pytest.mark.parametrize("replicas,resume,launcher", [
+    (2, 3, ()),  # 1 x 2 -> 1 x 3.
+    (4, 0, ("--nproc", "2", "--devices-per-proc", "2"))])  # 1 x 4 -> 2 workers x 2.
+def test_sigterm_mid_epoch_saves_exits_and_resumes_on_another_replica_count(
+        tmp_path, uninterrupted, replicas, resume, launcher):
     directory = tmp_path / "preempted"
-    first = start(directory, 2, 0.3)
+    first = start(directory, replicas, 0.3)
     watchdog = threading.Timer(120, first.kill)  # Bounds the read below: ends it by its pid.
     watchdog.start()
     try:
@@ -90,14 +102,17 @@ def test_sigterm_mid_epoch_saves_exits_and_resumes_on_another_replica_count(tmp_
     with jdist.checkpoint.CheckpointManager(directory) as manager:
         assert manager.latest_step == len(before) and 4 <= len(before) < program.PER_EPOCH
     assert before == uninterrupted[1][:len(before)]
-    resumed_matches(directory, 3, before, uninterrupted)
+    resumed_matches(directory, resume, before, uninterrupted, launcher)
 
 
-def start_workers(directory, folder, delay):
-    """2 workers x 2 CPU devices on loopback, each one's output in ``folder/worker<i>.txt``."""
+def start_workers(directory, folder, delay, **options):
+    """2 workers x 2 CPU devices on loopback, each one's output in ``folder/worker<i>.txt``;
+    ``options``: the program's ``JDIST_TEST_*`` settings, e.g. ``TIMEOUT=2``."""
     ports, procs = free_ports(2), []
+    base = {**os.environ, "JAX_PLATFORMS": "cpu",
+            **{f"JDIST_TEST_{k}": str(v) for k, v in options.items()}}
     for i in range(2):
-        env = worker_env({**os.environ, "JAX_PLATFORMS": "cpu"}, ports, i, devices_per_proc=2)
+        env = worker_env(base, ports, i, devices_per_proc=2)
         with open(folder / f"worker{i}.txt", "w") as out:
             procs.append(subprocess.Popen([sys.executable, PROGRAM, str(directory), "0",
                                            str(delay)], env=env, stdout=out,
@@ -115,10 +130,10 @@ def wait_for(path, text, procs, timeout=90):
     return False
 
 
-def signal_worker_1(directory, folder, step, signum, timeout):
+def signal_worker_1(directory, folder, step, signum, timeout, **options):
     """Starts the 2 x 2 job, sends ``signum`` to worker 1 once it has printed ``step``, and
     returns each process's (status, seconds) (`end_all`) and both workers' output."""
-    procs = start_workers(directory, folder, 0.3)
+    procs = start_workers(directory, folder, 0.3, **options)
     try:
         assert wait_for(folder / "worker1.txt", f"step {step} ", procs)
         os.kill(procs[1].pid, signum)
@@ -176,6 +191,50 @@ def test_a_worker_killed_inside_a_collective_ends_the_other_typed(tmp_path):
         assert manager.latest_step is None
 
 
+def test_a_chief_saving_longer_than_the_timeout_is_not_reported_dead(tmp_path):
+    """Worker 0's wait for its preemption checkpoint takes 5 s more, with a 2 s timeout: worker
+    1, which has exited and waits for it to end, does not report it (its heartbeat goes on and
+    it announces the save); both exit 75 with the checkpoint."""
+    directory = tmp_path / "slow"
+    ended, out = signal_worker_1(directory, tmp_path, 4, signal.SIGTERM, 60, TIMEOUT=2,
+                                 SLOW_SAVE=5)
+    assert [code for code, _ in ended] == [75, 75], out
+    assert ended[0][1] > 5, ended  # The save did take longer than the timeout.
+    with jdist.checkpoint.CheckpointManager(directory) as manager:
+        assert manager.all_steps() == [len(steps_of(out[0].splitlines()))]
+
+
+def test_a_peer_waits_in_a_collective_for_a_chief_saving_longer_than_the_timeout(tmp_path,
+                                                                                 uninterrupted):
+    """The same mid-training (a save after step 3): worker 1 runs on into step 4's collective
+    and waits there the 5 s; the job ends with the uninterrupted run's parameters."""
+    procs = start_workers(tmp_path / "slow", tmp_path, 0.0, TIMEOUT=2, SLOW_SAVE=5, SAVE_AT=3)
+    ended = end_all(procs, 90)
+    out = [(tmp_path / f"worker{i}.txt").read_text() for i in range(2)]
+    assert [code for code, _ in ended] == [0, 0], out
+    assert min(seconds for _, seconds in ended) > 5, ended
+    for text in out:
+        done = json.loads(text.splitlines()[-1][len("done "):])
+        for key, value in uninterrupted[0].items():
+            np.testing.assert_allclose(np.asarray(done[key], np.float32), value, rtol=0,
+                                       atol=1e-6)
+
+
+def test_a_busy_peer_is_waited_for_while_its_heartbeat_goes_on():
+    """The rule the two tests above exercise: a peer that publishes it is busy (saving) is
+    never behind, but it is reported once its heartbeat stops (it died mid-save), and once it
+    stays behind ``timeout`` seconds after the save."""
+    from jdist._src.watchdog import _Peer
+    peer = _Peer()
+    assert peer.update("1 3 0 1", 5, now=1000.0, timeout=2) is None
+    assert peer.update("9 3 0 1", 5, now=1010.0, timeout=2) is None  # Behind 10 s, saving.
+    assert "stopped sending heartbeats" in peer.update("9 3 0 1", 5, now=1013.0, timeout=2)
+    peer = _Peer()
+    assert peer.update("1 3 0 1", 5, now=1000.0, timeout=2) is None
+    assert peer.update("2 3 0 0", 5, now=1001.5, timeout=2) is None  # Saved; behind 1.5 s.
+    assert "did not launch" in peer.update("3 3 0 0", 5, now=1002.5, timeout=2)
+
+
 def test_the_handler_needs_a_checkpoint_manager_and_gives_the_signal_back(tmp_path):
     with pytest.raises(errors.InvalidArgumentError, match="CheckpointManager"):
         jdist.experimental.PreemptionCheckpointHandler(None, str(tmp_path))
@@ -197,6 +256,32 @@ attempt, index = int(os.environ["JDIST_RESTART"]), json.loads(os.environ["TF_CON
 if attempt < int(sys.argv[2]):
     sys.exit(42) if index == 1 else time.sleep(60)  # Worker 0 is still running: ended.
 """
+
+
+def test_the_launcher_restarts_a_preempted_job_on_fewer_workers(tmp_path, uninterrupted):
+    """``--nproc 2 --restart-nproc 1``: worker 1 is preempted after step 5 (its
+    termination_watcher_fn), both exit 75 after the chief's checkpoint at step 6 (they agree
+    every 2 steps), and the job goes on as 1 worker x 2 devices from there: the same global
+    batches, and the uninterrupted run's parameters within 1e-6."""
+    out = subprocess.run(
+        [sys.executable, "-m", "jdist.launch", "--nproc", "2", "--devices-per-proc", "2",
+         "--max-restarts", "1", "--restart-nproc", "1", PROGRAM, str(tmp_path), "0", "0"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "JDIST_TEST_STOP_AT": "5"})
+    assert out.returncode == 0, out.stderr
+    assert "starting the job again (1 of 1 restarts, 1 workers)" in out.stderr
+    lines = [line[len("[worker 0] "):] for line in out.stdout.splitlines()
+             if line.startswith("[worker 0] ")]
+    reference, seen = uninterrupted
+    assert [sorted(ids) for ids in steps_of(lines)] == [sorted(ids) for ids in seen]
+    assert [line.split()[1] for line in lines[:8]] == "1 2 3 4 5 6 7 8".split()
+    assert "[worker 1] step 7 " not in out.stdout  # The restart has no worker 1.
+    with jdist.checkpoint.CheckpointManager(tmp_path) as manager:
+        assert manager.all_steps() == [6]
+    resumed = json.loads(lines[-1][len("done "):])
+    for key, value in reference.items():
+        np.testing.assert_allclose(np.asarray(resumed[key], np.float32), value, rtol=0,
+                                   atol=1e-6)
 
 
 @pytest.mark.parametrize("failures,status", [(1, 0), (3, 42)])

@@ -17,7 +17,9 @@ and an iterator continuing there, on any replica count.
 
 Only the chief writes: ``strategy.extended.should_checkpoint`` (true on one worker; on the
 chief only under a multi-worker strategy). The decision involves no collective, and neither does the
-save itself (host copies), so non-chief workers can skip it without blocking anyone.
+save itself (host copies), so non-chief workers can skip it without blocking anyone. While the
+chief saves or waits for a write, its peers wait for it however long that takes, as long as it
+is alive (`watchdog.busy`): a slow file system is not a dead chief.
 """
 
 import os
@@ -32,6 +34,7 @@ from jdist._src import extras
 from jdist._src import iterator_state
 from jdist._src import progress
 from jdist._src import state as state_lib
+from jdist._src import watchdog
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import is_distributed
@@ -171,8 +174,9 @@ class CheckpointManager:
 
         Raises:
           UnsupportedValueError: a leaf is a `PerReplica` value.
-          InvalidArgumentError: ``iterator`` cannot be positioned (a Python iterable, a tf.data
-            or per-worker pipeline); raised on every process.
+          InvalidArgumentError: ``iterator`` cannot be positioned (a Python iterable, a
+            tf.data dataset or prefetched tf.data iterator, a per-worker pipeline); raised on
+            every process.
         """
         position = None if iterator is None else iterator_state.iterator_state(iterator)
         if not self.should_checkpoint:
@@ -181,8 +185,9 @@ class CheckpointManager:
         host = state_lib.to_host(state)
         spec = {"format": _FORMAT, "leaves": tree_spec(host),
                 "num_replicas": self._strategy.num_replicas_in_sync, "iterator": position}
-        return bool(self._manager.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(host), spec=ocp.args.JsonSave(spec))))
+        with watchdog.busy():
+            return bool(self._manager.save(int(step), args=ocp.args.Composite(
+                state=ocp.args.StandardSave(host), spec=ocp.args.JsonSave(spec))))
 
     def restore(self, target: Any, step: Optional[int] = None,
                 iterator: Optional[Any] = None) -> Any:
@@ -231,11 +236,13 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Blocks until every write this manager started is complete."""
-        self._manager.wait_until_finished()
+        with watchdog.busy():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Waits for pending writes and stops orbax's background threads."""
-        self._manager.close()
+        with watchdog.busy():
+            self._manager.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -13,9 +13,11 @@ abruptly, so no worker is left behind.
 With ``--max-restarts K`` a job whose worker failed (or was preempted: it saved a checkpoint
 and exited, `jdist.experimental.PreemptionCheckpointHandler`) is started again, every worker
 anew on new ports, up to K times; the script resumes from its latest checkpoint, and
-``JDIST_RESTART`` in its environment says which start this is (0 for the first). A job may
-also be started again by hand with another ``--nproc``: checkpoints do not depend on the
-number of replicas that wrote them (``docs/stop_and_resume.md``).
+``JDIST_RESTART`` in its environment says which start this is (0 for the first). With
+``--restart-nproc M`` every restart runs M workers instead of ``--nproc`` (restart-based
+elasticity: a job that lost a machine goes on with fewer): checkpoints do not depend on the
+number of replicas that wrote them (``docs/stop_and_resume.md``), so the script resumes there
+on M workers, as it would when started again by hand with another ``--nproc``.
 """
 
 import argparse
@@ -47,11 +49,14 @@ def parse_args(argv):
                         help="simulated CPU devices per worker (XLA_FLAGS); default: real devices")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="start the job again, up to this many times, after a worker fails")
+    parser.add_argument("--restart-nproc", type=int, default=None,
+                        help="number of worker processes of every restart (the job resumes from "
+                        "its checkpoint on them); default: --nproc")
     parser.add_argument("script", help="the Python script every worker runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     args = parser.parse_args(argv)
-    if args.nproc < 1:
-        parser.error("--nproc must be at least 1")
+    if args.nproc < 1 or (args.restart_nproc is not None and args.restart_nproc < 1):
+        parser.error("--nproc and --restart-nproc must be at least 1")
     if args.max_restarts < 0:
         parser.error("--max-restarts must be at least 0")
     if args.devices_per_proc is not None and args.devices_per_proc < 1:
@@ -176,7 +181,8 @@ def main(argv=None):
             if not status or attempt == args.max_restarts:
                 return status
             sys.stderr.write(f"jdist.launch: starting the job again ({attempt + 1} of "
-                             f"{args.max_restarts} restarts).\n")
+                             f"{args.max_restarts} restarts, {args.restart_nproc or args.nproc} "
+                             "workers).\n")
     except KeyboardInterrupt:
         return 130
     finally:
@@ -185,9 +191,10 @@ def main(argv=None):
 
 def _run_once(args, attempt):
     """Starts every worker, waits, ends those still running; returns the job's status."""
-    ports = free_ports(args.nproc)
+    nproc = args.nproc if attempt == 0 or args.restart_nproc is None else args.restart_nproc
+    ports = free_ports(nproc)
     base = dict(os.environ, JDIST_RESTART=str(attempt))
-    envs = [worker_env(base, ports, i, args.devices_per_proc) for i in range(args.nproc)]
+    envs = [worker_env(base, ports, i, args.devices_per_proc) for i in range(nproc)]
     workers = None
     try:
         workers = Workers([sys.executable, "-u", args.script] + args.args, envs)

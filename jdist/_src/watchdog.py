@@ -8,6 +8,11 @@ and reads its peers'. A peer that is behind this worker (it has not launched a p
 waits in) or has stopped beating, with no change for ``timeout_seconds``, is reported: the
 thread prints `errors.UnavailableError` naming it and ends the process with exit status
 `UNAVAILABLE_EXIT_CODE` (the main thread is blocked inside the collective and cannot raise).
+A worker inside `busy` (the checkpoint manager's save and its wait for the write) publishes
+that it is busy: its peers then wait for it, in a collective or at exit, as long as its heartbeat
+goes on, and report it only once it stops beating (it died mid-save) or stays behind for
+``timeout_seconds`` after the save. A save is the chief's alone, and may take longer than any
+timeout chosen for the steps.
 If the coordination service itself is gone, the coordinator's worker has died: reported at once.
 JAX's client notices that first and aborts the process (SIGABRT) within 0.1 s, so on the other
 workers a SIGABRT handler reports it instead, when the service's port refuses connections.
@@ -23,6 +28,7 @@ collective's runtime error is most likely a dead peer's doing, which the exit th
 Worker 0 ends after its failing peers (its end closes the service under them).
 """
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -51,6 +57,7 @@ class Watchdog:
         self._timeout = float(timeout_seconds)
         self._poll = min(1.0, self._timeout / 10)
         self.launched = 0
+        self.busy = 0  # How many `busy` scopes this worker is in (published).
         self.failed = False  # The main thread ended with an uncaught exception (`start`).
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="jdist-watchdog", daemon=True)
@@ -64,6 +71,7 @@ class Watchdog:
 
     def start(self):
         """Starts the thread, and notes an uncaught exception that ends the main thread."""
+        _STARTED.append(self)
         self._thread.start()
         if self._abort_handler is not None and os.name == "posix":
             libc = ctypes.CDLL(None)
@@ -115,7 +123,8 @@ class Watchdog:
                 return
             try:
                 client.key_value_set(f"jdist/watchdog/{me}",
-                                     f"{beat} {self.launched} {_ENDED if exiting else 0}",
+                                     f"{beat} {self.launched} {_ENDED if exiting else 0} "
+                                     f"{min(self.busy, 1)}",
                                      allow_overwrite=True)
                 states = {w: _try_get(client, f"jdist/watchdog/{w}") for w in peers}
             except Exception as e:  # pylint: disable=broad-except
@@ -124,7 +133,8 @@ class Watchdog:
             for w, peer in peers.items():
                 problem = peer.update(states[w], self.launched, now, self._timeout)
                 if exit_since is not None:
-                    problem = self._exit_problem(peer, problem, now - exit_since)
+                    problem = self._exit_problem(peer, problem,
+                                                 now - max(exit_since, peer.busy_at))
                 if problem:
                     self._fail(f"{self._cluster.name(w)} {problem}", client, beat)
             if exit_since is not None and all(peer.done for peer in peers.values()):
@@ -142,7 +152,7 @@ class Watchdog:
     def _announce_failure(self, client, beat):
         try:  # Tell the peers at once that this worker ends with an error.
             client.key_value_set(f"jdist/watchdog/{self._cluster.index}",
-                                 f"{beat} {self.launched} {_FAILED}", allow_overwrite=True)
+                                 f"{beat} {self.launched} {_FAILED} 0", allow_overwrite=True)
             # Let the peers read it before this process's end closes its connections (a peer's
             # collective would fail untyped).
             time.sleep(2 * self._poll)
@@ -176,6 +186,20 @@ class Watchdog:
 _ABORT_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
 _ENDED, _FAILED = 1, 2  # What a worker publishes as its third field: it ends / it failed.
 _EXIT_POLL_S = 0.05
+_STARTED: list = []  # The process's started `Watchdog` (one at most: one strategy's runtime).
+
+
+@contextlib.contextmanager
+def busy():
+    """A scope in which this worker's peers wait for it as long as it is alive (module doc):
+    a checkpoint's save. Does nothing without a started watchdog (one worker)."""
+    for watchdog in _STARTED:
+        watchdog.busy += 1
+    try:
+        yield
+    finally:
+        for watchdog in _STARTED:
+            watchdog.busy -= 1
 
 
 def _try_get(client, key):
@@ -204,13 +228,16 @@ class _Peer:
     def __init__(self):
         self.beat, self.launched, self.done = None, 0, 0
         self.beat_since = self.behind_since = time.monotonic()
+        self.busy_at = float("-inf")  # When it was last seen `busy`.
 
     def update(self, text, mine, now, timeout):
         """Returns why the peer blocks this worker (a phrase), or None."""
-        beat, launched, done = (int(x) for x in text.split()) if text else (None, 0, 0)
+        beat, launched, done, busy = (*map(int, text.split()), 0)[:4] if text else (None, 0, 0, 0)
         if beat != self.beat:
             self.beat, self.beat_since = beat, now
-        if launched != self.launched or launched >= mine:
+        if busy:
+            self.busy_at = now
+        if launched != self.launched or launched >= mine or busy:
             self.behind_since = now
         self.launched, self.done = launched, done
         if done == _FAILED:  # The job cannot go on: any collective would wait for it forever.
