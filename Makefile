@@ -44,7 +44,7 @@ test-tf: $(TF_STAMP)
 	$(TF_VENV)/bin/python -m pytest -q -n 2 tests/test_tf_conformance.py tests/test_tf_random.py \
 		tests/test_tf_gradients.py tests/test_tf_extended.py tests/test_tf_losses.py \
 		tests/test_input_tf.py tests/test_auto_shard.py tests/test_numpy_dataset_tf.py \
-		tests/test_multi_worker_tf.py tests/test_tf_training.py
+		tests/test_multi_worker_tf.py tests/test_tf_training.py tests/test_iterator_state_tf.py
 
 # The benchmarks run in the TF environment, so the scaling figure has TF's curve beside jdist's.
 $(BENCH_STAMP): $(TF_STAMP)

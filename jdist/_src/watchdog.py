@@ -92,6 +92,8 @@ class Watchdog:
         an uncaught exception it announces a failure instead and ends the process at once: its
         peers end on reading it, and JAX's shutdown barrier would wait for them in vain."""
         self._stop.set()
+        if self in _STARTED:
+            _STARTED.remove(self)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
         if self.failed:
