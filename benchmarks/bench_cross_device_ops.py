@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jdist  # noqa: E402
 import jdist.testing  # noqa: E402
-from jdist._src import replica_mesh  # noqa: E402
+from jdist._src.reduce import replica_mesh  # noqa: E402
 
 REPLICAS = 8
 TIMED_REPLICAS = (8, 4)

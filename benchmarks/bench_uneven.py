@@ -5,7 +5,7 @@ batches of 128 rows plus a partial batch of 37 rows on eight simulated CPU devic
 5, 5, 5, 5, 5, 5, 5, 2: every replica a different shape from a full batch). Two ways:
 
 * ``exact`` (jdist's default, TF's numbers): the partial batch runs replica by replica
-  (``jdist/_src/uneven.py``), the step written with no mask;
+  (``jdist/_src/uneven/plan.py``), the step written with no mask;
 * ``drop_remainder``: the partial batch is dropped (37 fewer examples).
 
 Each epoch is timed after a first warm epoch (so compiles are excluded; the first epoch's time

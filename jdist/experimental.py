@@ -6,11 +6,11 @@ Example:
   <CommunicationImplementation.RING: 'RING'>
 """
 
-from jdist._src.input import Optional
-from jdist._src.packing import CommunicationImplementation
-from jdist._src.packing import CommunicationOptions
-from jdist._src.preemption import PreemptionCheckpointHandler
-from jdist._src.preemption import TerminationConfig
+from jdist._src.input.datasets import Optional
+from jdist._src.reduce.packing import CommunicationImplementation
+from jdist._src.reduce.packing import CommunicationOptions
+from jdist._src.training.preemption import PreemptionCheckpointHandler
+from jdist._src.training.preemption import TerminationConfig
 
 # TF's deprecated name of CommunicationImplementation.
 CollectiveCommunication = CommunicationImplementation

@@ -6,7 +6,7 @@ Example:
   1.0
 """
 
-from jdist._src.losses import compute_average_loss
-from jdist._src.losses import scale_regularization_loss
+from jdist._src.training.losses import compute_average_loss
+from jdist._src.training.losses import scale_regularization_loss
 
 __all__ = ("compute_average_loss", "scale_regularization_loss")

@@ -79,7 +79,7 @@ def _in_tf_layout(s, np, data, batch):
     NumpyDataset: replica ``g`` gets chunk ``chunk_order[g]``) hands replica ``g`` the rows one
     process hands it: the comparisons with 1 process x 4 devices stay one to one. The rule
     itself is checked against TF in ``test_auto_shard.py`` and by ``_auto_shard``."""
-    from jdist._src import auto_shard  # pylint: disable=import-outside-toplevel
+    from jdist._src.input import auto_shard  # pylint: disable=import-outside-toplevel
     workers = s.extended._input_pipeline()[0]
     order = auto_shard.chunk_order(workers, s.num_replicas_in_sync // workers)
     if order is None:
@@ -400,7 +400,7 @@ def _disagreeing(s, worker):
     """A ragged value whose replica shapes the workers see differently (made by hand: the
     public ways to make one agree on the shapes), which run must refuse on both workers."""
     import numpy as np  # pylint: disable=import-outside-toplevel
-    from jdist._src import uneven_multi_worker  # pylint: disable=import-outside-toplevel
+    from jdist._src.multi_worker import ragged as uneven_multi_worker  # pylint: disable=import-outside-toplevel
     ids = s.extended._local_replica_ids()
     shapes = [(1,), (2,), (3,), (4 + worker,)]
     return uneven_multi_worker.ragged_from_local(

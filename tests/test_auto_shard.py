@@ -8,9 +8,9 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist._src import auto_shard
-from jdist._src import input_batches
-from jdist._src.auto_shard import AutoShardPolicy as P
+from jdist._src.input import auto_shard
+from jdist._src.input import batches as input_batches
+from jdist._src.input.auto_shard import AutoShardPolicy as P
 from jdist.testing import mirrored
 
 from _tf_skip import tf_or_skip

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import jdist
-from jdist._src import batch_blocks
-from jdist._src import in_place_batches
-from jdist._src import prefetch
+from jdist._src.input import blocks as batch_blocks
+from jdist._src.input import in_place as in_place_batches
+from jdist._src.input import prefetch
 from jdist.testing import count_compiles, mirrored
 
 BLOCKED_REPLICAS = (2, 3, 4, 8)

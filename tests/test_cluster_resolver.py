@@ -115,7 +115,7 @@ def test_slurm_cluster_resolver(monkeypatch):
 
 
 def test_slurm_errors_and_parsing(monkeypatch):
-    from jdist._src import slurm
+    from jdist._src.multi_worker import slurm
     assert slurm.expand_hostlist("a[1-2]b[3-4],c,d[9]") == ["a1b3", "a1b4", "a2b3", "a2b4", "c",
                                                            "d9"]
     assert slurm.expand_tasks_per_node("3,1(x2)") == [3, 1, 1]

@@ -175,7 +175,7 @@ def test_values_held_off_the_replicas_devices_are_moved_there(n):
 def test_a_loop_makes_its_arguments_canonical_once_then_takes_the_direct_program(n, monkeypatch):
     # Steady state: the Mirrored parameters run returned go straight to jax.jit's C++ dispatch;
     # only the first, plain parameters are placed and wrapped in Python.
-    from jdist._src.spmd import ReplicatedRunner
+    from jdist._src.run.spmd import ReplicatedRunner
     calls = []
     canonical = ReplicatedRunner._canonical
     monkeypatch.setattr(ReplicatedRunner, "_canonical",
@@ -201,7 +201,7 @@ def test_a_host_batch_given_every_step_is_placed_without_looking_at_each_paramet
     # A NumPy batch is not on the mesh: every step places it, but only the first looks at each
     # argument (`_canonical`); the next ones place what the first placed. A parameter that
     # then comes off the mesh is found by the direct program, and the call looks again.
-    from jdist._src.spmd import ReplicatedRunner
+    from jdist._src.run.spmd import ReplicatedRunner
     calls = []
     canonical = ReplicatedRunner._canonical
     monkeypatch.setattr(ReplicatedRunner, "_canonical",
@@ -267,7 +267,7 @@ def test_a_step_given_python_objects_stops_trying_the_direct_program(extra, monk
 
 
 def test_a_step_back_on_canonical_arguments_takes_the_direct_program_again(monkeypatch):
-    from jdist._src.spmd import ReplicatedRunner
+    from jdist._src.run.spmd import ReplicatedRunner
     calls = []
     canonical = ReplicatedRunner._canonical
     monkeypatch.setattr(ReplicatedRunner, "_canonical",

@@ -10,8 +10,8 @@ import pytest
 import jdist
 import jdist.testing
 from jdist import errors
-from jdist._src import replica_mesh
-from jdist._src import packing
+from jdist._src.reduce import replica_mesh
+from jdist._src.reduce import packing
 from jdist.testing import mirrored, per_replica
 
 COUNTS = (2, 3, 4, 8)

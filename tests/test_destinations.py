@@ -14,8 +14,8 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist._src import cross_host
-from jdist._src import destinations
+from jdist._src.multi_worker import cross_host
+from jdist._src.reduce import destinations
 from jdist._src import devices
 from jdist.testing import REPLICA_COUNTS, mirrored, per_replica
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import jdist
-from jdist._src import batch_blocks
+from jdist._src.input import blocks as batch_blocks
 from jdist._src import host_values
-from jdist._src import in_place_batches
+from jdist._src.input import in_place as in_place_batches
 from jdist.testing import count_compiles, mirrored
 
 REPLICAS = (1, 2, 3, 4, 8)

@@ -14,8 +14,8 @@ import pytest
 import jdist
 from jdist._src import host_values
 from jdist import errors
-from jdist._src import tf_shuffle
-from jdist._src.numpy_dataset import NumpyDataset
+from jdist._src.input import tf_shuffle
+from jdist._src.input.numpy_dataset import NumpyDataset
 from jdist.testing import mirrored
 
 

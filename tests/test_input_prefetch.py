@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jdist
-from jdist._src import prefetch
+from jdist._src.input import prefetch
 from jdist.testing import mirrored
 
 

@@ -14,9 +14,9 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jdist._src import invariance
+from jdist._src.run import invariance
 from jdist._src.base import REPLICA_AXIS as AXIS
-from jdist._src.uneven_merge import merge_p
+from jdist._src.uneven.merge import merge_p
 
 SAME, DIFFER = True, False
 

@@ -19,7 +19,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import jdist
-from jdist._src import collectives
+from jdist._src.reduce import collectives
 from jdist.testing import REPLICA_COUNTS, mirrored, mirrored_reducing_to_one_device
 from jdist.testing import per_replica
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import jdist
-from jdist._src import multi_worker
-from jdist._src import multi_worker_runtime as runtime
+from jdist._src.multi_worker import strategy as multi_worker
+from jdist._src.multi_worker import runtime
 from jdist.launch import free_ports
 from jdist.launch import worker_env
 
@@ -508,7 +508,7 @@ def test_jax_already_initialised_differently(monkeypatch):
 def test_watchdog_ignores_a_peer_that_ended_without_keeping_this_worker_waiting():
     """A peer that ended (status 1) after launching as many collective programs as this worker
     is no fault: this worker may still be finishing its own host-side work."""
-    from jdist._src.watchdog import _Peer
+    from jdist._src.multi_worker.watchdog import _Peer
     peer = _Peer()
     assert peer.update("5 10 1", 10, now=1000.0, timeout=8) is None
     assert peer.update("5 10 1", 12, now=1005.0, timeout=8) is None  # Behind, within timeout.

@@ -1,6 +1,6 @@
 """`NumpyDataset.shuffle` gives tf.data's order (optional dependency: skipped without TF).
 
-The order comes from `jdist._src.tf_shuffle`, which reproduces TF's Philox stream, seeds and
+The order comes from `jdist._src.input.tf_shuffle`, which reproduces TF's Philox stream, seeds and
 buffer rule; here each pipeline is read from jdist and from ``tf.data`` over three epochs.
 Distributed, larger pipelines take every way jdist places batches (read in place, blocks,
 shuffled blocks, one replica's plain arrays) and must still give TF's elements and steps.
@@ -15,7 +15,7 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist._src.numpy_dataset import NumpyDataset
+from jdist._src.input.numpy_dataset import NumpyDataset
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 

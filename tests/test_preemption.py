@@ -224,7 +224,7 @@ def test_a_busy_peer_is_waited_for_while_its_heartbeat_goes_on():
     """The rule the two tests above exercise: a peer that publishes it is busy (saving) is
     never behind, but it is reported once its heartbeat stops (it died mid-save), and once it
     stays behind ``timeout`` seconds after the save."""
-    from jdist._src.watchdog import _Peer
+    from jdist._src.multi_worker.watchdog import _Peer
     peer = _Peer()
     assert peer.update("1 3 0 1", 5, now=1000.0, timeout=2) is None
     assert peer.update("9 3 0 1", 5, now=1010.0, timeout=2) is None  # Behind 10 s, saving.

@@ -9,7 +9,7 @@ from jax.extend import core
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jdist._src.staged_outputs import unblock_replicated
+from jdist._src.run.staged_outputs import unblock_replicated
 
 
 def staged(n, body, *args):
@@ -48,7 +48,7 @@ def test_an_output_not_made_by_the_blocking_broadcast_is_left_to_the_caller():
 
 @pytest.mark.parametrize("edited", [True, False], ids=["edited", "second_shard_map"])
 def test_the_program_gives_the_same_values_with_or_without_the_edit(edited, monkeypatch):
-    from jdist._src import staged_outputs
+    from jdist._src.run import staged_outputs
     if not edited:  # The fallback a form the edit does not know takes.
         monkeypatch.setattr(staged_outputs, "unblock_replicated", lambda *args: None)
     n, w, x = 4, jnp.arange(3.0), jnp.arange(12.0).reshape(4, 3)

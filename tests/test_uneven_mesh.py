@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jdist
-from jdist._src import uneven_mesh
+from jdist._src.uneven import mesh as uneven_mesh
 from jdist.testing import assert_local_results, count_compiles, mirrored, per_replica
 
 

@@ -14,9 +14,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jdist
-from jdist._src import uneven_schedule
+from jdist._src.uneven import schedule as uneven_schedule
 from jdist._src.base import REPLICA_AXIS as AXIS
-from jdist._src.uneven_trace import is_cut
+from jdist._src.uneven.trace import is_cut
 from jdist.testing import assert_local_results, mirrored, per_replica
 
 

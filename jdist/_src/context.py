@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jdist._src import errors
 from jdist._src import host_values
-from jdist._src import packing
+from jdist._src.reduce import packing
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
 
@@ -271,7 +271,7 @@ class _Binding:
     axis_name: str
     replica_id: Any  # A traced int32.
     active: bool = True
-    # While one replica of an uneven step is traced (`jdist._src.uneven`): its merge_call and
+    # While one replica of an uneven step is traced (`jdist._src.uneven.plan`): its merge_call and
     # all_gather become steps of their own, run across replicas between the traced pieces.
     exact: Any = None
 

@@ -25,7 +25,7 @@ from jdist._src import context
 from jdist._src import errors
 from jdist._src import host_values
 from jdist._src import jax_internals
-from jdist._src.run_arguments import SCALARS
+from jdist._src.run.arguments import SCALARS
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica

@@ -1,8 +1,8 @@
 """`MirroredStrategy` and `OneDeviceStrategy`: synchronous replicas on this process's devices.
 
 Both keep one `ReplicaMesh` over their devices with the replica axis ``"replica"``
-(`jdist._src.replica_mesh`); values live as arrays sharded over it (`jdist._src.values`), ``run``
-compiles to one SPMD program (`jdist._src.spmd`), and ``reduce`` / ``gather`` are compiled
+(`jdist._src.reduce.replica_mesh`); values live as arrays sharded over it (`jdist._src.values`), ``run``
+compiles to one SPMD program (`jdist._src.run.spmd`), and ``reduce`` / ``gather`` are compiled
 collectives on the mesh, through the strategy's `CrossDeviceOps`. Inside ``run`` the replica
 context's collectives are `_ReplicaAxisCollectives`. Every launch goes through the platform's
 dispatch guard (`jdist._src.dispatch`), which on CPU keeps collective programs from overlapping.
@@ -12,15 +12,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jdist._src import collectives
-from jdist._src import cross_device_ops as cross_device_ops_lib
-from jdist._src import destinations
+from jdist._src.reduce import collectives
+from jdist._src.reduce import cross_device_ops as cross_device_ops_lib
+from jdist._src.reduce import destinations
 from jdist._src import devices as devices_lib
 from jdist._src import dispatch
 from jdist._src import errors
-from jdist._src import merge
-from jdist._src import replica_mesh
-from jdist._src import spmd
+from jdist._src.run import merge
+from jdist._src.reduce import replica_mesh
+from jdist._src.run import spmd
 from jdist._src.base import REPLICA_AXIS
 from jdist._src.base import ReplicaCollectives
 from jdist._src.reduce_op import ReduceOp
@@ -129,7 +129,7 @@ class _ReplicaAxisCollectives(ReplicaCollectives):
     """`base.ReplicaCollectives` of a traced replica function: over the replica axis.
 
     ``all_reduce`` is the strategy's cross-device ops' (a ``psum``, packed or not); while one
-    replica of an uneven step is traced (``binding.exact``, `jdist._src.uneven`), ``all_gather``
+    replica of an uneven step is traced (``binding.exact``, `jdist._src.uneven.plan`), ``all_gather``
     and ``merge_call`` are steps of their own, run across replicas between the traced pieces.
     """
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdist._src import collectives
+from jdist._src.reduce import collectives
 from jdist._src.base import Axis, PyTree, ReduceOpLike
 from jdist._src import context
 from jdist._src import dispatch
@@ -288,7 +288,7 @@ class Strategy(TF1Methods):
             for c in columns]
         return jax.tree_util.tree_unflatten(trees[0], leaves)
 
-    # ----- Distributed input: thin delegations to jdist._src.input (see that module). -----
+    # ----- Distributed input: thin delegations to jdist._src.input.datasets (see that module). -----
     def experimental_distribute_dataset(self, dataset: Any, options: Optional[Any] = None) -> Any:
         """Distributes a dataset of GLOBAL batches over the replicas.
 
@@ -311,7 +311,7 @@ class Strategy(TF1Methods):
           >>> [b.tolist() for b in s.experimental_distribute_dataset([np.arange(2), np.arange(1)])]
           [[0, 1], [0]]
         """
-        from jdist._src import input as input_lib  # pylint: disable=import-outside-toplevel
+        from jdist._src.input import datasets as input_lib  # pylint: disable=import-outside-toplevel
         context.require_not_mixed(self, "experimental_distribute_dataset")
         return input_lib.distribute_dataset(self, dataset, options)
 
@@ -328,7 +328,7 @@ class Strategy(TF1Methods):
         Returns:
           A `DistributedDataset`; replicas left without data at the end get empty batches.
         """
-        from jdist._src import input as input_lib  # pylint: disable=import-outside-toplevel
+        from jdist._src.input import datasets as input_lib  # pylint: disable=import-outside-toplevel
         context.require_not_mixed(self, "distribute_datasets_from_function")
         return input_lib.distribute_datasets_from_function(self, dataset_fn, options)
 
@@ -347,7 +347,7 @@ class Strategy(TF1Methods):
           >>> [b.tolist() for b in ds]
           [[0, 1], [2]]
         """
-        from jdist._src import input as input_lib  # pylint: disable=import-outside-toplevel
+        from jdist._src.input import datasets as input_lib  # pylint: disable=import-outside-toplevel
         return input_lib.make_numpy_dataset(numpy_input)
 
     # ----- End of distributed input delegations. -----

@@ -4,7 +4,7 @@
 API boundary, into a `destinations.Target` and hand values and targets to the strategy's
 `CrossDeviceOps`, which never calls back; the default strategy has none and reduces and places
 values itself. How values move between devices is the concern of the concrete strategy's
-subclass (`jdist._src.mirrored`, `jdist._src.multi_worker`).
+subclass (`jdist._src.mirrored`, `jdist._src.multi_worker.strategy`).
 """
 
 from typing import Any, List, Optional, Sequence, Tuple
@@ -13,24 +13,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdist._src import collectives
+from jdist._src.reduce import collectives
 from jdist._src import context
-from jdist._src import cross_device_ops as cross_device_ops_lib
-from jdist._src import destinations as destinations_lib
+from jdist._src.reduce import cross_device_ops as cross_device_ops_lib
+from jdist._src.reduce import destinations as destinations_lib
 from jdist._src import devices as devices_lib
 from jdist._src import errors
-from jdist._src import uneven_multi_worker
+from jdist._src.multi_worker import ragged as uneven_multi_worker
 from jdist._src.base import Axis
 from jdist._src.base import Destinations
 from jdist._src.base import PyTree
 from jdist._src.base import ReduceOpLike
 from jdist._src.base import ReplicaCollectives
-from jdist._src.destinations import Target
-from jdist._src.packing import CommunicationOptions
-from jdist._src.packing import as_options
+from jdist._src.reduce.destinations import Target
+from jdist._src.reduce.packing import CommunicationOptions
+from jdist._src.reduce.packing import as_options
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
-from jdist._src.run_arguments import SCALARS
+from jdist._src.run.arguments import SCALARS
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica

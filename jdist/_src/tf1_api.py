@@ -22,14 +22,14 @@ class TF1Methods:
 
     def make_input_fn_iterator(self, input_fn, replication_mode=None):
         """TF1 API: an iterator over ``distribute_datasets_from_function(input_fn)`` (PER_WORKER only)."""
-        from jdist._src import input as input_lib  # pylint: disable=import-outside-toplevel
+        from jdist._src.input import datasets as input_lib  # pylint: disable=import-outside-toplevel
         if replication_mode is None:
             replication_mode = input_lib.InputReplicationMode.PER_WORKER
         return input_lib.make_input_fn_iterator(self, input_fn, replication_mode)
 
     def experimental_run(self, fn, input_iterator=None):
         """TF1 API: ``run(fn, args=(input_iterator.get_next(),))`` (no arguments without an iterator)."""
-        from jdist._src import input as input_lib  # pylint: disable=import-outside-toplevel
+        from jdist._src.input import datasets as input_lib  # pylint: disable=import-outside-toplevel
         return input_lib.experimental_run(self, fn, input_iterator)
 
     def unwrap(self, value):

@@ -1,0 +1,660 @@
+"""Distributed input: datasets split across replicas as tf.distribute splits them, fed ahead.
+
+``strategy.experimental_distribute_dataset(ds)`` takes a dataset of GLOBAL batches and returns a
+`DistributedDataset`; each element is the batch cut into consecutive chunks of ``ceil(B / N)``
+rows, one per replica (trailing replicas get fewer rows or none), as `PerReplica` values.
+``strategy.distribute_datasets_from_function(fn)`` calls ``fn(InputContext)`` once per input
+pipeline and deals its per-replica batches to the replicas in order. Iterators end as TF's do:
+``StopIteration`` for ``next``, `OutOfRangeError` for ``get_next``, an empty `Optional` for
+``get_next_as_optional``.
+
+On a partial batch each replica gets its true rows, as in TF, and ``strategy.run`` computes on
+them exactly (`jdist._src.uneven.plan`).
+
+Batches are prepared (split, transferred) on a background thread ahead of the step
+(`jdist._src.input.prefetch`); ``InputOptions.experimental_per_replica_buffer_size`` bounds how many
+wait ready (0 prepares each batch when asked, without a thread). A numpy dataset's full batches
+come in blocks placed up to 64 batches ahead (`jdist._src.input.blocks`). On CPU devices the loop's
+own thread prepares them: the data is in memory, so there is no loading to hide, and a thread's
+work competes with the devices for the host's cores (``docs/design.md``, "Batch blocks"). On
+accelerators the prefetch thread does, overlapping the copy and transfer with the steps.
+"""
+
+import itertools
+import math
+from typing import Any
+import weakref
+
+import jax
+import numpy as np
+
+from jdist._src.input import auto_shard
+from jdist._src.input import blocks as batch_blocks
+from jdist._src import context
+from jdist._src import dispatch
+from jdist._src import errors
+from jdist._src.input import batches as input_batches
+from jdist._src.input import steps as input_steps
+from jdist._src.training import iterator_state
+from jdist._src.input.options import InputContext
+from jdist._src.input.options import InputOptions
+from jdist._src.input.options import InputReplicationMode
+from jdist._src.input import prefetch
+from jdist._src.reduce import replica_mesh
+from jdist._src.input.numpy_dataset import INFINITE
+from jdist._src.input.numpy_dataset import NumpyDataset
+from jdist._src.input.numpy_dataset import UNKNOWN
+
+
+_EMPTY = object()
+
+
+class Optional:
+    """A value that may be absent (``tf.experimental.Optional``).
+
+    ``DistributedIterator.get_next_as_optional`` returns one: with the next element, or empty
+    once the data has ended.
+
+    Example:
+      >>> Optional.from_value(3).get_value(), Optional.empty(None).has_value()
+      (3, False)
+    """
+
+    def __init__(self, value=_EMPTY, element_spec=None):
+        self._value = value
+        self._element_spec = element_spec
+
+    @staticmethod
+    def from_value(value):
+        """An optional holding ``value``."""
+        return Optional(value, input_batches.spec_of_element(value)
+                        if _has_arrays(value) else None)
+
+    @staticmethod
+    def empty(element_spec):
+        """An empty optional whose value would have had ``element_spec``."""
+        return Optional(_EMPTY, element_spec)
+
+    def has_value(self):
+        """Whether a value is present (a Python bool)."""
+        return self._value is not _EMPTY
+
+    def get_value(self):
+        """The value. Raises `InvalidArgumentError` when the optional is empty."""
+        if self._value is _EMPTY:
+            raise errors.InvalidArgumentError(
+                "The Optional has no value: the iterator reached the end of its data. Check "
+                "has_value() before calling get_value().")
+        return self._value
+
+    @property
+    def element_spec(self):
+        """The spec of the value (a nest of ``jax.ShapeDtypeStruct``), if known."""
+        return self._element_spec
+
+    def __repr__(self):
+        return f"Optional(has_value={self.has_value()})"
+
+
+def _has_arrays(value):
+    return bool(jax.tree_util.tree_leaves(value))
+
+
+def _check_not_in_replica(what):
+    if context.in_replica_function():
+        raise errors.InvalidArgumentError(
+            f"{what} was called inside a replica function (strategy.run). Take the batch in the "
+            "outer loop and pass it in: strategy.run(step, args=(next(iterator),)).")
+
+
+class _GlobalPlan:
+    """Elements from global batches (``experimental_distribute_dataset``)."""
+
+    def __init__(self, strategy, source, options, order=None):
+        self.source = source
+        self.placer = _placer(strategy, options)
+        self.full_rows = source.static_rows()
+        self.order = order  # Replica i's chunk of each batch (`auto_shard.chunk_order`).
+        # Only ever with several workers, where no process holds whole batches: no blocks.
+        self.blocks = _block_feed(strategy, source, self.placer)
+
+    @property
+    def on_loop_thread(self):
+        """Whether the loop's own thread places the data: blocks of full batches on CPU devices
+        (`batch_blocks.BlockFeed.on_loop_thread`)."""
+        return self.blocks is not None and self.blocks.on_loop_thread
+
+    def open(self):
+        splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows, self.order)
+        if self.blocks is not None:
+            arrays, blocks, placements = self.source.open_blocks(self.blocks.size)
+            return self.blocks(arrays, blocks, splitter, placements), _unchanged, None
+        return self.source.open(), splitter, None
+
+    def spec(self):
+        first = self.source.first()
+        if first is None:
+            return None
+        return input_batches.GlobalBatchSplitter(self.placer, self.full_rows).spec(first)
+
+    def cardinality(self):
+        return self.source.cardinality()
+
+
+class _DealtPlan:
+    """Elements from per-replica batches (``distribute_datasets_from_function``)."""
+
+    on_loop_thread = False  # Per-replica batches: one placement each, by the prefetch thread.
+
+    def __init__(self, strategy, sources, per_replica, counted=None):
+        self.extended = strategy.extended
+        self.sources = sources
+        self.counted = counted or sources[0]  # The source whose batches `cardinality` counts.
+        self.per_replica = per_replica  # PER_REPLICA mode: one source per replica.
+        self.n = strategy.num_replicas_in_sync
+        self.workers = strategy.extended._input_pipeline()[0]  # Several under MultiWorkerMirroredStrategy.
+        self.placer = None  # Set by the caller (needs the options).
+        rows = {s.static_rows() for s in sources}
+        self.full_rows = rows.pop() if len(rows) == 1 else None
+        # TF ends statically shaped data at the last whole round of replicas (`makes_a_step`).
+        declared = {s.fixed_shapes() for s in sources}
+        self.fixed_shapes = declared.pop() if len(declared) == 1 else None
+
+    def open(self):
+        """``(source, transform, finish)``: ``finish`` (or None) runs on the consumer's thread."""
+        dealer = input_batches.PerReplicaDealer(self.placer, self.full_rows)
+        if self.per_replica:
+            return (_zip_longest([s.open() for s in self.sources], self.fixed_shapes), dealer,
+                    None)
+        if self.workers > 1:  # Each worker's own pipeline, kept in step (multi_worker_input).
+            return self.extended._per_worker_feed(self.sources[0], dealer)
+        return _deal(self.sources[0].open(), self.n, self.fixed_shapes), dealer, None
+
+    def spec(self):
+        first = self.sources[0].first()
+        if first is None:
+            return None
+        return input_batches.PerReplicaDealer(self.placer, self.full_rows).spec(first)
+
+    def cardinality(self):
+        # TF's (``input_lib``: ``_cardinality(self._datasets[0])``): the first dataset
+        # ``dataset_fn`` returned (this worker's; replica 0's in PER_REPLICA mode), counted in
+        # per-replica batches, not in steps; an auto-sharded dataset's own count (`counted`).
+        return self.counted.cardinality()
+
+
+def _deal(batches, n, fixed_shapes):
+    """Groups of ``n`` consecutive per-replica batches (the last may be short, see
+    `input_batches.makes_a_step`, or a `input_batches.TrailingRound`)."""
+    try:
+        while True:
+            group: list = []
+            for batch in batches:
+                group.append(batch)
+                if len(group) == n:
+                    break
+            group += [None] * (n - len(group))
+            round_ = _round(group, fixed_shapes)
+            if round_ is None:
+                return
+            yield round_
+            if group[-1] is None:
+                return
+    finally:
+        batches.close()
+
+
+def _zip_longest(iterators, fixed_shapes):
+    """One batch from each replica's iterator per step (None once it has ended)."""
+    alive = list(iterators)
+    try:
+        while True:
+            group = []
+            for i, it in enumerate(alive):
+                batch = None
+                if it is not None:
+                    batch = next(it, None)
+                    if batch is None:
+                        alive[i] = None
+                group.append(batch)
+            round_ = _round(group, fixed_shapes)
+            if round_ is None:
+                return
+            yield round_
+    finally:
+        for it in iterators:
+            it.close()
+
+
+def _round(group, fixed_shapes):
+    """``group`` if it makes a step, a `input_batches.TrailingRound` if only TF's
+    ``get_next_as_optional`` takes it, None once no replica has data."""
+    if input_batches.makes_a_step(group, fixed_shapes):
+        return group
+    if any(b is not None for b in group):
+        return input_batches.TrailingRound(group)
+    return None
+
+
+class DistributedDataset:
+    """A dataset whose elements are per-replica batches (``tf.distribute.DistributedDataset``).
+
+    Iterating it (``for batch in dist_dataset``, ``iter(dist_dataset)``) starts a
+    `DistributedIterator` that prepares the batches ahead of the step; each iteration replays
+    the data from the start (except over a one-shot iterator, which can be read once).
+    Elements keep the nest of the input batches, with a `PerReplica` value at each leaf (on one
+    replica: a plain array for full batches, a padded `PerReplica` for partial ones).
+    """
+
+    INFINITE_CARDINALITY = INFINITE
+    UNKNOWN_CARDINALITY = UNKNOWN
+
+    def __init__(self, strategy, plan, options):
+        self._strategy = strategy
+        self._plan = plan
+        self._options = options
+        self._spec = None
+        self._spec_known = False
+
+    def __iter__(self):
+        _check_not_in_replica("iter(distributed_dataset)")
+        if dispatch.under_a_staging_trace():
+            # TF's traced loop iterates the dataset anew on every call (a reshuffled epoch);
+            # a JAX trace would compile this epoch's batches in, reused by every call.
+            raise errors.InvalidArgumentError(
+                "a distributed dataset was iterated while jdist.function or jax.jit traced a "
+                "function: its batches would be compiled into the program as constants, so "
+                "every call would reuse this epoch's batches (TF's traced loop reads the "
+                "dataset anew per call, reshuffled). Iterate outside and pass the batches in: "
+                "for x in dataset: w = train_step(w, x).")
+        return DistributedIterator(self)
+
+    def _iterator_at(self, position: iterator_state.Position) -> "DistributedIterator":
+        """An iterator whose count of handed-out batches starts at ``position``'s (a restored
+        one's: `iterator_state.iterator_from_state`)."""
+        return DistributedIterator(self, position)
+
+    @property
+    def element_spec(self):
+        """A nest of ``jax.ShapeDtypeStruct``: what ONE replica's function receives per element.
+
+        The leading dimension is the padded per-replica batch size (partial batches are padded
+        to it). None for a dataset without elements. May read the first batch to find it out.
+        """
+        if not self._spec_known:
+            spec = self._plan.spec()
+            if spec is not None:
+                self._spec, self._spec_known = spec, True
+        return self._spec
+
+    def _record_spec(self, element):
+        if not self._spec_known:
+            self._spec = input_batches.spec_of_element(element)
+            self._spec_known = True
+
+    @property
+    def cardinality(self):
+        """TF 2.21's ``cardinality`` property: an int, ``INFINITE_CARDINALITY`` (-1) or
+        ``UNKNOWN_CARDINALITY`` (-2). For ``experimental_distribute_dataset`` the number of
+        global batches (elements); for ``distribute_datasets_from_function`` TF's count of the
+        first dataset ``dataset_fn`` returned, in per-replica batches (five batches over two
+        replicas: 5, for 3 elements).
+
+        Example:
+          >>> import numpy as np, jdist
+          >>> s = jdist.get_strategy()
+          >>> s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(
+          ...     np.arange(5)).batch(2)).cardinality
+          3
+        """
+        return self._plan.cardinality()
+
+    @property
+    def options(self):
+        """The `InputOptions` the dataset was created with."""
+        return self._options
+
+    def reduce(self, initial_state, reduce_func):
+        """Folds the elements: ``state = reduce_func(state, element)`` over one pass."""
+        state = initial_state
+        for element in self:
+            state = reduce_func(state, element)
+        return state
+
+    def __repr__(self):
+        return f"DistributedDataset(strategy={self._strategy!r})"
+
+
+class _SyncFeed:
+    """The feeder without a thread (buffer size 0): prepares each element when asked."""
+
+    def __init__(self, source, transform, on_close):
+        self._source, self._transform, self._on_close = source, transform, on_close
+
+    def get(self):
+        if self._source is None:
+            return prefetch.END
+        try:
+            item = next(self._source)
+        except StopIteration:
+            return prefetch.END
+        return self._transform(item)
+
+    def close(self):
+        source, self._source = self._source, None
+        if source is not None:
+            self._on_close(source)
+
+
+def _close_source(source):
+    source.close()
+
+
+class DistributedIterator:
+    """An iterator over a `DistributedDataset` (``tf.distribute.DistributedIterator``).
+
+    ``next(it)`` raises ``StopIteration`` at the end; `get_next` raises `OutOfRangeError`;
+    `get_next_as_optional` returns an empty `Optional` from then on. A background thread
+    (``jdist-prefetch-*``) prepares elements ahead; it stops when the data ends, on `close`,
+    and when the iterator is garbage collected (e.g. after ``break``). A numpy dataset's blocks
+    of full batches are placed by ``next`` itself, up to 64 batches ahead of their steps.
+    """
+
+    def __init__(self, dataset, position=None):
+        self._dataset = dataset
+        # Counted as elements are handed out: what a checkpoint saves (`iterator_state`).
+        self._position = iterator_state.Position(dataset) if position is None else position
+        self._finished = False
+        self._feed = None
+        self._step = None  # A multi-worker PER_WORKER dataset's consumer-side step.
+        self._finalizer = None
+        self._ready = None  # A block's later elements (`batch_blocks.Elements`), in order.
+        self._no_optional = None  # Worked out at the first get_next_as_optional.
+        self._start()
+
+    def _start(self):
+        source, transform, self._step = self._dataset._plan.open()
+        size = self._dataset._options.experimental_per_replica_buffer_size
+        if size == 0 or self._dataset._plan.on_loop_thread:
+            feed = _SyncFeed(source, transform, _close_source)
+        else:
+            feed = prefetch.Prefetcher(source, transform, size, on_close=_close_source)
+        self._feed = feed
+        self._finalizer = weakref.finalize(self, feed.close)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._next(trailing=False)
+
+    def _next(self, trailing):
+        """The next element; ``trailing``: whether an `input_batches.TrailingRound` is one (for
+        ``get_next_as_optional`` only, as in TF)."""
+        _check_not_in_replica("next(iterator)")
+        if dispatch.under_a_staging_trace():
+            raise errors.InvalidArgumentError(
+                "next(iterator) was called while jdist.function or jax.jit traced a function, "
+                "on an iterator made outside it: the element would be compiled into the program "
+                "as a constant, so every call would reuse that batch (TF's traced iterator "
+                "fetches a new one per call). Take the batches outside and pass them in: "
+                "train(w, next(iterator)), or train(w, [next(iterator) for _ in range(k)]) "
+                "for k steps per call.")
+        if self._ready is not None:  # A block's later elements: the step's path, kept short.
+            try:
+                element = next(self._ready, None)
+            except BaseException:
+                self._finish()
+                raise
+            if element is not None:
+                self._position.advance()
+                return element
+            self._ready = None
+        if self._finished:
+            raise StopIteration
+        try:
+            element = self._feed.get()
+            if isinstance(element, batch_blocks.Elements):
+                self._ready = iter(element.items)
+                element = next(self._ready)
+            if self._step is not None and element is not prefetch.END:
+                element = self._step(element)
+        except BaseException:
+            self._finish()
+            raise
+        if isinstance(element, input_batches.TrailingRound):
+            if trailing:
+                return element[0]
+            element = prefetch.END
+        if element is prefetch.END:
+            self._finish()
+            raise StopIteration
+        self._dataset._record_spec(element)
+        self._position.advance()
+        return element
+
+    def _finish(self):
+        self._finished = True
+        self._ready = None
+        self._finalizer()  # Stops and joins the worker (at most once).
+
+    def get_next(self):
+        """The next element. Raises `OutOfRangeError` once the data has ended."""
+        try:
+            return self.__next__()
+        except StopIteration:
+            raise errors.OutOfRangeError("End of sequence: the distributed iterator has no more "
+                                         "elements.") from None
+
+    def get_next_steps(self, num_steps: int) -> Any:
+        """The next ``num_steps`` elements as one, each replica's batches stacked on a new
+        leading step axis, ``(num_steps, batch, ...)``: K steps in one program, by a
+        ``lax.scan`` inside the replica function (jdist's form of TF's steps per execution).
+
+        A group holds batches of one shape: it ends early before the last partial batch, which
+        comes alone in the next group, and at the end of the data. A scan with collectives
+        cannot run that partial group (its replicas' shapes differ): batch with
+        ``drop_remainder=True``, or run its one step as ``step(state, xs[0])`` in the replica
+        function (``docs/quickstart.md``, steps per execution).
+
+        Args:
+          num_steps: how many batches to stack, at least 1.
+
+        Returns:
+          The element structure, with per-replica values of shape ``(k, batch, ...)``, ``k``
+          at most ``num_steps``.
+
+        Raises:
+          OutOfRangeError: no element is left.
+
+        Example:
+          >>> import jax, numpy as np, jdist
+          >>> from jax import lax
+          >>> s = jdist.MirroredStrategy(jax.devices()[:2])
+          >>> it = iter(s.experimental_distribute_dataset(
+          ...     s.experimental_make_numpy_dataset(np.arange(12.0, dtype=np.float32)).batch(4)))
+          >>> xs = it.get_next_steps(3)  # Each replica: (3, 2).
+          >>> total = s.run(lambda xs: lax.scan(lambda c, x: (c + x.sum(), None), 0.0, xs)[0],
+          ...               args=(xs,))
+          >>> float(s.reduce("sum", total, axis=None))
+          66.0
+        """
+        if num_steps < 1:
+            raise errors.InvalidArgumentError(f"get_next_steps needs num_steps >= 1, got "
+                                              f"{num_steps}.")
+        group: list = []
+        for element in self:
+            if group and input_steps.signature(element) != input_steps.signature(group[0]):
+                self._ready = itertools.chain([element], self._ready or ())  # Next group's.
+                self._position.advance(-1)
+                break
+            group.append(element)
+            if len(group) == num_steps:
+                break
+        if not group:
+            raise errors.OutOfRangeError("End of sequence: the distributed iterator has no more "
+                                         "elements.")
+        return input_steps.stack_steps(group)
+
+    def get_next_as_optional(self):
+        """An `Optional` with the next element, or an empty one once the data has ended.
+
+        As in TF, on statically shaped per-replica batches (``distribute_datasets_from_function``
+        with ``drop_remainder=True``, or single examples) it also hands over the last rounds in
+        which only some replicas have data, where ``next`` ends: the others get TF's dummies,
+        zeros with the first dimension 0 (one zero for a rank-0 value). And as in TF, on one
+        worker it is empty from the start where `DistributedDataset.cardinality` is 0 (a
+        PER_REPLICA dataset whose first replica has no data), whatever the others hold."""
+        if self._no_optional is None:
+            # TF's is empty at once on one worker where the (first) dataset's cardinality is 0,
+            # even if other replicas' datasets have elements (input_lib).
+            self._no_optional = (self._dataset._strategy.extended._input_pipeline()[0] == 1
+                                 and self._dataset.cardinality == 0)
+        if self._no_optional:
+            return Optional.empty(self._dataset._spec)
+        try:
+            return Optional.from_value(self._next(trailing=True))
+        except StopIteration:
+            return Optional.empty(self._dataset._spec)
+
+    @property
+    def element_spec(self):
+        """The spec of one replica's value per element (see `DistributedDataset.element_spec`)."""
+        return self._dataset.element_spec
+
+    def close(self):
+        """Stops the background feeding and releases the source; the iterator is then at its end."""
+        self._finish()
+
+    def initialize(self):
+        """TF1 API: restarts the iterator at the beginning of the data; returns ``[]`` (no ops)."""
+        self._finish()
+        self._finished = False
+        self._position = iterator_state.Position(self._dataset)
+        self._start()
+        return []
+
+    def __repr__(self):
+        return f"DistributedIterator(finished={self._finished})"
+
+
+# ------------------------------------------------------------------ Strategy entry points
+def distribute_dataset(strategy, dataset, options=None):
+    """Implements `Strategy.experimental_distribute_dataset`."""
+    options = _options(options)
+    if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+        raise errors.InvalidArgumentError(
+            "InputReplicationMode.PER_REPLICA is only supported in "
+            "`distribute_datasets_from_function`; use it, or the default PER_WORKER mode here.")
+    if options.experimental_place_dataset_on_device:
+        raise errors.InvalidArgumentError(
+            "`experimental_place_dataset_on_device` is only supported in "
+            "`distribute_datasets_from_function` with PER_REPLICA mode; unset it here.")
+    if isinstance(dataset, DistributedDataset):
+        raise errors.InvalidArgumentError("the dataset is already distributed.")
+    source = input_batches.Source(dataset, "experimental_distribute_dataset")
+    n = strategy.num_replicas_in_sync
+    if n > 1 and strategy.extended.mesh is not None and source.is_unbatched():
+        raise input_batches.unbatched_error(n)
+    share = auto_shard.worker_share(source, options.auto_shard_policy, strategy.extended)
+    if share.pipeline is None:  # Every worker splits the same global batches.
+        return DistributedDataset(strategy, _GlobalPlan(strategy, source, options, share.order),
+                                  options)
+    # This worker's own pipeline, dealt as PER_WORKER ones are; counted as TF counts it: in
+    # batches of the dataset as given.
+    plan = _DealtPlan(strategy, [share.pipeline], per_replica=False, counted=source)
+    plan.placer = _placer(strategy, options)
+    return DistributedDataset(strategy, plan, options)
+
+
+def distribute_datasets_from_function(strategy, dataset_fn, options=None):
+    """Implements `Strategy.distribute_datasets_from_function`."""
+    options = _options(options)
+    if not callable(dataset_fn):
+        raise errors.UnsupportedValueError(
+            f"dataset_fn must be a function of an InputContext, got {type(dataset_fn).__name__}.")
+    mode = options.experimental_replication_mode
+    if options.experimental_place_dataset_on_device and (
+            mode is not InputReplicationMode.PER_REPLICA):
+        raise errors.InvalidArgumentError(
+            "When `experimental_place_dataset_on_device` is set for dataset placement, you must "
+            "also specify `PER_REPLICA` for the replication mode.")
+    if (options.experimental_place_dataset_on_device and options.experimental_fetch_to_device
+            and mode is InputReplicationMode.PER_REPLICA):
+        raise errors.InvalidArgumentError(
+            "`experimental_place_dataset_on_device` can not be set to True when "
+            "experimental_fetch_to_device is True and replication mode is set to `PER_REPLICA`.")
+    n = strategy.num_replicas_in_sync
+    what = "distribute_datasets_from_function"
+    if mode is InputReplicationMode.PER_REPLICA:
+        contexts = [InputContext(n, i, n) for i in range(n)]
+    else:
+        # One input pipeline per worker (MultiWorkerMirroredStrategy has several, issue 10).
+        contexts = [InputContext(*strategy.extended._input_pipeline(), n)]
+    sources = [input_batches.Source(dataset_fn(ctx), what) for ctx in contexts]
+    plan = _DealtPlan(strategy, sources, mode is InputReplicationMode.PER_REPLICA)
+    plan.placer = _placer(strategy, options)
+    return DistributedDataset(strategy, plan, options)
+
+
+def make_numpy_dataset(numpy_input):
+    """Implements `Strategy.experimental_make_numpy_dataset`: the rows of ``numpy_input``."""
+    return NumpyDataset(numpy_input)
+
+
+def make_input_fn_iterator(strategy, input_fn, replication_mode):
+    """Implements `Strategy.make_input_fn_iterator` (TF1): an iterator over ``input_fn``'s data."""
+    if replication_mode is not InputReplicationMode.PER_WORKER:
+        raise errors.InvalidArgumentError(
+            f"Input replication mode not supported: {replication_mode!r}.")
+    return iter(distribute_datasets_from_function(strategy, input_fn))
+
+
+def experimental_run(strategy, fn, input_iterator=None):
+    """Implements `Strategy.experimental_run` (TF1): ``run(fn, args=(next element,))``."""
+    args = () if input_iterator is None else (input_iterator.get_next(),)
+    return strategy.run(fn, args=args)
+
+
+def _placer(strategy, options):
+    """The strategy's `input_batches.Placer` (a multi-worker strategy places only its rows)."""
+    placer = strategy.extended._input_placer(strategy, options)
+    if placer is None:
+        return input_batches.Placer(strategy, options.experimental_fetch_to_device)
+    return placer
+
+
+def _block_feed(strategy, source, placer):
+    """A `batch_blocks.BlockFeed` where blocks serve: a batched `NumpyDataset` (in memory, one
+    shape for every full batch) placed whole on this process's devices, with full batches that
+    split evenly and small enough for two or more to a block; else None."""
+    rows, n = source.static_rows(), placer.n
+    if (not isinstance(source.dataset, NumpyDataset) or rows is None or rows % n
+            or placer.plain or not placer.fetch or not placer.whole_batches_here):
+        return None
+    spec = jax.tree_util.tree_leaves(source.first())
+    size = batch_blocks.block_size(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
+                                       for s in spec))
+    # No bigger than a pass's full batches: a block then holds the dataset's own rows, read
+    # in place, where a bigger one is a padded copy made every epoch.
+    in_order = source.dataset.full_batches_in_order()
+    size = min(size, in_order or size)
+    if size < 2:
+        return None
+    extended = strategy.extended
+    return batch_blocks.BlockFeed(extended.mesh, extended.replica_axis, rows, size,
+                                  replica_mesh.guard_for(tuple(extended.mesh.devices.flat)),
+                                  in_order)
+
+
+def _unchanged(element):
+    return element
+
+
+def _options(options):
+    if options is None:
+        return InputOptions()
+    if not isinstance(options, InputOptions):
+        raise errors.UnsupportedValueError(
+            f"options must be a jdist.InputOptions, got {type(options).__name__}.")
+    return options

@@ -1,0 +1,209 @@
+"""Exact uneven (ragged) per-replica values across the processes of a multi-worker strategy.
+
+Under `MultiWorkerMirroredStrategy` each process holds only its own replicas' arrays. A ragged
+`PerReplica` spanning workers keeps, for every other worker's replica, a ``jax.ShapeDtypeStruct``
+(`values.ragged_components`): its shape is known on every worker, because it was agreed through
+the coordination service when the value was made (a distributed dataset's split rule or its
+PER_WORKER exchange, ``experimental_distribute_values_from_function``'s exchange). The exact
+step (`jdist._src.uneven.plan`) then traces every replica on every worker alike, so every worker runs
+the same sequence of collective programs with the same shapes; before each exact step the
+workers compare their views of the step once more (`agree_step`), so a disagreement is a typed
+error on every worker instead of a hang or an aborted collective. This module holds the parts
+that only exist across processes:
+
+* `RaggedRowsPlacer`: the multi-worker input placer keeping partial batches ragged.
+* `ragged_from_local`: a ragged value from this worker's arrays and every worker's shapes.
+* `agree_step`: the per-step comparison of the workers' views (one key-value round trip).
+* `gather_operands`: a merge_call's arguments, every replica's, on one device of each worker
+  (padded to one shape for one all-gather program, cut back to the true shapes).
+* `as_padded`: a ragged value as a padded one, for ``strategy.reduce`` / ``gather`` across hosts.
+"""
+
+import functools
+import hashlib
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdist._src import errors
+from jdist._src.input import batches as input_batches
+from jdist._src.multi_worker import input as multi_worker_input
+from jdist._src.values import PerReplica
+from jdist._src.values import ragged_components
+
+_RAGGED_ACROSS = "ragged across workers"  # A `RaggedRowsPlacer` leaf kind.
+
+
+def spec(shape, dtype):
+    """The placeholder of another worker's replica: its shape and JAX's dtype for ``dtype``."""
+    return jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(np.dtype(dtype)))
+
+
+def ragged_from_local(devices, local_ids, local_arrays, shapes, dtype):
+    """A ragged `PerReplica`: ``local_arrays`` on this worker's replica devices, placeholders
+    (``shapes[r]``, ``dtype``) for the others' replicas.
+
+    Args:
+      devices: every replica's device, in replica order.
+      local_ids: the replica ids of this worker, in order (one per local array).
+      local_arrays: this worker's values (host or device arrays).
+      shapes: every replica's shape, agreed by the workers.
+      dtype: the common dtype.
+    """
+    placed = jax.device_put(list(local_arrays), [devices[r] for r in local_ids])
+    mine = dict(zip(local_ids, placed))
+    return PerReplica._from_ragged(
+        [mine[r] if r in mine else spec(shape, dtype) for r, shape in enumerate(shapes)])
+
+
+class RaggedRowsPlacer(multi_worker_input.LocalRowsPlacer):
+    """`multi_worker_input.LocalRowsPlacer` keeping a partial batch ragged (TF's semantics).
+
+    Chunks of different sizes become a ragged `PerReplica` whose other
+    workers' replicas are placeholders; the chunks of other workers are shape-only already (the
+    split rule, or the PER_WORKER exchange, gives every worker every replica's shape).
+    """
+
+    def split(self, chunks, rows):
+        if len({c.shape for c in chunks}) == 1:
+            return super().split(chunks, rows)
+        shapes = [tuple(c.shape) for c in chunks]
+        return (list(chunks[self._lo:self._hi]), (shapes, chunks[0].dtype), _RAGGED_ACROSS)
+
+    def place(self, leaves):
+        ragged = [i for i, (_, _, kind) in enumerate(leaves) if kind == _RAGGED_ACROSS]
+        if not ragged:
+            return super().place(leaves)
+        others = iter(super().place([leaf for leaf in leaves if leaf[2] != _RAGGED_ACROSS]))
+        devices = self._targets[input_batches.RAGGED]
+        local_ids = tuple(range(self._lo, self._hi))
+        return [ragged_from_local(devices, local_ids, leaf[0], *leaf[1])
+                if leaf[2] == _RAGGED_ACROSS else next(others) for leaf in leaves]
+
+
+# ------------------------------------------------------------------------------- agreement
+def agree_step(agreement, cluster, signature):
+    """Raises on every worker unless every worker runs an exact step on the same signature.
+
+    Args:
+      agreement: the strategy's `multi_worker_runtime.Agreement`.
+      cluster: the `multi_worker_runtime.Cluster`, for messages.
+      signature: this call's per-leaf signature as `spmd` builds it (static leaves are skipped:
+        they are compared by value when a plan is built, `multi_worker_arguments`).
+
+    Raises:
+      UnevenValuesError: the workers' views of the replicas' shapes differ.
+      UnavailableError: a peer did not reach the step within the timeout.
+    """
+    described = [repr(entry) for entry in signature if entry[0] != "static"]
+    digest = hashlib.blake2b(json.dumps(described).encode(), digest_size=12).hexdigest()
+    everyone = agreement.exchange("strategy.run (exact uneven step)", digest)
+    if len(set(everyone)) != 1:
+        raise errors.UnevenValuesError(
+            "the workers called strategy.run with per-replica values whose replicas' shapes they "
+            "see differently (" + "; ".join(f"{cluster.name(w)}: signature {d}"
+                                           for w, d in enumerate(everyone))
+            + "); every worker must pass values of the same distributed batch. Make ragged "
+            "values with a distributed dataset or experimental_distribute_values_from_function.")
+
+
+# ------------------------------------------------------------------------- merge arguments
+def gather_operands(programs, local, blocks, avals, device):
+    """Every replica's merge_call arguments, on ``device`` (one of this worker's), in order.
+
+    Args:
+      programs: the strategy's `replica_mesh.ReplicaMesh` (over every worker's devices).
+      local: this worker's replica ids.
+      blocks: per local replica id, its argument blocks (leading axis of 1).
+      avals: per replica (all of them), its arguments' avals, known on every worker.
+      device: where the result goes.
+
+    Returns:
+      A flat list, replica by replica, of every replica's blocks with their true shapes.
+    """
+    n, count = len(avals), len(avals[0])
+    columns = []
+    for i in range(count):
+        shapes = [(1,) + tuple(a[i].shape) for a in avals]  # Blocks: a leading axis of 1.
+        dtypes = {str(a[i].dtype) for a in avals}
+        if len(dtypes) != 1:
+            raise errors.UnevenValuesError(
+                f"merge_call argument {i} has dtypes {sorted(dtypes)} on different replicas; "
+                "pass values of one dtype on every replica.")
+        columns.append((shapes, avals[0][i].dtype))
+    targets = [tuple(max(s[d] for s in shapes) for d in range(len(shapes[0])))
+               for shapes, _ in columns]
+    gathered = _all_gather(programs, local, blocks, columns, targets)
+    out = [[None] * count for _ in range(n)]
+    for i, ((shapes, dtype), full) in enumerate(zip(columns, gathered)):
+        for r, shape in enumerate(shapes):
+            out[r][i] = (jnp.zeros(shape, dtype) if full is None
+                         else full[(slice(r, r + 1),) + tuple(slice(0, d) for d in shape[1:])])
+    return jax.device_put([x for row in out for x in row], device)
+
+
+def _all_gather(programs, local, blocks, columns, targets):
+    """Per argument: the ``(N, *target[1:])`` padded blocks of every replica on this worker's
+    first device, or None when they are all empty (XLA rejects zero-size collectives)."""
+    devices = programs.devices
+    inputs, where = [], []
+    for i, ((_, dtype), target) in enumerate(zip(columns, targets)):
+        if int(np.prod(target)) == 0:
+            continue
+        padded = [_pad(blocks[r][i], target) for r in local]
+        inputs.append(jax.make_array_from_single_device_arrays(
+            (len(devices),) + target[1:], programs.per_replica_sharding, padded))
+        where.append(i)
+    out = [None] * len(columns)
+    if inputs:
+        if programs.guard.enabled:  # Never start a collective while a piece still runs (CPU).
+            jax.block_until_ready(inputs)
+        results = programs.guard.dispatch(_replicate(programs.replicated_sharding, len(inputs)),
+                                          *inputs)
+        first = devices[local[0]]
+        for i, x in zip(where, results):
+            out[i] = next(s.data for s in x.addressable_shards if s.device == first)
+    return out
+
+
+def _pad(block, target):
+    widths = [(0, t - s) for s, t in zip(block.shape, target)]
+    return block if all(w == (0, 0) for w in widths) else _pad_program(tuple(widths))(block)
+
+
+@functools.lru_cache(maxsize=None)
+def _pad_program(widths):
+    return jax.jit(lambda x: jnp.pad(x, widths))
+
+
+@functools.lru_cache(maxsize=None)
+def _replicate(sharding, count):
+    """A compiled all-gather: ``count`` per-replica arrays to copies on every device."""
+    return jax.jit(lambda *xs: xs, out_shardings=(sharding,) * count)
+
+
+# ---------------------------------------------------------------- cross-replica reduce/gather
+def as_padded(mesh, axis_name, value):
+    """A ragged `PerReplica` spanning workers as a padded one (``lengths``), which
+    ``strategy.reduce`` and ``strategy.gather`` combine exactly across hosts.
+
+    Raises:
+      UnevenValuesError: the replicas' values differ beyond their first axis.
+    """
+    components = ragged_components(value)
+    shapes = [tuple(c.shape) for c in components]
+    if len({s[1:] for s in shapes}) != 1 or any(len(s) == 0 for s in shapes):
+        raise errors.UnevenValuesError(
+            f"the replicas of several workers hold values of shapes {shapes}, which differ "
+            "beyond their first axis; reduce or gather them inside strategy.run (e.g. "
+            "ReplicaContext.all_gather), or give them one shape but for the first axis.")
+    rows = max(s[0] for s in shapes)
+    local = [(r, c) for r, c in enumerate(components) if not isinstance(c, jax.ShapeDtypeStruct)]
+    blocks = [_pad(c[None], (1, rows) + shapes[0][1:]) for _, c in local]
+    stacked = jax.make_array_from_single_device_arrays(
+        (len(components), rows) + shapes[0][1:], NamedSharding(mesh, P(axis_name)), blocks)
+    return PerReplica._from_stacked(stacked, tuple(s[0] for s in shapes))

@@ -1,0 +1,378 @@
+"""`MultiWorkerMirroredStrategy`: synchronous replicas on the devices of several processes.
+
+Each worker (process) runs the same script. The strategy reads the cluster from a resolver
+(``TF_CONFIG`` by default), starts ``jax.distributed`` (`multi_worker_runtime`), and lays ONE
+replica axis over ``jax.devices()``, the devices of every process in process order, so
+``num_replicas_in_sync`` counts every device of every worker and replica ``i`` is the ``i``-th
+device of that list. ``run`` is the same ``jit(shard_map)`` program as `MirroredStrategy`'s on
+that global mesh, so collectives span all workers (gloo on CPU, NCCL on GPU).
+
+What changes with several processes is how host data enters and leaves the global arrays:
+each worker holds only its own replicas' blocks. Host values are placed through
+``jax.make_array_from_process_local_data`` (this worker's rows only), reads go through
+addressable shards (`experimental_local_results` returns this worker's replicas, as in TF), and
+shapes that must agree across workers are compared through the coordination service before a
+collective needs them (`multi_worker_runtime.Agreement`). With one worker (no ``TF_CONFIG``) the
+strategy is `MirroredStrategy` over the local devices and ``jax.distributed`` is not started.
+"""
+
+import atexit
+import functools
+
+import jax
+import numpy as np
+
+from jdist._src.multi_worker import cross_host
+from jdist._src import devices as devices_lib
+from jdist._src import errors
+from jdist._src.input import batches as input_batches
+from jdist._src.multi_worker import arguments as multi_worker_arguments
+from jdist._src.multi_worker import input as multi_worker_input
+from jdist._src.multi_worker import runtime
+from jdist._src.reduce import packing
+from jdist._src.reduce import replica_mesh
+from jdist._src.multi_worker import ragged as uneven_multi_worker
+from jdist._src.multi_worker.cluster_resolver import TFConfigClusterResolver
+from jdist._src.host_values import check_host_numbers
+from jdist._src.host_values import python_numbers_as_tf
+from jdist._src.mirrored import MirroredExtended
+from jdist._src.strategy import Strategy
+from jdist._src.run.arguments import SCALARS
+from jdist._src.values import ARRAYS
+from jdist._src.values import Mirrored
+from jdist._src.values import PerReplica
+from jdist._src.values import is_distributed
+from jdist._src.values import is_step_output
+from jdist._src.multi_worker.watchdog import Watchdog
+
+
+class MultiProcessMesh(replica_mesh.ReplicaMesh):
+    """A `replica_mesh.ReplicaMesh` spanning processes: no cross-host copies.
+
+    A host value is assumed equal on every worker (each computed it the same way) and placed
+    from host memory; an array on this process's devices is first read back to the host (JAX
+    cannot copy a device array to another host's device); a global array is resharded by a
+    compiled identity.
+    """
+
+    def place_per_replica(self, stacked):
+        if isinstance(stacked, jax.Array) and not stacked.is_fully_addressable:
+            if stacked.sharding == self.per_replica_sharding:
+                return stacked
+            return self.guard.dispatch(_reshard(self.per_replica_sharding), stacked)
+        return super().place_per_replica(np.asarray(stacked))
+
+    def place_replicated(self, value):
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            if value.sharding == self.replicated_sharding:
+                return value
+            return self.guard.dispatch(_reshard(self.replicated_sharding), value)
+        return super().place_replicated(np.asarray(value))
+
+
+# bytes_per_pack that puts every value of a dtype into one pack: one all-reduce per dtype.
+_ONE_PACK = 1 << 40
+
+
+def _in_step_options(options, cluster, platform):
+    """The strategy's options as the default of ``ReplicaContext.all_reduce`` (TF's rule), packing
+    everything into one buffer per dtype across CPU processes unless ``bytes_per_pack`` is set.
+
+    JAX's CPU cross-process all-reduce (gloo) costs about a millisecond per array on loopback,
+    whatever its size (XLA combines a step's all-reduces into one instruction, but gloo still
+    reduces its operands one by one): 6 gradients cost 10-20 ms, one 340 KB buffer 1.2-1.6 ms.
+    """
+    if cluster.num_workers == 1 or platform != "cpu" or options.bytes_per_pack:
+        return options
+    return packing.CommunicationOptions(_ONE_PACK, options.timeout_seconds,
+                                        options.implementation)
+
+
+@functools.lru_cache(maxsize=None)
+def _reshard(sharding):
+    return jax.jit(lambda x: x, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_program(sharding):
+    return jax.jit(lambda x: x.max(), out_shardings=sharding)
+
+
+class MultiWorkerExtended(MirroredExtended):
+    """`MirroredExtended` over the devices of every worker (see the module doc).
+
+    Args:
+      container_strategy: the `MultiWorkerMirroredStrategy`.
+      devices: the global devices, process by process.
+      cluster: the `multi_worker_runtime.Cluster`.
+      options: the strategy's `CommunicationOptions`.
+    """
+
+    _mesh_class = MultiProcessMesh
+    _ops_per_value = False  # TF's collective strategy all-reduces every value alike.
+
+    def __init__(self, container_strategy, devices, cluster, options):
+        super().__init__(container_strategy, devices)
+        self._cluster = cluster
+        self._options = options
+        self._all_reduce_options = _in_step_options(options, cluster, self._platform)
+        self._agreement = _runtime_services(cluster, options, self._guard)
+        me = jax.process_index()
+        self._local_ids = tuple(i for i, d in enumerate(self._devices) if d.process_index == me)
+        self._device_names = tuple(_tf_name(cluster, d) for d in self._devices)
+        if cluster.num_workers > 1:  # "/job:worker/task:1/device:CPU:0" names worker 1's device.
+            devices_lib.register_cluster(cluster.tasks)
+
+    def _by_collective_ops(self, dtype, reduces_one=False):
+        # TF's multi-worker strategy reduces and gathers every value with its collective ops.
+        return self._num_replicas > 1
+
+    def _as_worker_values(self, value):
+        return jax.tree_util.tree_map(self._as_worker_value, value, is_leaf=is_distributed)
+
+    def _as_worker_value(self, value):
+        """A non-distributed array or number reduced or gathered across several workers is this
+        worker's value, as in TF (its collective ops take a plain tensor as the worker's one
+        replica value): a `PerReplica` of it on one replica per worker; refused on several.
+        With one replica per worker TF's `Mirrored` results (``reduce_to``, ``broadcast_to``,
+        ``run``) are such plain tensors too: each worker's copy is its value. (``run``'s own
+        results are equal on every worker: they reduce as TF's, with no exchange.)"""
+        if self._cluster.num_workers == 1 or isinstance(value, PerReplica):
+            return value
+        if isinstance(value, Mirrored):
+            if (len(self._local_ids) != 1 or is_step_output(value)
+                    or isinstance(value.value, jax.core.Tracer)):
+                return value  # TF's Mirrored (MEAN: itself, SUM refused), or run's result.
+            value = value.values[0]
+        if isinstance(value, jax.core.Tracer) or not isinstance(value, (*ARRAYS, *SCALARS)):
+            return value  # A merge function's traced value; None, objects: the usual rules.
+        if len(self._local_ids) != 1:
+            raise errors.InvalidArgumentError(
+                f"a non-distributed value ({type(value).__name__}) reduced or gathered across "
+                "workers with several replicas per worker: TF takes it as this worker's value, "
+                "and its result then depends on the call (a SUM along an axis counts it once per "
+                "local replica). Pass a PerReplica instead, e.g. "
+                "strategy.experimental_distribute_values_from_function(lambda ctx: value).")
+        # Host numbers stay on the host: the exchange records every worker's int64 numbers.
+        host = python_numbers_as_tf(value) if isinstance(value, SCALARS) else value
+        check_host_numbers(host)  # Before it is placed: JAX would narrow 64-bit numbers.
+        return self._distribute_components([host])
+
+    @property
+    def should_checkpoint(self):
+        """True on the chief (worker 0 when there is no chief): only it saves checkpoints."""
+        return self._cluster.index == 0
+
+    should_save_summary = should_checkpoint  # should_init stays true: every worker initialises.
+
+    @property
+    def experimental_between_graph(self):
+        """True: every worker runs its own copy of the program (TF's between-graph replication)."""
+        return True
+
+    @property
+    def worker_index(self):
+        """This worker's index: the process index, 0 for the chief."""
+        return self._cluster.index
+
+    @property
+    def num_workers(self):
+        """How many workers (processes) the strategy spans."""
+        return self._cluster.num_workers
+
+    def _local_replica_ids(self):
+        return self._local_ids
+
+    def _input_pipeline(self):
+        return self._cluster.num_workers, self._cluster.index
+
+    @property
+    def cluster(self):
+        """The `multi_worker_runtime.Cluster` this worker belongs to."""
+        return self._cluster
+
+    @property
+    def agreement(self):
+        """The `multi_worker_runtime.Agreement` (None with one worker): how workers compare
+        what must be equal before a collective needs it."""
+        return self._agreement
+
+    def _any_worker(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any worker: each worker's flag, placed on its own
+        replicas (no exchange), maxed over every replica by one tiny compiled collective,
+        launched through the guard like a step's program and read back on this host. Every
+        worker that calls it at the same point of its program stream reads the same value."""
+        local = np.full((len(self._local_ids),), flag, np.int32)
+        flags = jax.make_array_from_process_local_data(
+            self._programs.per_replica_sharding, local, (self._num_replicas,))
+        program = _max_program(self._programs.replicated_sharding)
+        return bool(np.asarray(self._guard.dispatch(program, flags).addressable_data(0)))
+
+    def _replica_ids_by_worker(self):
+        """Per worker, the global ids of its replicas (its devices in ``jax.devices()``)."""
+        return [tuple(i for i, d in enumerate(self._devices) if d.process_index == w)
+                for w in range(self._cluster.num_workers)]
+
+    def _input_placer(self, strategy, options):
+        placer = (input_batches.Placer if self._cluster.num_workers == 1
+                  else uneven_multi_worker.RaggedRowsPlacer)
+        return placer(strategy, options.experimental_fetch_to_device)
+
+    def _per_worker_feed(self, source, dealer):
+        """A PER_WORKER ``distribute_datasets_from_function`` pipeline kept in step with the
+        other workers' (`multi_worker_input.per_worker_feed`)."""
+        return multi_worker_input.per_worker_feed(self, source, dealer)
+
+    def _check_host_arguments(self, in_tree, leaves):
+        """Called by ``run`` when it compiles a new program: raises on every worker unless the
+        arguments are the same on all of them (`multi_worker_arguments`)."""
+        if self._agreement is not None:
+            multi_worker_arguments.check_equal(self._agreement, self._cluster, in_tree, leaves)
+
+    def _agree_uneven_step(self, signature):
+        """Called by ``run`` before every exact step on ragged values: every worker must see
+        the same replica shapes (`uneven_multi_worker.agree_step`)."""
+        if self._agreement is not None:
+            uneven_multi_worker.agree_step(self._agreement, self._cluster, signature)
+
+    def _distribute_components(self, components):
+        """One global array from THIS worker's components; shapes agreed with the other workers."""
+        if self._agreement is None:
+            return super()._distribute_components(components)
+        arrays = [np.asarray(c) for c in components]
+        shapes = self._agreement.exchange(
+            "experimental_distribute_values_from_function",
+            [[list(a.shape), str(a.dtype)] for a in arrays])
+        _check_one_dtype(self._cluster, shapes)
+        everyone = [tuple(s) for worker in shapes for s, _ in worker]
+        if len(set(everyone)) != 1:  # Ragged (TF holds replicas of different shapes).
+            return uneven_multi_worker.ragged_from_local(
+                self._devices, self._local_ids, arrays, everyone, arrays[0].dtype)
+        local = np.stack(arrays)
+        return PerReplica._from_stacked(jax.make_array_from_process_local_data(
+            self._programs.per_replica_sharding, local, (self._num_replicas,) + local.shape[1:]))
+
+
+def _check_one_dtype(cluster, shapes):
+    """Raises unless every worker's replica values share one dtype (typed, on every worker:
+    each raises from the same exchanged dtypes)."""
+    flat = [(w, tuple(s), d) for w, worker in enumerate(shapes) for s, d in worker]
+    dtypes = sorted({d for _, _, d in flat})
+    if len(dtypes) != 1:
+        raise errors.InvalidArgumentError(
+            f"replica values must share a dtype, got {_by_worker(cluster, flat, 2)}.")
+
+
+def _by_worker(cluster, flat, field):
+    return "; ".join(f"{cluster.name(w)}: {[x[field] for x in flat if x[0] == w]}"
+                     for w in range(cluster.num_workers))
+
+
+def _tf_name(cluster, device):
+    job, task = cluster.tasks[device.process_index] if cluster.num_workers > 1 else ("localhost",
+                                                                                      0)
+    local = [d for d in jax.devices() if d.process_index == device.process_index]
+    return (f"/job:{job}/replica:0/task:{task}/device:{device.platform.upper()}:"
+            f"{local.index(device)}")
+
+
+_services: dict = {}
+
+
+def _runtime_services(cluster, options, guard):
+    """The process's `Agreement` and started `Watchdog` (one each), or None for one worker."""
+    if cluster.num_workers == 1:
+        return None
+    if "agreement" not in _services:
+        timeout = options.timeout_seconds or runtime.DEFAULT_TIMEOUT_SECONDS
+        watchdog = Watchdog(cluster, timeout)
+        guard.observer = watchdog.note_launch
+        watchdog.start()
+        _register_exit(watchdog.stop)
+        _services["agreement"] = runtime.Agreement(cluster, timeout)
+        cross_host.register_exchange(_services["agreement"].exchange)
+    return _services["agreement"]
+
+
+def _register_exit(fn):
+    # Before jax.distributed's own atexit shutdown barrier: threading's exit hooks run first.
+    try:
+        import threading  # pylint: disable=import-outside-toplevel
+        threading._register_atexit(fn)  # pylint: disable=protected-access
+    except (AttributeError, RuntimeError):  # pragma: no cover - other Pythons / late import.
+        atexit.register(fn)
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous data parallelism over the devices of several workers.
+
+    ``tf.distribute.MultiWorkerMirroredStrategy`` on ``jax.distributed``: one replica per
+    device of every worker; ``run``, ``reduce``, ``gather`` and the replica context's
+    collectives combine all of them. Every worker runs the same script; start them with
+    ``python -m jdist.launch --nproc N script.py`` locally, or with ``TF_CONFIG`` (or a
+    `SlurmClusterResolver`) on a cluster. Create the strategy before anything else uses JAX.
+
+    A peer that dies or never reaches a collective the others wait in ends every other worker
+    after ``communication_options.timeout_seconds`` (default 300 s) with
+    `errors.UnavailableError` printed and exit status 14 (see ``docs/multi_worker.md``).
+
+    Args:
+      cluster_resolver: where the cluster comes from; default `TFConfigClusterResolver`
+        (``TF_CONFIG``; unset means one local worker, as `MirroredStrategy`).
+      communication_options: a `CommunicationOptions` (``timeout_seconds``: see above).
+
+    Raises:
+      ClusterMismatchError: JAX was started already with another cluster, or used before the
+        strategy was created.
+      InvalidArgumentError: the cluster has tasks other than chief/worker, or does not contain
+        this task.
+
+    Example:
+      >>> import jdist
+      >>> s = jdist.MultiWorkerMirroredStrategy()   # No TF_CONFIG: this process's devices.
+      >>> s.num_replicas_in_sync, s.extended.should_checkpoint, s.cluster_resolver.task_type
+      (8, True, None)
+    """
+
+    def __init__(self, cluster_resolver=None, communication_options=None):
+        resolver = TFConfigClusterResolver() if cluster_resolver is None else cluster_resolver
+        options = packing.as_options(communication_options)
+        if options is None:
+            options = packing.CommunicationOptions()
+        cluster = runtime.Cluster(resolver)
+        if cluster.num_workers > 1:
+            runtime.initialize(cluster, options.timeout_seconds or runtime.DEFAULT_TIMEOUT_SECONDS)
+            devices = jax.devices()
+        else:
+            devices = jax.local_devices()
+        self._cluster_resolver = resolver
+        super().__init__(MultiWorkerExtended(self, devices, cluster, options))
+
+    @property
+    def cluster_resolver(self):
+        """The cluster resolver the strategy was built from."""
+        return self._cluster_resolver
+
+    def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None):
+        """Checks that ``cluster_spec`` / ``task_type`` / ``task_id`` describe this strategy's job.
+
+        JAX's distributed runtime starts once per process, when the strategy is created, so the
+        cluster cannot change afterwards; ``session_config`` has no JAX meaning.
+
+        Raises:
+          ClusterMismatchError: the arguments describe another cluster or another task.
+        """
+        if cluster_spec is None:
+            return
+        from jdist._src.multi_worker.cluster_resolver import SimpleClusterResolver  # pylint: disable=import-outside-toplevel
+        cluster = self._extended._cluster
+        asked = runtime.Cluster(SimpleClusterResolver(
+            cluster_spec, task_type=task_type if task_type is not None else cluster.tasks[
+                cluster.index][0], task_id=task_id if task_id is not None else cluster.tasks[
+                    cluster.index][1]))
+        if (asked.tasks, asked.index) != (cluster.tasks, cluster.index) and (
+                asked.num_workers > 1 or cluster.num_workers > 1):
+            raise errors.ClusterMismatchError(
+                f"configure() describes worker {asked.index} of {asked.tasks}, but the strategy "
+                f"runs as worker {cluster.index} of {cluster.tasks}; jax.distributed starts once "
+                "per process: pass the cluster when creating the strategy (cluster_resolver=).")

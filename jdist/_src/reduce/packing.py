@@ -1,0 +1,314 @@
+"""Packing many small values into a few collectives, and the options that ask for it.
+
+A batch of small gradients all-reduced one by one costs one collective each, and each collective
+has a fixed latency. Packing concatenates the raveled values of one dtype into a flat buffer, cuts
+the buffer into packs, all-reduces each pack and splits the result back into the original shapes,
+so 200 gradients of a few KB cross the devices in a handful of collectives.
+
+Two ways to cut, as in TF:
+
+* ``bytes_per_pack > 0`` (``CommunicationOptions``): values are kept whole and appended to the
+  current pack of their dtype, in order, until it holds at least ``bytes_per_pack`` bytes
+  (TF's ``group_by_size``: best effort, a pack may be smaller or larger);
+* ``num_packs > 0`` (``NcclAllReduce(num_packs)``): each dtype's buffer is split into
+  ``num_packs`` nearly equal slices regardless of value boundaries (TF's ``_ConcatAndSplitPacker``).
+
+With neither, every value is its own pack. `CommunicationOptions` (TF's
+``tf.distribute.experimental.CommunicationOptions``) carries ``bytes_per_pack``. The plan is
+static (shapes and dtypes only), so a compiled program holds exactly one all-reduce per pack;
+`jdist.testing.count_all_reduces` reads that number from HLO text.
+"""
+
+import dataclasses
+import enum
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jdist._src.reduce import collectives
+from jdist._src import errors
+
+
+class CommunicationImplementation(enum.Enum):
+    """Which collective implementation to prefer (``tf.distribute.experimental``'s enum).
+
+    XLA chooses the algorithm of the all-reduce it compiles (NCCL on GPUs), so jdist records the
+    preference but the numbers and the program do not depend on it.
+    """
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+
+class CommunicationOptions:
+    """Hints for cross-device communication (``tf.distribute.experimental.CommunicationOptions``).
+
+    Args:
+      bytes_per_pack: when > 0, values of a batch are packed into buckets of about this many
+        bytes and each bucket is all-reduced at once (0: the implementation's own packing).
+      timeout_seconds: accepted for TF compatibility; XLA's collectives have no per-call timeout.
+      implementation: a `CommunicationImplementation` or its name (``"nccl"``, ``"RING"``, ...).
+
+    Raises:
+      InvalidArgumentError: ``bytes_per_pack`` < 0, or an unknown ``implementation``.
+
+    Example:
+      >>> import jdist
+      >>> o = jdist.CommunicationOptions(bytes_per_pack=32768, implementation="nccl")
+      >>> o.merge(jdist.CommunicationOptions(timeout_seconds=5.0))
+      CommunicationOptions(bytes_per_pack=32768, timeout_seconds=5.0, implementation=NCCL)
+    """
+
+    def __init__(self, bytes_per_pack=0, timeout_seconds=None,
+                 implementation=CommunicationImplementation.AUTO):
+        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, (int, np.integer)):
+            raise errors.InvalidArgumentError(
+                f"bytes_per_pack must be an int >= 0, got {bytes_per_pack!r}.")
+        if bytes_per_pack < 0:
+            raise errors.InvalidArgumentError(
+                f"bytes_per_pack must be >= 0, got {bytes_per_pack}; use 0 for no packing hint.")
+        if timeout_seconds is not None and not isinstance(timeout_seconds, (int, float)):
+            raise errors.InvalidArgumentError(
+                f"timeout_seconds must be a number or None, got {timeout_seconds!r}.")
+        self.bytes_per_pack = int(bytes_per_pack)
+        self.timeout_seconds = timeout_seconds
+        self.implementation = _as_implementation(implementation)
+
+    def merge(self, options):
+        """Returns new options: ``options``' values where they are not the defaults, else ours.
+
+        Args:
+          options: a `CommunicationOptions` or None.
+
+        Returns:
+          The merged `CommunicationOptions`.
+        """
+        merged = CommunicationOptions(self.bytes_per_pack, self.timeout_seconds,
+                                      self.implementation)
+        if options is None:
+            return merged
+        options = as_options(options)
+        if options.bytes_per_pack != 0:
+            merged.bytes_per_pack = options.bytes_per_pack
+        if options.timeout_seconds is not None:
+            merged.timeout_seconds = options.timeout_seconds
+        if options.implementation is not CommunicationImplementation.AUTO:
+            merged.implementation = options.implementation
+        return merged
+
+    def _key(self):
+        return (self.bytes_per_pack, self.timeout_seconds, self.implementation)
+
+    def __eq__(self, other):
+        return isinstance(other, CommunicationOptions) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
+                f"timeout_seconds={self.timeout_seconds}, "
+                f"implementation={self.implementation.name})")
+
+
+def _as_implementation(implementation):
+    if isinstance(implementation, CommunicationImplementation):
+        return implementation
+    if isinstance(implementation, str) and implementation.upper() in (
+            CommunicationImplementation.__members__):
+        return CommunicationImplementation[implementation.upper()]
+    raise errors.InvalidArgumentError(
+        f"{implementation!r} is not a CommunicationImplementation; use "
+        "CommunicationImplementation.AUTO, RING or NCCL (or their names).")
+
+
+def as_options(options):
+    """``options`` as `CommunicationOptions` (None gives the defaults)."""
+    if options is None:
+        return CommunicationOptions()
+    if not isinstance(options, CommunicationOptions):
+        raise errors.InvalidArgumentError(
+            f"options must be a CommunicationOptions, got {type(options).__name__}.")
+    return options
+
+
+@dataclasses.dataclass(frozen=True)
+class PackGroup:
+    """Values of one dtype that share a flat buffer, and where that buffer is cut into packs.
+
+    Attributes:
+      dtype: the common dtype (a NumPy dtype name).
+      members: indices of the values, in buffer order.
+      bounds: element offsets into the buffer: pack ``i`` is ``buffer[bounds[i]:bounds[i+1]]``.
+    """
+    dtype: str
+    members: tuple
+    bounds: tuple
+
+    @property
+    def num_packs(self):
+        return len(self.bounds) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PackPlan:
+    """How a list of values is cut into packs (hashable, so programs can be cached per plan).
+
+    Attributes:
+      shapes: the values' shapes, in input order.
+      groups: the `PackGroup` s; values of size zero belong to none (nothing to reduce).
+    """
+    shapes: tuple
+    groups: tuple
+
+    @property
+    def num_packs(self):
+        """How many collectives the plan needs: one per pack."""
+        return sum(g.num_packs for g in self.groups)
+
+
+def plan_packs(specs, bytes_per_pack=0, num_packs=0):
+    """Plans the packs for values with the given ``(shape, dtype)`` specs.
+
+    Args:
+      specs: a sequence of ``(shape, dtype)`` pairs, one per value.
+      bytes_per_pack: when > 0, pack whole values of one dtype until a pack holds at least this
+        many bytes.
+      num_packs: when > 0 (and ``bytes_per_pack`` is 0), concatenate each dtype's values and split
+        the buffer into this many nearly equal packs.
+
+    Returns:
+      A `PackPlan`. With neither argument set, each value is its own pack.
+
+    Example:
+      >>> plan = plan_packs([((256,), "float32")] * 10, bytes_per_pack=4096)
+      >>> plan.num_packs  # 1 KB each: four values fill a 4 KB pack.
+      3
+    """
+    shapes = tuple(tuple(int(d) for d in shape) for shape, _ in specs)
+    dtypes = [np.dtype(dtype) for _, dtype in specs]
+    sizes = [math.prod(s) for s in shapes]
+    if bytes_per_pack <= 0 and num_packs <= 0:
+        groups = tuple(PackGroup(dt.name, (i,), (0, n))
+                       for i, (dt, n) in enumerate(zip(dtypes, sizes)) if n)
+        return PackPlan(shapes, groups)
+    by_dtype = {}
+    for i, (dt, n) in enumerate(zip(dtypes, sizes)):
+        if n:
+            by_dtype.setdefault(dt, []).append(i)
+    groups = []
+    for dt, members in by_dtype.items():
+        total = sum(sizes[i] for i in members)
+        if bytes_per_pack > 0:
+            bounds, offset, in_pack = [0], 0, 0
+            for i in members:
+                offset += sizes[i]
+                in_pack += sizes[i] * dt.itemsize
+                if in_pack >= bytes_per_pack:
+                    bounds.append(offset)
+                    in_pack = 0
+            if bounds[-1] != total:
+                bounds.append(total)
+        else:
+            k = min(num_packs, total)
+            step = total // k
+            bounds = [i * step for i in range(k)] + [total]  # The last pack takes the remainder.
+        groups.append(PackGroup(dt.name, tuple(members), tuple(bounds)))
+    return PackPlan(shapes, tuple(groups))
+
+
+def packed_reduce(values, plan, reduce_pack):
+    """Reduces ``values`` pack by pack: ``reduce_pack`` is called once per pack.
+
+    Args:
+      values: the arrays (traced inside a replica function or shard_map), matching ``plan``.
+      plan: their `PackPlan`.
+      reduce_pack: a function of one flat array returning its reduction (e.g. a ``psum``).
+
+    Returns:
+      A list with the reduced value of each input, in input order and shape (a value of size
+      zero comes back as it is).
+    """
+    out = list(values)
+    for group in plan.groups:
+        starts = np.cumsum([0] + [math.prod(plan.shapes[i]) for i in group.members]).tolist()
+        if set(group.bounds) <= set(starts):  # Packs of whole values: concatenate each pack.
+            packs = [[i for i, start in zip(group.members, starts) if a <= start < b]
+                     for a, b in zip(group.bounds[:-1], group.bounds[1:])]
+        else:  # Packs cut through values: one buffer for the group, cut at the bounds.
+            packs = [list(group.members)]
+        for members in packs:
+            flats = [jnp.ravel(values[i]) for i in members]
+            buffer = flats[0] if len(flats) == 1 else jnp.concatenate(flats)
+            if len(packs) == 1 and len(group.bounds) > 2:
+                pieces = [reduce_pack(buffer[a:b])
+                          for a, b in zip(group.bounds[:-1], group.bounds[1:])]
+                reduced = jnp.concatenate(pieces)
+            else:
+                reduced = reduce_pack(buffer)
+            offset = 0
+            for i in members:
+                size = math.prod(plan.shapes[i])
+                out[i] = reduced[offset:offset + size].reshape(plan.shapes[i])
+                offset += size
+    return out
+
+
+def packed_psum(values, plan, axis_name):
+    """`packed_reduce` with the sum over ``axis_name`` (`collectives.replica_sum`, a ``psum``):
+    one all-reduce per pack."""
+    return packed_reduce(values, plan,
+                         lambda buffer: collectives.replica_sum(buffer, axis_name))
+
+
+def packed_replica_all_reduce(axis_name, num_replicas, op, value, bytes_per_pack):
+    """``ReplicaContext.all_reduce`` of a nest inside a replica function, packed by bytes."""
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    if len(leaves) == 1:  # Nothing to pack: the value keeps its shape, which errors name.
+        return collectives.replica_all_reduce(axis_name, op, value)
+    xs = [jnp.asarray(x) for x in leaves]
+    plan = plan_packs([(x.shape, x.dtype) for x in xs], bytes_per_pack=bytes_per_pack)
+    divisors = {}
+    out = [collectives.finish(op, o, num_replicas, divisors)
+           for o in packed_psum(xs, plan, axis_name)]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+@functools.lru_cache(maxsize=256)
+def all_reduce_program(sharding, op, bytes_per_pack, num_packs, signature):
+    """The compiled program all-reducing stacked arrays in packs, and its `PackPlan`.
+
+    Args:
+      sharding: the arrays' ``NamedSharding`` over a 1-D mesh, replica axis first.
+      op: a `ReduceOp` (MEAN divides the sums by the replicas, `collectives.finish`).
+      bytes_per_pack: ``plan_packs``' argument.
+      num_packs: ``plan_packs``' argument (used when ``bytes_per_pack`` is 0).
+      signature: the stacked arrays' ``(shape, dtype)`` pairs.
+
+    Returns:
+      ``(program, plan)``: a jitted ``jit(shard_map)`` function of the stacked arrays returning
+      the reduced arrays replicated, with one all-reduce per pack of ``plan``.
+    """
+    plan = plan_packs([(shape[1:], dtype) for shape, dtype in signature],
+                      bytes_per_pack=bytes_per_pack, num_packs=0 if bytes_per_pack else num_packs)
+    axis, mesh = sharding.spec[0], sharding.mesh
+    n = mesh.devices.size
+    count = len(plan.shapes)
+    grouped = {i for g in plan.groups for i in g.members}
+
+    def body(*blocks):
+        out = packed_psum([b[0] for b in blocks], plan, axis)
+        # A zero-size value is in no pack: its (empty) result is built here.
+        divisors = {}
+        return [collectives.finish(op, o if i in grouped else jnp.zeros(o.shape, o.dtype), n,
+                                   divisors) for i, o in enumerate(out)]
+
+    # Unchecked: a bfloat16 pack's sum is a gather (`collectives.replica_sum`), the same on
+    # every replica though shard_map types a gather as varying.
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axis),) * count,
+                                    out_specs=[P()] * count, check_vma=False))
+    return program, plan

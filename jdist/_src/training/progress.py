@@ -1,0 +1,269 @@
+"""Progress and logging on the chief only: a tqdm bar over a distributed dataset, print/log helpers.
+
+In a multi-worker run every process executes the same Python loop; printing from each would
+repeat every line once per worker, so only the chief prints (``strategy.extended.should_checkpoint``
+when the strategy has it, as in TF, else True). Nothing here communicates: values are converted to
+text from this process's own copy (`to_host`), and a `PerReplica` value, which would need a
+reduce, is refused on every process alike. So no collective can end up inside a chief-only
+branch, where the other workers would never join it.
+
+Inside ``strategy.run`` the helpers print at run time through ``jax.debug.callback`` from
+replica 0 only, so a value is printed once per step, not once per replica.
+"""
+
+import io
+import logging
+import sys
+import time
+from typing import Any, Iterable, Iterator, Optional, TextIO
+
+import jax
+import numpy as np
+
+from jdist._src import context
+from jdist._src import errors
+from jdist._src import extras
+from jdist._src.training import state as state_lib
+from jdist._src.values import DistributedValues
+from jdist._src.values import Mirrored
+
+COMPILE_NOTICE = "jdist: compiling the first step (once per input shape)..."
+PLAIN_LINES = 10  # Off a terminal: one line per tenth of the steps (and the last step).
+PLAIN_SECONDS = 30.0  # Off a terminal, the number of steps unknown: one line per 30 s.
+
+
+def is_chief(strategy: Optional[Any] = None) -> bool:
+    """Whether this process is the one that prints and writes checkpoints.
+
+    Args:
+      strategy: the strategy; default: the current one.
+
+    Returns:
+      ``strategy.extended.should_checkpoint`` if the strategy defines it, else True (one process).
+
+    Example:
+      >>> import jdist
+      >>> jdist.is_chief()
+      True
+    """
+    strategy = context.get_strategy() if strategy is None else strategy
+    return bool(strategy.extended.should_checkpoint)
+
+
+def _host_value(value):
+    """A printable host value; refuses PerReplica (it would need a collective to combine)."""
+    if isinstance(value, DistributedValues) and not isinstance(value, Mirrored):
+        raise errors.UnsupportedValueError(
+            f"cannot print a {type(value).__name__} value: its replicas differ. Reduce it first "
+            "(strategy.reduce, on every worker), then print the result.")
+    if isinstance(value, (Mirrored, jax.Array)):
+        return state_lib.to_host(value)
+    return value
+
+
+def _emit(write, values, strategy):
+    """Calls ``write(values)`` once: on the chief, and inside ``run`` from replica 0 only."""
+    if context.in_replica_function():
+        chief = is_chief(context.get_replica_context().strategy)
+
+        def callback(replica_id, *host_values):
+            if chief and int(replica_id) == 0:
+                write(host_values)
+        replica_id = context.get_replica_context().replica_id_in_sync_group
+        jax.debug.callback(callback, replica_id, *values)
+        return
+    host_values = [_host_value(v) for v in values]  # On every process: errors are the same.
+    if is_chief(strategy):
+        write(host_values)
+
+
+def print_once(*values: Any, sep: str = " ", file: Optional[TextIO] = None,
+               strategy: Optional[Any] = None) -> None:
+    """``print(*values)`` once per step for the whole job: on the chief, from one replica.
+
+    Args:
+      *values: what to print; `Mirrored` values and arrays are read from one local copy.
+      sep: the separator, as for ``print``.
+      file: where to print; default ``sys.stdout``.
+      strategy: the strategy deciding who is chief; default: the current one.
+
+    Raises:
+      UnsupportedValueError: a value is `PerReplica` (reduce it first, on every worker).
+
+    Example:
+      >>> import jax.numpy as jnp, jdist
+      >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
+      >>> jdist.print_once("loss", s.run(lambda: jnp.float32(0.5)))
+      loss 0.5
+    """
+    def write(host_values):
+        print(*host_values, sep=sep, file=sys.stdout if file is None else file, flush=True)
+    _emit(write, values, strategy)
+
+
+def log_once(msg: str, *args: Any, level: int = logging.INFO,
+             logger: Optional[logging.Logger] = None, strategy: Optional[Any] = None) -> None:
+    """``logger.log(level, msg, *args)`` once for the whole job (see `print_once`).
+
+    Args:
+      msg: the ``%``-format message.
+      *args: its arguments; `Mirrored` values and arrays are read from one local copy.
+      level: the logging level.
+      logger: the logger; default ``logging.getLogger("jdist")``.
+      strategy: the strategy deciding who is chief; default: the current one.
+
+    Example:
+      >>> import logging, jdist
+      >>> jdist.log_once("step %d", 3, level=logging.DEBUG)
+    """
+    logger = logging.getLogger("jdist") if logger is None else logger
+    _emit(lambda host_args: logger.log(level, msg, *host_args), args, strategy)
+
+
+def _total(dataset):
+    try:
+        return len(dataset)
+    except TypeError:
+        # A property on distributed datasets (TF 2.21), a method on tf.data and NumpyDataset.
+        count = getattr(dataset, "cardinality", None)
+        count = count() if callable(count) else count
+        try:
+            count = int(count)
+        except (TypeError, ValueError):
+            return None
+        return count if count >= 0 else None
+
+
+class _Discard(io.TextIOBase):
+    """Where tqdm draws when ``file`` is not a terminal: `ProgressBar` prints plain lines."""
+
+    def write(self, text):
+        return len(text)
+
+
+def _is_terminal(file):
+    return callable(getattr(file, "isatty", None)) and file.isatty()
+
+
+class ProgressBar:
+    """A tqdm progress bar over a (distributed) dataset, drawn by the chief only.
+
+    Iterating it yields the dataset's elements. It shows the steps done, steps/s, examples/s
+    (when ``examples_per_step`` is given) and the loss last passed to `set_loss`, read from the
+    device at most once per refresh (``mininterval``), so it does not stall the step pipeline.
+    While the first step compiles, a one-line notice says so. Needs tqdm (the ``progress`` extra).
+
+    On a terminal the bar is redrawn in place. Elsewhere (a log file, CI), where every redraw
+    would be appended to one line after a carriage return, it prints plain lines instead: one
+    per tenth of the steps and one at the last (one per 30 s when their number is unknown).
+
+    Args:
+      dataset: what to iterate, usually ``strategy.experimental_distribute_dataset(...)``.
+      strategy: the strategy deciding who is chief; default: the current one.
+      total: the number of steps; default ``len(dataset)`` or its known cardinality.
+      desc: the bar's label.
+      examples_per_step: the global batch size, for examples/s (the rate is steps/s times it).
+      file: where to draw; default ``sys.stderr``.
+      mininterval: seconds between redraws (and loss reads).
+      compile_notice: print the compile notice before the first step; pass False when the step
+        already ran with these shapes (a later epoch).
+
+    Example:
+      >>> import io, numpy as np, jdist
+      >>> out = io.StringIO()
+      >>> bar = jdist.ProgressBar([np.ones(4)] * 3, desc="train", file=out, mininterval=0)
+      >>> for x in bar:
+      ...   bar.set_loss(float(x.sum()))
+      >>> bar.close()
+      >>> text = out.getvalue()
+      >>> text.count(jdist.ProgressBar.COMPILE_NOTICE), "3/3" in text, "loss=4" in text
+      (1, True, True)
+    """
+
+    #: The line printed before the first step (which compiles) runs.
+    COMPILE_NOTICE = COMPILE_NOTICE
+
+    def __init__(self, dataset: Iterable, strategy: Optional[Any] = None,
+                 total: Optional[int] = None, desc: Optional[str] = None,
+                 examples_per_step: Optional[int] = None, file: Optional[TextIO] = None,
+                 mininterval: float = 0.1, compile_notice: bool = True):
+        tqdm = extras.require("tqdm", "progress")
+        self._dataset = dataset
+        self._chief = is_chief(strategy)
+        self._examples = examples_per_step
+        self._loss = None
+        self._last_postfix = -float("inf")
+        self._mininterval = mininterval
+        self._notice = compile_notice and self._chief
+        self._file = sys.stderr if file is None else file
+        self._plain = self._chief and not _is_terminal(self._file)
+        self._line_step, self._line_time = 0, time.monotonic()  # Off a terminal: the last line.
+        self._bar = tqdm.tqdm(total=_total(dataset) if total is None else total, desc=desc,
+                              unit="step", file=_Discard() if self._plain else self._file,
+                              mininterval=mininterval, disable=not self._chief,
+                              dynamic_ncols=True, ascii=self._plain or None)
+
+    def set_loss(self, loss: Any) -> None:
+        """Records the latest loss (a float, an array or a `Mirrored` value) for the bar.
+
+        Raises:
+          UnsupportedValueError: ``loss`` is `PerReplica`; reduce it first (on every worker).
+        """
+        if isinstance(loss, DistributedValues) and not isinstance(loss, Mirrored):
+            _host_value(loss)
+        self._loss = loss
+
+    def _postfix(self):
+        now = time.monotonic()
+        if now - self._last_postfix < self._mininterval:
+            return
+        self._last_postfix = now
+        fields = {}
+        if self._loss is not None:
+            fields["loss"] = f"{float(np.asarray(_host_value(self._loss))):.4g}"
+        rate = self._bar.format_dict.get("rate")
+        if self._examples and rate:
+            fields["examples/s"] = f"{rate * self._examples:.4g}"
+        self._bar.set_postfix(fields, refresh=False)
+
+    def _plain_line(self, last):
+        """Off a terminal: prints the bar as a line at each tenth of the steps, or every
+        `PLAIN_SECONDS` when their number is unknown, and (``last``) at the end."""
+        n, total, now = self._bar.n, self._bar.total, time.monotonic()
+        if n == self._line_step:
+            return
+        due = n % -(-total // PLAIN_LINES) == 0 if total else now - self._line_time >= PLAIN_SECONDS
+        if due or last:
+            self._last_postfix = -float("inf")
+            self._postfix()
+            print(self._bar, file=self._file, flush=True)
+            self._line_step, self._line_time = n, now
+
+    def __iter__(self) -> Iterator:
+        first = True
+        for element in self._dataset:
+            if first and self._notice:
+                self._bar.write(COMPILE_NOTICE, file=self._file)
+            yield element
+            first = False
+            if self._chief:
+                self._postfix()
+            self._bar.update(1)
+            if self._plain:
+                self._plain_line(last=False)
+        if self._plain:
+            self._plain_line(last=True)
+        elif self._chief:
+            self._last_postfix = -float("inf")
+            self._postfix()
+            self._bar.refresh()
+
+    def close(self) -> None:
+        """Draws the final state and releases the bar."""
+        self._bar.close()
+
+    def __enter__(self) -> "ProgressBar":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

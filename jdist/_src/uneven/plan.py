@@ -1,0 +1,409 @@
+"""Exact steps on per-replica values of different shapes: each replica computes with its own.
+
+TF runs the replica function once per replica, so on the last partial batch of a dataset each
+replica sees its true batch: ``x.shape[0]`` is its real row count, ``jnp.mean`` divides by it,
+an empty replica's mean is NaN. One SPMD program has one shape per value, so for such a step
+jdist runs the same replica body in pieces (``docs/design.md``, section 10):
+
+1. **Trace per replica.** The replica function is traced (the same ``shard_map`` body as an even
+   step, `spmd.ReplicatedRunner.trace`) once per distinct per-replica input signature; a partial
+   batch has at most three: ceil, floor, empty. Calls that contain a collective (an inner
+   ``jax.jit``) are inlined.
+2. **Cut at the collectives.** The body is cut at each top-level collective (the ``psum`` of an
+   ``all_reduce``, those of ``jax.grad``'s backward pass included) and at each ``merge_call``.
+   Each piece between two cuts is compiled once, as one program over the whole mesh for every
+   trace (`uneven_mesh`), or where that does not serve, once per device.
+3. **Run.** Each piece runs on every replica's own device with that replica's values; each
+   collective runs across the replicas as one compiled ``shard_map`` program binding the same
+   primitive, so it computes what an even step computes (shapes must agree, as TF requires);
+   each ``merge_call`` runs ``merge_fn`` once, in the cross-replica context, on the replicas'
+   true values, and hands each replica its part of the result.
+
+A ``merge_call``'s result shapes are known only once every replica has reached it, so tracing
+stops there (`_Suspend`), ``merge_fn`` is traced on every replica's arguments, and the replicas
+are traced again with the result's shapes known. ``all_gather`` is such a merge: its size is the
+sum of the replicas' sizes. Plans are cached per input signature, like even programs.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core
+from jax.sharding import PartitionSpec as P
+
+from jdist._src import errors
+from jdist._src import host_values
+from jdist._src.run import invariance
+from jdist._src.run.arguments import PER_REPLICA
+from jdist._src.run.arguments import SCALARS
+from jdist._src.uneven import mesh as uneven_mesh
+from jdist._src.uneven.mesh import BLOCK
+from jdist._src.uneven.mesh import PLAIN
+from jdist._src.uneven.mesh import SQUEEZE
+from jdist._src.multi_worker import ragged as uneven_multi_worker
+from jdist._src.uneven import schedule as uneven_schedule
+from jdist._src.uneven import trace as uneven_trace
+from jdist._src.uneven.merge import merge_p
+from jdist._src.values import Mirrored
+from jdist._src.values import PerReplica
+from jdist._src.values import ragged_components
+
+
+def plan(runner, fn, in_tree, kinds, statics, dynamic, abstract):
+    """Plans ``fn`` on arguments with ragged per-replica values; the result is cached by `run`.
+
+    Args:
+      runner: the strategy's `spmd.ReplicatedRunner` (its ``trace``, ``strategy``, ``programs``).
+      fn, in_tree, kinds, statics: the replica function and its flattened arguments, as the
+        runner classified them.
+      dynamic: the array arguments (a ragged `PerReplica` stands for its own leaf).
+      abstract: per replica, the abstract dynamic arguments of its trace (per-replica ones
+        stacked as if every replica had that replica's shape).
+
+    Returns:
+      A `_Plan`, called with the dynamic arguments of each later call of the same signature.
+    """
+    traces, merges = uneven_trace.trace_replicas(runner, fn, in_tree, kinds, statics, abstract)
+    return _Plan.build(runner.programs, traces, merges, dynamic, kinds)
+
+
+# ------------------------------------------------------------------------ pieces and steps
+# How an output leaves an exact step.
+MIRRORED, STACKED, RAGGED = "mirrored", "stacked", "ragged"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    """One piece between two cuts, compiled for one device."""
+    run: Any  # Jitted: (replica id, *inputs) -> outputs.
+    inputs: tuple  # Environment keys read: (var, form).
+    outputs: tuple  # Environment keys written: (var, PLAIN), ("in", cut, i) or ("out", j).
+    body: Any  # ``run`` before jit (`uneven_mesh` maps it over the mesh).
+    effects: bool  # Whether the piece has effects (callbacks).
+
+
+@dataclasses.dataclass(frozen=True)
+class _TraceProgram:
+    """A `Trace` cut into segments: what every replica with that trace runs."""
+    trace: Any  # An `uneven_trace.Trace`.
+    input_keys: tuple  # Per body input: the environment key its value is stored under.
+    segments: tuple  # One more than there are cuts.
+
+
+def _program(trace, out_forms, ragged_args):
+    """Cuts ``trace`` into `_Segment` s (see the module doc for what runs where)."""
+    jaxpr, cuts = trace.jaxpr, trace.cuts
+    stored = {v: SQUEEZE if src[0] == "arg" and src[1] in ragged_args else PLAIN
+              for v, src in zip(jaxpr.invars, trace.sources)}
+    stored.update((v, BLOCK) for c in cuts for v in jaxpr.eqns[c].outvars)
+    bounds = (-1,) + cuts + (len(jaxpr.eqns),)
+    last = len(bounds) - 2
+    uses = []  # Per segment: the variables it reads (its eqns, the next cut, the outputs).
+    for k in range(last + 1):
+        atoms = [a for e in jaxpr.eqns[bounds[k] + 1:bounds[k + 1]] for a in e.invars]
+        atoms += jaxpr.eqns[bounds[k + 1]].invars if k < last else jaxpr.outvars
+        uses.append([a for a in atoms if isinstance(a, core.Var)])
+    later = [set().union(*map(set, uses[k + 1:])) for k in range(last + 1)]
+    segments = tuple(
+        _segment(jaxpr, bounds, k, last, stored, uses[k], later[k], out_forms)
+        for k in range(last + 1))
+    input_keys = tuple((v, stored[v]) for v in jaxpr.invars)
+    return _TraceProgram(trace, input_keys, segments)
+
+
+def _segment(jaxpr, bounds, k, last, stored, uses, later, out_forms):
+    body = jaxpr.eqns[bounds[k] + 1:bounds[k + 1]]
+    axis_vars = [e.outvars[0] for e in body if e.primitive.name == "axis_index"]
+    body = [e for e in body if e.primitive.name != "axis_index"]
+    defined = set(axis_vars).union(*(e.outvars for e in body))
+    inputs = list(dict.fromkeys(v for v in uses if v not in defined))
+    outs = [((v, PLAIN), v, PLAIN) for v in dict.fromkeys(
+        v for e in body for v in e.outvars) if v in later]
+    outs += [((v, PLAIN), v, PLAIN) for v in axis_vars if v in later]
+    if k < last:
+        outs += [(("in", k, i), a, BLOCK) for i, a in enumerate(jaxpr.eqns[bounds[k + 1]].invars)]
+    else:
+        outs += [(("out", j), a, f) for j, (a, f) in enumerate(zip(jaxpr.outvars, out_forms))]
+    in_keys = tuple((v, stored.get(v, PLAIN)) for v in inputs)
+    effects = frozenset().union(*(e.effects for e in body))
+    invars, outvars = inputs + axis_vars, [a for _, a, _ in outs]
+    debug = core.DebugInfo("jdist uneven step", None, (None,) * len(invars),
+                           tuple(str(key) for key, _, _ in outs))
+    piece = core.Jaxpr([], invars, outvars, body, effects, debug)
+    fun = core.jaxpr_as_fun(core.ClosedJaxpr(piece, []))
+    in_forms, out_forms_k, n_axis = [f for _, f in in_keys], [f for _, _, f in outs], len(axis_vars)
+
+    def run(replica_id, *values):
+        values = [_to_plain(x, f) for x, f in zip(values, in_forms)]
+        results = fun(*values, *([replica_id] * n_axis))
+        return [_from_plain(x, f) for x, f in zip(results, out_forms_k)]
+    # The replica id (on its replica's device) is kept even if unused: it is what places a piece
+    # that reads no other value (one computing only from its shapes) on the replica's device.
+    return _Segment(jax.jit(run, keep_unused=True), in_keys, tuple(key for key, _, _ in outs),
+                    run, bool(effects))
+
+
+def _to_plain(x, form):
+    return x[0] if form == BLOCK else x[None] if form == SQUEEZE else x
+
+
+def _from_plain(x, form):
+    x = jnp.asarray(x)  # A literal the trace folded in (``all_reduce("sum", x.shape[0])``).
+    return x[None] if form == BLOCK else x[0] if form == SQUEEZE else x
+
+
+@dataclasses.dataclass(frozen=True)
+class _CollectiveStep:
+    """A collective cut: one ``shard_map`` program binding the same primitive on the blocks."""
+    programs: Any
+    run: Any  # Jitted over the replica mesh, or None for zero-size operands.
+    out_avals: tuple
+
+    def __call__(self, envs, eqns, k):
+        # `envs`: this process's replicas only; the global array gets its blocks from each.
+        n, local = len(eqns), list(envs)
+        devices = [_devices(self.programs)[r] for r in local]
+        blocks = [[envs[r].pop(("in", k, i)) for i in range(len(eqns[r].invars))]
+                  for r in local]
+        stacked = [jax.make_array_from_single_device_arrays(
+            (n,) + column[0].shape[1:], self.programs.per_replica_sharding, list(column))
+            for column in zip(*blocks)]
+        results = [_by_device(x, devices) for x in self.on_stacked(stacked)]
+        for j, r in enumerate(local):
+            envs[r].update(((v, BLOCK), column[j]) for v, column in zip(eqns[r].outvars, results))
+
+    def on_stacked(self, stacked):
+        """The collective's results on its operands ``stacked`` over the replicas (one block of
+        each per replica), stacked the same way."""
+        sharding = self.programs.per_replica_sharding
+        if self.run is None:  # XLA rejects zero-size collectives; their results are empty.
+            n = sharding.mesh.devices.size
+            return [jax.make_array_from_callback(
+                (n,) + a.shape, sharding, lambda index, a=a: np.zeros((n,) + a.shape, a.dtype)[
+                    index]) for a in self.out_avals]
+        guard = self.programs.guard
+        if guard.enabled:  # Never start a collective while a piece still runs (CPU).
+            jax.block_until_ready(stacked)
+        return guard.dispatch(self.run, *stacked)
+
+
+def _collective_step(programs, eqn):
+    out_avals = tuple(v.aval for v in eqn.outvars)
+    if any(v.aval.size == 0 for v in eqn.invars) or any(a.size == 0 for a in out_avals):
+        return _CollectiveStep(programs, None, out_avals)
+
+    def body(*blocks):
+        return tuple(o[None] for o in uneven_schedule.bind_cut(eqn, [b[0] for b in blocks]))
+    axis = programs.axis_name
+    mapped = jax.shard_map(body, mesh=programs.mesh, in_specs=(P(axis),) * len(eqn.invars),
+                           out_specs=(P(axis),) * len(out_avals), check_vma=False)
+    return _CollectiveStep(programs, jax.jit(mapped), out_avals)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MergeStep:
+    """A merge_call cut: ``merge_fn`` once, on one device, over every replica's true values."""
+    programs: Any
+    merge: Any  # An `uneven_trace.Merge`.
+
+    def __call__(self, envs, eqns, k):
+        devices, local = list(_devices(self.programs)), list(envs)
+        blocks = {r: [envs[r].pop(("in", k, i)) for i in range(len(eqns[r].invars))]
+                  for r in local}
+        if len(local) == len(eqns):  # One process holds every replica's arguments.
+            operands = jax.device_put([b for r in local for b in blocks[r]], devices[0])
+        else:  # Several workers: each gathers every replica's arguments and runs merge_fn
+            # itself on the same values (as the even step's merge runs on every device).
+            operands = uneven_multi_worker.gather_operands(
+                self.programs, local, blocks, [[v.aval for v in e.invars] for e in eqns],
+                devices[local[0]])
+        results = self.merge.run(*operands)
+        targets = [(r, i) for r in local for i in self.merge.replica_outputs[r]]
+        placed = iter(jax.device_put([results[i] for _, i in targets],
+                                     [devices[r] for r, _ in targets]))
+        for r in local:
+            envs[r].update(((v, BLOCK), next(placed)) for v in eqns[r].outvars)
+
+
+def _by_device(array, devices):
+    shards = {s.device: s.data for s in array.addressable_shards}
+    return [shards[d] for d in devices]
+
+
+def _devices(programs):
+    return tuple(programs.mesh.devices.flat)
+
+
+# ------------------------------------------------------------------------------ the plan
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything a call of an uneven step needs; built once per input signature."""
+    programs: Any
+    replica_programs: tuple  # Per replica: its `_TraceProgram`.
+    local: tuple  # The replicas whose devices this process holds (all of them on one).
+    replica_consts: dict  # Per local replica: per body input, its constant on its device.
+    replica_ids: dict  # Per local replica: its id as an int32 on its device.
+    steps: tuple  # Per cut: a `_CollectiveStep` or a `_MergeStep`.
+    out_kinds: tuple  # Per output: MIRRORED, STACKED or RAGGED.
+    out_tree: Any
+    out_statics: tuple  # Per output leaf: a Python object returned as it is, or `OUTPUT`.
+    ragged_args: frozenset
+    stacked_args: frozenset  # Even per-replica arguments: their stacked array, a block each.
+    mesh_pieces: Any  # A `uneven_mesh.MeshPieces` where it serves; None: one device at a time.
+
+    @classmethod
+    def build(cls, programs, traces, merges, dynamic, kinds):
+        n, devices = len(traces), _devices(programs)
+        distinct = list({id(t): t for t in traces}.values())
+        uneven_trace.check_cuts(distinct)
+        same = [all(col) for col in zip(*(
+            invariance.same_outputs(t.jaxpr, list(t.replicated_in)) for t in distinct))]
+        if len(distinct) > 1:  # Constants (x.shape[0]) differ between traces of other shapes.
+            forms = uneven_trace.output_forms(distinct)
+            same = [s and len({f[j] for f in forms}) == 1 for j, s in enumerate(same)]
+        shapes = [[tuple(v.aval.shape) for v in t.jaxpr.outvars] for t in traces]
+        out_kinds = tuple(
+            (MIRRORED if s and n > 1 else STACKED)
+            if len({sh[j] for sh in shapes}) == 1 else RAGGED for j, s in enumerate(same))
+        ragged_args = frozenset(i for i, x in enumerate(dynamic)
+                                if isinstance(x, PerReplica) and x.ragged)
+        stacked_args = frozenset(i for i, k in enumerate(uneven_trace.dynamic_kinds(kinds))
+                                 if k == PER_REPLICA and i not in ragged_args)
+        forms = [PLAIN if kind == STACKED else SQUEEZE for kind in out_kinds]
+        by_trace = {id(t): _program(t, forms, ragged_args) for t in distinct}
+        first = distinct[0]
+        steps = tuple(
+            _MergeStep(programs, merges[first.jaxpr.eqns[i].params["index"]])
+            if first.jaxpr.eqns[i].primitive is merge_p
+            else _collective_step(programs, first.jaxpr.eqns[i]) for i in first.cuts)
+        # Each process runs the pieces of its own replicas only (its devices).
+        local = tuple(r for r, d in enumerate(devices) if d.process_index == jax.process_index())
+        consts = {r: tuple(jax.device_put(np.asarray(v), devices[r]) if kind == "const" else None
+                           for kind, v in traces[r].sources) for r in local}
+        ids = {r: jax.device_put(np.int32(r), devices[r]) for r in local}
+        replica_programs = tuple(by_trace[id(t)] for t in traces)
+        mesh_pieces = None
+        if uneven_mesh.serves(replica_programs):
+            collective_cuts = {k for k, step in enumerate(steps)
+                               if isinstance(step, _CollectiveStep)}
+            output_specs = tuple(None if kind == RAGGED else P(programs.axis_name)
+                                 if kind == STACKED else P() for kind in out_kinds)
+            mesh_pieces = uneven_mesh.MeshPieces(programs, replica_programs, local,
+                                                 collective_cuts, output_specs)
+        return cls(programs, replica_programs, local, consts, ids, steps, out_kinds,
+                   first.out_tree, _regroup(programs, traces), ragged_args, stacked_args,
+                   mesh_pieces)
+
+    def __call__(self, dynamic):
+        replicated = [None if i in self.ragged_args or i in self.stacked_args
+                      else _replicated(x, self.programs) for i, x in enumerate(dynamic)]
+        mesh = self.mesh_pieces
+        # Whole-mesh pieces take a replicated argument as it is, not one copy per device.
+        per_arg = [None if mesh is not None and replicated[i] is not None else _per_device(
+            x, i in self.ragged_args, replicated[i], self.programs, self.local)
+            for i, x in enumerate(dynamic)]
+        if mesh is not None:
+            envs = {r: {} for r in self.local}  # What merge_calls and ragged outputs read.
+            merged = mesh(per_arg, replicated, envs, self.steps, self._cut_eqns)
+        else:
+            envs, merged = self._replica_envs(per_arg), {}
+            for k in range(len(self.steps) + 1):
+                self._run_per_device(k, envs)
+                if k < len(self.steps):
+                    self.steps[k](envs, self._cut_eqns(k), k)
+        outputs = [self._wrap(j, merged[j]) if j in merged else
+                   self._output(j, [env[("out", j)] for env in envs.values()])
+                   for j in range(len(self.out_kinds))]
+        if self.programs.guard.enabled:  # The next collective program must not overlap (CPU).
+            jax.block_until_ready(outputs)
+        arrays = iter(outputs)
+        return jax.tree_util.tree_unflatten(self.out_tree, [
+            next(arrays) if s is uneven_trace.OUTPUT else s for s in self.out_statics])
+
+    def _replica_envs(self, per_arg):
+        """Per local replica: the inputs of its trace's first piece, by environment key."""
+        envs = {}
+        for j, r in enumerate(self.local):
+            program = self.replica_programs[r]
+            envs[r] = {key: per_arg[src[1]][j] if src[0] == "arg" else const
+                       for key, src, const in zip(program.input_keys, program.trace.sources,
+                                                  self.replica_consts[r])}
+        return envs
+
+    def _run_per_device(self, k, envs):
+        """Piece ``k`` of each replica's trace, on its device (compiled once per device)."""
+        for r, env in envs.items():
+            segment = self.replica_programs[r].segments[k]
+            outs = segment.run(self.replica_ids[r], *[env[key] for key in segment.inputs])
+            env.update(zip(segment.outputs, outs))
+
+    def _cut_eqns(self, k):
+        """Cut ``k``'s equation in each replica's trace."""
+        return [p.trace.jaxpr.eqns[p.trace.cuts[k]] for p in self.replica_programs]
+
+    def _output(self, j, values):
+        """Output ``j`` of the step from its value on each local replica's device."""
+        kind, n = self.out_kinds[j], len(self.replica_programs)
+        if kind == RAGGED and len(values) < n:  # Other workers' replicas: their shapes.
+            mine = dict(zip(self.local, values))
+            return PerReplica._from_ragged([
+                mine[r] if r in mine else uneven_multi_worker.spec(a.shape[1:], a.dtype)
+                for r, a in enumerate(p.trace.jaxpr.outvars[j].aval
+                                      for p in self.replica_programs)])
+        if kind == RAGGED:
+            return PerReplica._from_components(tuple(values))
+        if kind == MIRRORED:
+            return self._wrap(j, jax.make_array_from_single_device_arrays(
+                values[0].shape, self.programs.replicated_sharding, values))
+        return self._wrap(j, jax.make_array_from_single_device_arrays(
+            (n,) + values[0].shape[1:], self.programs.per_replica_sharding, values))
+
+    def _wrap(self, j, array):
+        """Output ``j`` of the step from its whole-mesh ``array`` (replicated where it is one
+        value, stacked over the replicas where it is per replica)."""
+        kind = self.out_kinds[j]
+        if kind == STACKED:
+            return PerReplica._from_stacked(array)
+        return Mirrored._from_value(array, len(self.replica_programs), True)
+
+
+def _regroup(programs, traces):
+    """The Python objects the replicas returned, TF's regroup: one object where every replica
+    returned the same, a `PerReplica` of the replicas' numbers where they differ."""
+    statics = []
+    for values in zip(*(t.out_statics for t in traces)):
+        first = values[0]
+        if first is uneven_trace.OUTPUT or all(v == first for v in values[1:]):
+            statics.append(first)
+        elif all(isinstance(v, SCALARS) for v in values):
+            # PerReplica checks the numbers are of one kind and picks their dtype; built from a
+            # callback, each process places only its own replicas' numbers.
+            numbers = np.asarray(values, PerReplica(list(values)).stacked.dtype)
+            statics.append(PerReplica._from_stacked(jax.make_array_from_callback(
+                numbers.shape, programs.per_replica_sharding, lambda index: numbers[index])))
+        else:
+            raise errors.UnsupportedValueError(
+                f"the replicas returned different Python objects ({list(values)}); return "
+                "arrays, numbers or objects every replica computes the same.")
+    return tuple(statics)
+
+
+def _replicated(x, programs):
+    """A replicated argument (not per replica) placed on every device of the mesh."""
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        x = host_values.python_numbers_as_tf(x)  # As the trace typed it (a float is float32).
+    return programs.place_replicated(x)
+
+
+def _per_device(x, ragged, replicated, programs, local):
+    """A dynamic argument as one array per local replica's device, in the form the pieces read
+    it: a ragged `PerReplica`'s components, an even per-replica argument's blocks of its
+    stacked array (placed per replica already), a ``replicated`` one's copies."""
+    devices = [_devices(programs)[r] for r in local]
+    if ragged:  # Components stay where they are when already on their devices.
+        components = ragged_components(x)
+        return jax.device_put([components[r] for r in local], devices)
+    return _by_device(x if replicated is None else replicated, devices)
