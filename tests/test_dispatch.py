@@ -227,8 +227,6 @@ cases = {
         lambda b: s.run(lambda v: ctx().all_reduce("sum", v * 2.0), args=(b,)))(a))(x)),
     "reduce in function": lambda: np.asarray(
         jdist.function(lambda: s.reduce("sum", outer, axis=None))()).tolist(),
-    "finalize in merge_fn": lambda: show(s.run(lambda v: ctx().merge_call(
-        lambda st, a: (st.experimental_finalize(), a)[1], args=(v,)), args=(x,))),
     "outer value in merge_fn": lambda: s.run(lambda v: ctx().merge_call(
         lambda st, a: st.reduce("sum", outer, axis=None), args=(v,)), args=(x,)),
 }
@@ -251,6 +249,5 @@ def test_jdist_calls_inside_a_traced_launch_compute_or_raise_never_hang():
         "function in run = [6.0, 6.0, 6.0]",
         "function in function = [[6.0, 6.0], [6.0, 6.0], [6.0, 6.0]]",
         "reduce in function = [33.0, 33.0]",
-        "finalize in merge_fn = [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]",
         "outer value in merge_fn raises WrongContextError",
     ]

@@ -351,44 +351,6 @@ def test_default_strategy_yields_the_global_batches():
     assert [np.asarray(b).tolist() for b in dealt] == [[1, 1], [1, 1]]
 
 
-# ---------------------------------------------------------------------- TF1 names
-def test_make_dataset_iterator_and_experimental_run(s):
-    rows = np.arange(6, dtype=np.float32)
-    it = s.make_dataset_iterator(s.experimental_make_numpy_dataset(rows).batch(4))
-    assert it.initialize() == []
-
-    def step(x):
-        return jdist.get_replica_context().all_reduce("sum", jnp.sum(x))
-
-    assert float(jnp.asarray(s.experimental_run(step, it))) == 6.0
-    assert float(jnp.asarray(s.experimental_run(step, it))) == 9.0
-    with pytest.raises(errors.OutOfRangeError):
-        s.experimental_run(step, it)
-    it.initialize()  # Restarts from the beginning.
-    assert float(jnp.asarray(s.experimental_run(step, it))) == 6.0
-    it.close()
-    assert float(jnp.asarray(s.experimental_run(lambda: jnp.float32(2.0)))) == 2.0
-
-
-def test_make_input_fn_iterator_and_the_alias():
-    s = mirrored(2)
-
-    def input_fn(ctx):
-        assert isinstance(ctx, jdist.InputContext) and ctx.num_replicas_in_sync == 2
-        per_replica = ctx.get_per_replica_batch_size(4)
-        return s.experimental_make_numpy_dataset(np.arange(6)).batch(per_replica)
-
-    it = s.make_input_fn_iterator(input_fn)
-    assert [v.tolist() for v in s.experimental_local_results(it.get_next())] == [[0, 1], [2, 3]]
-    assert [v.tolist() for v in s.experimental_local_results(it.get_next())] == [[4, 5], []]
-    with pytest.raises(errors.OutOfRangeError):
-        it.get_next()
-    with pytest.raises(ValueError, match="not supported"):
-        s.make_input_fn_iterator(input_fn, jdist.InputReplicationMode.PER_REPLICA)
-    alias = s.experimental_distribute_datasets_from_function(input_fn)
-    assert isinstance(alias, jdist.DistributedDataset) and len(list(alias)) == 2
-
-
 # --------------------------------------------------------------------- NumpyDataset
 def test_numpy_dataset_verbs():
     ds = NumpyDataset({"x": np.arange(10), "y": np.arange(10) * 2})

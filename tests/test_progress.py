@@ -5,6 +5,7 @@ import logging
 import re
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -119,7 +120,7 @@ def test_print_once_inside_run_prints_one_line_per_step(chief, monkeypatch):
 
     for _ in range(2):
         strategy.run(step, args=(jnp.arange(3.0),))
-    strategy.experimental_finalize()
+    jax.effects_barrier()
     assert out.getvalue() == ("sum 3.0\n" * 2 if chief else "")
 
 

@@ -1,13 +1,19 @@
-"""The internal interface of jdist's reduce wing, written down: names, types and one protocol.
+"""The seams of jdist, written down: the domain's names and types, and what the core calls of
+its wings.
 
-The type aliases say what the cross-replica code accepts (they are documentation for readers
-and type checkers; nothing is checked at run time). `ReplicaCollectives` is what a
-`ReplicaContext` needs from its strategy while a replica function runs: the collectives over
-the replica axis. The strategy hands one to each replica context
-(`StrategyExtended._replica_collectives`).
+The core (`values`, `context`, `strategy`, `strategy_extended`, `mirrored`) imports no wing.
+What it needs of one is a `Protocol` here: `RunWing` (compiling ``run``), `ReduceWing`
+(reduce and gather rules, cross-device ops, destinations) and `InputWing` (distributed
+datasets). Each wing package registers its implementation when it is imported
+(`register_wing`), and ``jdist/_src/__init__.py`` imports every wing, so the core finds them
+(`run_wing`, `reduce_wing`, `input_wing`) whichever module a program imports first.
+
+The type aliases say what the cross-replica code accepts (documentation for readers and type
+checkers; nothing is checked at run time).
 """
 
-from typing import Any, Callable, Optional, Protocol, Sequence, Tuple, Union
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import jax
 
@@ -30,6 +36,29 @@ Lengths = Optional[Tuple[int, ...]]
 Axis = Union[None, int, Sequence[int]]
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Resolved destinations: where a result goes and in which form.
+
+    Attributes:
+      num_replicas: how many replicas a `Mirrored` result has (1 for an array result).
+      mirrored: whether the result is a `Mirrored` value (else one array).
+      devices: the destination devices, in replica order.
+      mesh: the `ReplicaMesh` over ``devices`` (its shardings and compiled programs); None for
+        one device that is not a mirrored destination.
+
+    Example:
+      >>> import jax
+      >>> t = reduce_wing().resolve_destinations("cpu:1")
+      >>> t.mirrored, t.devices == (jax.devices()[1],)
+      (False, True)
+    """
+    num_replicas: int
+    mirrored: bool
+    devices: Tuple[jax.Device, ...]
+    mesh: Optional[Any]  # A `jdist._src.reduce.replica_mesh.ReplicaMesh`.
+
+
 class ReplicaCollectives(Protocol):
     """The collectives a replica context calls, over the replica axis.
 
@@ -48,3 +77,83 @@ class ReplicaCollectives(Protocol):
     def merge_call(self, merge_fn: Callable[..., PyTree], args: tuple, kwargs: dict) -> PyTree:
         """``merge_fn(strategy, *args, **kwargs)`` once in the cross-replica context; its result
         as this replica sees it."""
+
+
+class Runner(Protocol):
+    """A strategy's compiled ``run`` (`jdist._src.run.spmd.ReplicatedRunner`)."""
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """``fn`` run on every replica; its outputs as `Mirrored` or `PerReplica` values."""
+
+
+class RunWing(Protocol):
+    """What the core calls of `jdist._src.run`."""
+
+    #: ``ReplicatedRunner(strategy, replica_mesh)``: the strategy's `Runner`.
+    ReplicatedRunner: Callable[[Any, Any], Any]
+
+    def replica_axis_collectives(self, binding: Any, ops: Any, runner: Any, num_replicas: int,
+                                 gradients_through_merge: bool,
+                                 options: Optional[Any]) -> ReplicaCollectives:
+        """The collectives of a traced replica function, over the replica axis."""
+
+
+class ReduceWing(Protocol):
+    """What the core calls of `jdist._src.reduce`: the reduce and gather rules
+    (`collectives`), cross-device ops, destinations and the replica mesh."""
+
+    #: ``ReplicaMesh(mesh, axis_name, guard)``: a mesh's shardings and host-side programs.
+    ReplicaMesh: Callable[..., Any]
+
+    def normalize_axis(self, axis: Axis, ndim: int) -> Optional[Tuple[int, ...]]: ...
+    def gather_axis(self, axis: Any, ndim: int) -> int: ...
+    def finish(self, op: ReduceOp, total: Any, count: Any,
+               divisors: Optional[dict] = None) -> Any: ...
+    def strip_padding(self, stacked: Any, lengths: Lengths, axes: Optional[Tuple[int, ...]],
+                      what: str, slice_rows: Optional[Callable] = None) -> Any: ...
+    def stacked_reduce(self, op: ReduceOp, stacked: Any, axes: Optional[Tuple[int, ...]],
+                       valid_rows: Any = None) -> Any: ...
+    def replicated_reduce(self, op: ReduceOp, value: Any, axes: Optional[Tuple[int, ...]],
+                          num_replicas: int = 1, mean_is_value: bool = True) -> Any: ...
+    def stacked_gather(self, stacked: Any, axis: int) -> Any: ...
+    def ragged_partials(self, components: Sequence, axis: Axis) -> Any: ...
+    def ragged_gather(self, components: Sequence, axis: int) -> Any: ...
+    def check_pairs(self, value_destination_pairs: Sequence[tuple]) -> List[tuple]: ...
+    def resolve_ops(self, cross_device_ops: Any, devices: Sequence[jax.Device]) -> Any: ...
+    def resolve_destinations(self, destinations: Destinations) -> Any: ...
+    def mirrored_on(self, devices: Sequence[jax.Device]) -> Any: ...
+    def place(self, tensor: Any, target: Any) -> Any: ...
+    def register_mesh(self, replica_mesh: Any) -> None: ...
+    def as_options(self, options: Any) -> Any: ...
+
+
+class InputWing(Protocol):
+    """What the core calls of `jdist._src.input`: the strategy's distributed datasets."""
+
+    def distribute_dataset(self, strategy: Any, dataset: Any, options: Any = None) -> Any: ...
+    def distribute_datasets_from_function(self, strategy: Any, dataset_fn: Callable[..., Any],
+                                          options: Any = None) -> Any: ...
+    def make_numpy_dataset(self, numpy_input: Any) -> Any: ...
+
+
+_WINGS: Dict[str, Any] = {}
+
+
+def register_wing(name: str, implementation: Any) -> None:
+    """Records a wing's implementation (its package) under ``name``: "run", "reduce", "input"."""
+    _WINGS[name] = implementation
+
+
+def run_wing() -> RunWing:
+    """The registered `RunWing`."""
+    return _WINGS["run"]
+
+
+def reduce_wing() -> ReduceWing:
+    """The registered `ReduceWing`."""
+    return _WINGS["reduce"]
+
+
+def input_wing() -> InputWing:
+    """The registered `InputWing`."""
+    return _WINGS["input"]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jdist._src import errors
 from jdist._src import host_values
-from jdist._src.reduce import packing
+from jdist._src.base import reduce_wing
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
 
@@ -378,7 +378,7 @@ class ReplicaContext:
         """
         self._require_current("all_reduce")
         op = ReduceOp.from_any(reduce_op)
-        packing.as_options(options)  # Checked on one replica too, which reduces nothing.
+        reduce_wing().as_options(options)  # Checked on one replica too, which reduces nothing.
         self._strategy.extended._check_batch_reduce(value, "all_reduce")  # A nest is one batch.
         check_reducible(op, value, adds=self.num_replicas_in_sync > 1)
         self._strategy.extended._check_collective_dtypes(value, "all_reduce")
@@ -399,7 +399,7 @@ class ReplicaContext:
           The nest of gathered arrays.
         """
         self._require_current("all_gather")
-        packing.as_options(options)
+        reduce_wing().as_options(options)
         host_values.check_arrays(value, "all_gather")
         self._strategy.extended._check_gather(value, axis, "all_gather")
         return self._collectives.all_gather(value, axis)

@@ -25,10 +25,10 @@ from jdist._src import context
 from jdist._src import errors
 from jdist._src import host_values
 from jdist._src import jax_internals
-from jdist._src.run.arguments import SCALARS
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
+from jdist._src.values import SCALARS
 from jdist._src.values import is_distributed
 from jdist._src.values import is_step_output
 

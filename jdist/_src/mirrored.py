@@ -1,29 +1,25 @@
 """`MirroredStrategy` and `OneDeviceStrategy`: synchronous replicas on this process's devices.
 
 Both keep one `ReplicaMesh` over their devices with the replica axis ``"replica"``
-(`jdist._src.reduce.replica_mesh`); values live as arrays sharded over it (`jdist._src.values`), ``run``
-compiles to one SPMD program (`jdist._src.run.spmd`), and ``reduce`` / ``gather`` are compiled
-collectives on the mesh, through the strategy's `CrossDeviceOps`. Inside ``run`` the replica
-context's collectives are `_ReplicaAxisCollectives`. Every launch goes through the platform's
-dispatch guard (`jdist._src.dispatch`), which on CPU keeps collective programs from overlapping.
+(the reduce wing's `ReplicaMesh`); values live as arrays sharded over it (`jdist._src.values`),
+``run`` compiles to one SPMD program (the run wing's `ReplicatedRunner`), and ``reduce`` /
+``gather`` are compiled collectives on the mesh, through the strategy's `CrossDeviceOps`. Every
+launch goes through the platform's dispatch guard (`jdist._src.dispatch`), which on CPU keeps
+collective programs from overlapping. The wings are reached through `jdist._src.base`.
 """
+
+from typing import Optional
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jdist._src.reduce import collectives
-from jdist._src.reduce import cross_device_ops as cross_device_ops_lib
-from jdist._src.reduce import destinations
 from jdist._src import devices as devices_lib
 from jdist._src import dispatch
 from jdist._src import errors
-from jdist._src.run import merge
-from jdist._src.reduce import replica_mesh
-from jdist._src.run import spmd
 from jdist._src.base import REPLICA_AXIS
-from jdist._src.base import ReplicaCollectives
-from jdist._src.reduce_op import ReduceOp
+from jdist._src.base import reduce_wing
+from jdist._src.base import run_wing
 from jdist._src.strategy import Strategy
 from jdist._src.strategy_extended import StrategyExtended
 from jdist._src.values import ARRAYS
@@ -33,8 +29,9 @@ from jdist._src.values import PerReplica
 class MirroredExtended(StrategyExtended):
     """`StrategyExtended` over a mesh of local devices, one replica per device."""
 
-    # MultiWorkerExtended places values through a subclass (`multi_worker.MultiProcessMesh`).
-    _mesh_class = replica_mesh.ReplicaMesh
+    # MultiWorkerExtended places values through a subclass (`multi_worker.MultiProcessMesh`);
+    # None: the reduce wing's `ReplicaMesh`.
+    _mesh_class: Optional[type] = None
     # TF's MirroredStrategy runs merge_fn on another thread than the replica's, outside its
     # gradient tape; OneDeviceStrategy's runs inline, where gradients flow (`merge`).
     _gradients_through_merge_call = False
@@ -52,16 +49,17 @@ class MirroredExtended(StrategyExtended):
         self._platform = platforms.pop()
         self._mesh = Mesh(np.array(self._devices), (REPLICA_AXIS,))
         self._guard = dispatch.guard_for(self._platform, len(self._devices))
-        self._programs = self._mesh_class(self._mesh, REPLICA_AXIS, self._guard)
-        self._runner = spmd.ReplicatedRunner(container_strategy, self._programs)
+        mesh_class = self._mesh_class or reduce_wing().ReplicaMesh
+        self._programs = mesh_class(self._mesh, REPLICA_AXIS, self._guard)
+        self._runner = run_wing().ReplicatedRunner(container_strategy, self._programs)
         self._run = self._runner.run  # `run`'s path on every step: one Python frame fewer.
         # None picks the backend's all-reduce; the strategy's mesh serves ops on its devices.
-        self._cross_device_ops = cross_device_ops_lib.resolve(cross_device_ops, self._devices)
+        self._cross_device_ops = reduce_wing().resolve_ops(cross_device_ops, self._devices)
         # TF's default on several devices is CollectiveAllReduce: it all-reduces batch_reduce_to
         # results onto every replica device, and gathers all but int32 values itself.
         self._tf_collective_ops = cross_device_ops is None and len(self._devices) > 1
-        replica_mesh.register(self._programs)
-        self._mirrored_target = destinations.mirrored_on(self._devices)
+        reduce_wing().register_mesh(self._programs)
+        self._mirrored_target = reduce_wing().mirrored_on(self._devices)
 
     @property
     def mesh(self):
@@ -76,9 +74,9 @@ class MirroredExtended(StrategyExtended):
     def _replica_collectives(self, binding):
         if binding is None:
             return super()._replica_collectives(binding)
-        return _ReplicaAxisCollectives(binding, self._cross_device_ops, self._runner,
-                                       self._num_replicas, self._gradients_through_merge_call,
-                                       self._all_reduce_options)
+        return run_wing().replica_axis_collectives(
+            binding, self._cross_device_ops, self._runner, self._num_replicas,
+            self._gradients_through_merge_call, self._all_reduce_options)
 
     def _reduce_per_replica(self, op, value, axes):
         return self._cross_device_ops._reduce_to_mesh(self._programs, op, value, axes)
@@ -123,48 +121,6 @@ class MirroredExtended(StrategyExtended):
 
     def _wait_all(self):
         self._guard.wait()
-
-
-class _ReplicaAxisCollectives(ReplicaCollectives):
-    """`base.ReplicaCollectives` of a traced replica function: over the replica axis.
-
-    ``all_reduce`` is the strategy's cross-device ops' (a ``psum``, packed or not); while one
-    replica of an uneven step is traced (``binding.exact``, `jdist._src.uneven.plan`), ``all_gather``
-    and ``merge_call`` are steps of their own, run across replicas between the traced pieces.
-    """
-
-    def __init__(self, binding, ops, runner, num_replicas, gradients_through_merge,
-                 options=None):
-        self._binding = binding
-        self._options = options
-        self._gradients_through_merge = gradients_through_merge
-        self._ops = ops
-        self._runner = runner
-        self._num_replicas = num_replicas
-
-    def all_reduce(self, op, value, options=None):
-        if self._options is not None:
-            options = self._options.merge(options)
-
-        def reduce(op, value):
-            return self._ops._replica_all_reduce(self._binding.axis_name, self._num_replicas, op,
-                                                value, options)
-        return collectives.all_reduce_with_tfs_gradient(reduce, op, self._num_replicas, value,
-                                                        self._ops._sums_by_psum)
-
-    def all_gather(self, value, axis):
-        binding = self._binding
-        if binding.exact is not None:
-            return binding.exact.all_gather(value, axis, lambda v: self.all_reduce(ReduceOp.SUM, v),
-                                            binding.axis_name)
-        return collectives.replica_all_gather(binding.axis_name, value, axis)
-
-    def merge_call(self, merge_fn, args, kwargs):
-        if not self._gradients_through_merge:
-            args, kwargs = merge.without_gradient((args, kwargs))
-        if self._binding.exact is not None:
-            return self._binding.exact.merge_call(merge_fn, args, kwargs)
-        return self._runner.merge_call(self._binding, merge_fn, args, kwargs)
 
 
 class MirroredStrategy(Strategy):

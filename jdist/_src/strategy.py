@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdist._src.reduce import collectives
-from jdist._src.base import Axis, PyTree, ReduceOpLike
+from jdist._src.base import Axis, PyTree, ReduceOpLike, input_wing, reduce_wing
 from jdist._src import context
 from jdist._src import dispatch
 from jdist._src import errors
@@ -26,8 +25,6 @@ from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
 from jdist._src.strategy_extended import StrategyExtended
-from jdist._src.strategy_extended import across_workers
-from jdist._src.tf1_api import TF1Methods
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
@@ -37,12 +34,11 @@ from jdist._src.values import is_python_number
 from jdist._src.values import local_results
 
 
-class Strategy(TF1Methods):
+class Strategy:
     """A set of devices and how a computation is replicated over them (``tf.distribute.Strategy``).
 
     Use a concrete strategy (`MirroredStrategy`, `OneDeviceStrategy`), or `get_strategy` for the
-    current one. The methods here follow TF's meaning; see ``docs/api.md`` for the JAX meaning of
-    the TF1 names that have no JAX counterpart (sessions, ConfigProto).
+    current one. The methods follow TF2's meaning (``docs/api.md``).
     """
 
     def __init__(self, extended):
@@ -189,16 +185,16 @@ class Strategy(TF1Methods):
             return value
         if value.num_replicas == 1 == self.num_replicas_in_sync:
             return value.values[0]  # TF's one value, handed back as a plain value is.
-        value = across_workers(self._extended, value)
+        value = self._extended._combinable(value)
         if value.ragged:
-            return collectives.ragged_gather(value.values, axis)
+            return reduce_wing().ragged_gather(value.values, axis)
         if value.stacked.ndim == 1:
             raise errors.InvalidArgumentError(
                 "gather needs per-replica values of rank >= 1 (got scalars); give each replica's "
                 "value a leading axis first, e.g. x[None] in the replica function.")
-        axis = collectives.gather_axis(axis, value.stacked.ndim - 1)
+        axis = reduce_wing().gather_axis(axis, value.stacked.ndim - 1)
         if isinstance(value.stacked, jax.core.Tracer):
-            return collectives.stacked_gather(value.stacked, axis)
+            return reduce_wing().stacked_gather(value.stacked, axis)
         return self._extended._gather_per_replica(value, axis)
 
     def experimental_local_results(self, value: PyTree) -> tuple:
@@ -311,9 +307,8 @@ class Strategy(TF1Methods):
           >>> [b.tolist() for b in s.experimental_distribute_dataset([np.arange(2), np.arange(1)])]
           [[0, 1], [0]]
         """
-        from jdist._src.input import datasets as input_lib  # pylint: disable=import-outside-toplevel
         context.require_not_mixed(self, "experimental_distribute_dataset")
-        return input_lib.distribute_dataset(self, dataset, options)
+        return input_wing().distribute_dataset(self, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
                                           options: Optional[Any] = None) -> Any:
@@ -328,9 +323,8 @@ class Strategy(TF1Methods):
         Returns:
           A `DistributedDataset`; replicas left without data at the end get empty batches.
         """
-        from jdist._src.input import datasets as input_lib  # pylint: disable=import-outside-toplevel
         context.require_not_mixed(self, "distribute_datasets_from_function")
-        return input_lib.distribute_datasets_from_function(self, dataset_fn, options)
+        return input_wing().distribute_datasets_from_function(self, dataset_fn, options)
 
     def experimental_distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
                                                        options: Optional[Any] = None) -> Any:
@@ -347,15 +341,9 @@ class Strategy(TF1Methods):
           >>> [b.tolist() for b in ds]
           [[0, 1], [2]]
         """
-        from jdist._src.input import datasets as input_lib  # pylint: disable=import-outside-toplevel
-        return input_lib.make_numpy_dataset(numpy_input)
+        return input_wing().make_numpy_dataset(numpy_input)
 
     # ----- End of distributed input delegations. -----
-
-    def experimental_finalize(self) -> list:
-        """Waits for every program this strategy dispatched to finish; returns ``[]`` (no ops)."""
-        self._extended._wait_all()
-        return []
 
     def __deepcopy__(self, memo):
         # A strategy owns devices and compiled programs: copies share it, as in TF.

@@ -1,7 +1,8 @@
 """`StrategyExtended`: the lower-level API every strategy shares (``strategy.extended``).
 
 ``reduce_to`` / ``batch_reduce_to`` / ``broadcast_to`` resolve their destinations once, at the
-API boundary, into a `destinations.Target` and hand values and targets to the strategy's
+API boundary, into a `destinations.Target` (the reduce wing, `base.ReduceWing`) and hand values
+and targets to the strategy's
 `CrossDeviceOps`, which never calls back; the default strategy has none and reduces and places
 values itself. How values move between devices is the concern of the concrete strategy's
 subclass (`jdist._src.mirrored`, `jdist._src.multi_worker.strategy`).
@@ -13,25 +14,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdist._src.reduce import collectives
 from jdist._src import context
-from jdist._src.reduce import cross_device_ops as cross_device_ops_lib
-from jdist._src.reduce import destinations as destinations_lib
 from jdist._src import devices as devices_lib
 from jdist._src import errors
-from jdist._src.multi_worker import ragged as uneven_multi_worker
 from jdist._src.base import Axis
 from jdist._src.base import Destinations
 from jdist._src.base import PyTree
 from jdist._src.base import ReduceOpLike
 from jdist._src.base import ReplicaCollectives
-from jdist._src.reduce.destinations import Target
-from jdist._src.reduce.packing import CommunicationOptions
-from jdist._src.reduce.packing import as_options
+from jdist._src.base import Target
+from jdist._src.base import reduce_wing
 from jdist._src.reduce_op import ReduceOp
 from jdist._src.reduce_op import check_reducible
-from jdist._src.run.arguments import SCALARS
 from jdist._src.values import DistributedValues
+from jdist._src.values import SCALARS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import check_replica_count
@@ -40,7 +36,6 @@ from jdist._src.host_values import check_placeable
 from jdist._src.values import is_python_number
 from jdist._src.values import is_step_output
 from jdist._src.values import local_results
-from jdist._src.values import spans_workers
 
 
 # The dtypes TF's collective all-reduce and all-gather ops take (their "T" attribute).
@@ -58,7 +53,7 @@ class StrategyExtended:
     """
 
     # How values are combined across devices; None: the default strategy combines them itself.
-    _cross_device_ops: Optional[cross_device_ops_lib.CrossDeviceOps] = None
+    _cross_device_ops: Optional[Any] = None  # A `CrossDeviceOps`.
     # Whether TF's strategy uses its default CollectiveAllReduce (several devices, no ops
     # given): batch_reduce_to then puts every result on every replica device.
     _tf_collective_ops: bool = False
@@ -154,10 +149,10 @@ class StrategyExtended:
             return fn(*args, **kwargs)
 
     def _reduce_per_replica(self, op, value, axes):
-        stacked, lengths = collectives.strip_padding(jnp.asarray(value.stacked), value._lengths,
+        stacked, lengths = reduce_wing().strip_padding(jnp.asarray(value.stacked), value._lengths,
                                                      axes, "reduce")
         valid = None if lengths is None else jnp.asarray(lengths)
-        return collectives.stacked_reduce(op, stacked, axes, valid)
+        return reduce_wing().stacked_reduce(op, stacked, axes, valid)
 
     def _as_worker_value(self, value: Any) -> Any:
         """``value`` as TF's strategy takes a non-distributed value that the cross-replica
@@ -294,13 +289,18 @@ class StrategyExtended:
             return host
         return self._place_one_replica_value(host)
 
+    def _combinable(self, value: PerReplica) -> PerReplica:
+        """``value`` as ``reduce`` and ``gather`` combine it (one process holds every replica:
+        as it is; `MultiWorkerExtended` pads a ragged value other workers hold)."""
+        return value
+
     def _wait_all(self):
         """Waits for the programs this strategy dispatched (the default strategy runs replica
         functions directly: it has none in flight)."""
 
     # Public cross-replica API.
     def reduce_to(self, reduce_op: ReduceOpLike, value: Any, destinations: Destinations,
-                  options: Optional[CommunicationOptions] = None) -> Any:
+                  options: Optional[Any] = None) -> Any:
         """Reduces ``value`` across replicas and places the result on ``destinations``.
 
         Args:
@@ -338,7 +338,7 @@ class StrategyExtended:
         return self._reduce_to(op, value, self._target(destinations), options)
 
     def batch_reduce_to(self, reduce_op: ReduceOpLike, value_destination_pairs: Sequence[tuple],
-                        options: Optional[CommunicationOptions] = None) -> List[Any]:
+                        options: Optional[Any] = None) -> List[Any]:
         """`reduce_to` for a sequence of ``(value, destinations)`` pairs; returns a list.
 
         The per-replica values are reduced as one batch by the strategy's cross-device ops
@@ -365,8 +365,8 @@ class StrategyExtended:
         """
         context.require_cross_replica(self._container_strategy_ref, "extended.batch_reduce_to")
         op = ReduceOp.from_any(reduce_op)
-        pairs = cross_device_ops_lib.check_pairs(value_destination_pairs)
-        as_options(options)  # Checked on one replica too, which reduces nothing.
+        pairs = reduce_wing().check_pairs(value_destination_pairs)
+        reduce_wing().as_options(options)  # Checked on one replica too, which reduces nothing.
         pairs = [(self._as_worker_value(value), d) for value, d in pairs]  # Every worker's.
         check_reducible(op, [value for value, _ in pairs], adds=self._num_replicas > 1)
         self._check_collective_dtypes([value for value, _ in pairs], "extended.batch_reduce_to")
@@ -414,7 +414,7 @@ class StrategyExtended:
         the program that traces it, the strategy's."""
         if isinstance(destinations, (DistributedValues, jax.core.Tracer)):
             return self._mirrored_target
-        return destinations_lib.resolve(destinations)
+        return reduce_wing().resolve_destinations(destinations)
 
     def _reduce_to(self, op, value, target, options):
         ops = self._cross_device_ops
@@ -426,12 +426,12 @@ class StrategyExtended:
     def _place(self, result, target):
         """``result`` on ``target``, through the strategy's cross-device ops if it has them."""
         if isinstance(result, jax.core.Tracer):  # Inside a merge function: the program places it.
-            return destinations_lib.place(result, target)
+            return reduce_wing().place(result, target)
         if self._cross_device_ops is not None:
             return self._cross_device_ops.broadcast(result, target)
         if target.mirrored:
             return Mirrored._from_value(self._replicate(result), self._num_replicas)
-        return destinations_lib.place(result, target)
+        return reduce_wing().place(result, target)
 
     def _check_components(self, value):
         check_replica_count(value, self._num_replicas, "reduce")
@@ -447,15 +447,15 @@ class StrategyExtended:
             self._check_components(value)
             if n == 1 and axis is None and op is ReduceOp.SUM and not value.ragged:
                 return value.stacked[0]  # TF's add_n of one value: the value (a bool too).
-            value = across_workers(self, value)
+            value = self._combinable(value)
             if value.ragged:  # Sum inside each replica, combine the sums with the strategy's ops.
-                partials, count = collectives.ragged_partials(value.values, axis)
+                partials, count = reduce_wing().ragged_partials(value.values, axis)
                 total = self._reduce_value(ReduceOp.SUM, PerReplica._from_components(partials),
                                            None)
-                return collectives.finish(op, total, count)
-            axes = collectives.normalize_axis(axis, value.stacked.ndim - 1)
+                return reduce_wing().finish(op, total, count)
+            axes = reduce_wing().normalize_axis(axis, value.stacked.ndim - 1)
             if isinstance(value.stacked, jax.core.Tracer):  # A merge_call view.
-                return collectives.stacked_reduce(op, value.stacked, axes)
+                return reduce_wing().stacked_reduce(op, value.stacked, axes)
             return self._reduce_per_replica(op, value, axes)
         step_output = is_step_output(value)
         if isinstance(value, Mirrored):
@@ -471,8 +471,8 @@ class StrategyExtended:
             return reduce_plain(asked, value, n)
         # The same value on every replica (TF runs the within-replica reduce on each of them).
         value = jnp.asarray(value)
-        axes = collectives.normalize_axis(axis, value.ndim)
-        return collectives.replicated_reduce(op, value, axes, n, mean_is_value=not step_output)
+        axes = reduce_wing().normalize_axis(axis, value.ndim)
+        return reduce_wing().replicated_reduce(op, value, axes, n, mean_is_value=not step_output)
 
 
 def reduce_plain(op: ReduceOp, value: Any, num_replicas: int) -> Any:
@@ -514,14 +514,6 @@ def _dtype_of(value):
     """The dtype of a value's arrays (a `PerReplica` flattens to them); None for a number."""
     leaves = jax.tree_util.tree_leaves(value)
     return np.dtype(leaves[0].dtype) if leaves and hasattr(leaves[0], "dtype") else None
-
-
-def across_workers(extended, value):
-    """A ragged value whose replicas other workers hold, as a padded one, which reduce and
-    gather combine exactly across hosts (`uneven_multi_worker.as_padded`); else ``value``."""
-    if not value.ragged or not spans_workers(value):
-        return value
-    return uneven_multi_worker.as_padded(extended.mesh, extended.replica_axis, value)
 
 
 class _OneReplica(ReplicaCollectives):

@@ -14,7 +14,7 @@ Both are pytree nodes, so they pass through ``jax.jit``, ``jax.tree_util`` and `
 """
 
 import functools
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -27,6 +27,7 @@ from jdist._src.host_values import dtype_kind
 
 
 ARRAYS = (jax.Array, np.ndarray, np.generic)  # What jdist takes as an array leaf.
+SCALARS = (bool, int, float, complex)  # Python numbers (NumPy's are arrays).
 
 
 def _is_array(x):
@@ -216,9 +217,10 @@ class Mirrored(DistributedValues):
 
     # A pytree node (registered below): the value is its one child, `_Copies` its metadata.
     __slots__ = ("_value", "_copies")
+    _copies: "_Copies"
 
     def __init__(self, values: Any = None, *, _value: Any = _UNSET,
-                 _copies: Optional["_Copies"] = None) -> None:
+                 _copies: Any = None) -> None:
         if _value is not _UNSET:  # JAX unflattening the node.
             self._value, self._copies = _value, _copies
             return
@@ -331,7 +333,7 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
 
 def is_python_number(value) -> bool:
     """Whether ``value`` is a Python number (a bool, int, float or complex; NumPy's are arrays)."""
-    return type(value) in (bool, int, float, complex)
+    return type(value) in SCALARS
 
 
 def _stack_or_keep(values):

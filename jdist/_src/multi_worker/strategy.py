@@ -41,6 +41,7 @@ from jdist._src.run.arguments import SCALARS
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
+from jdist._src.values import spans_workers
 from jdist._src.values import is_distributed
 from jdist._src.values import is_step_output
 from jdist._src.multi_worker.watchdog import Watchdog
@@ -234,6 +235,13 @@ class MultiWorkerExtended(MirroredExtended):
         the same replica shapes (`uneven_multi_worker.agree_step`)."""
         if self._agreement is not None:
             uneven_multi_worker.agree_step(self._agreement, self._cluster, signature)
+
+    def _combinable(self, value):
+        """A ragged value whose replicas other workers hold, as a padded one, which reduce and
+        gather combine exactly across hosts (`uneven_multi_worker.as_padded`)."""
+        if not value.ragged or not spans_workers(value):
+            return value
+        return uneven_multi_worker.as_padded(self.mesh, self.replica_axis, value)
 
     def _distribute_components(self, components):
         """One global array from THIS worker's components; shapes agreed with the other workers."""

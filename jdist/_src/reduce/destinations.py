@@ -9,9 +9,8 @@ works on global arrays (`cross_host`), and a worker holding none of the target d
 `cross_host.RemoteArray`.
 """
 
-import dataclasses
 import functools
-from typing import Optional, Tuple
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
@@ -24,33 +23,11 @@ from jdist._src import errors
 from jdist._src import host_values
 from jdist._src.reduce import replica_mesh
 from jdist._src.base import Destinations
+from jdist._src.base import Target
 from jdist._src.reduce.replica_mesh import ReplicaMesh
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """Resolved destinations: where a result goes and in which form.
-
-    Attributes:
-      num_replicas: how many replicas a `Mirrored` result has (1 for an array result).
-      mirrored: whether the result is a `Mirrored` value (else one array).
-      devices: the destination devices, in replica order.
-      mesh: the `ReplicaMesh` over ``devices`` (its shardings and compiled programs); None for
-        one device that is not a mirrored destination.
-
-    Example:
-      >>> import jax
-      >>> t = resolve("cpu:1")
-      >>> t.mirrored, t.devices == (jax.devices()[1],)
-      (False, True)
-    """
-    num_replicas: int
-    mirrored: bool
-    devices: Tuple[jax.Device, ...]
-    mesh: Optional[ReplicaMesh]
 
 
 def mirrored_on(devices) -> Target:

@@ -14,6 +14,7 @@ from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import is_placeable
 from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.values import ARRAYS
+from jdist._src.values import SCALARS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
 from jdist._src.values import check_replica_count
@@ -21,7 +22,6 @@ from jdist._src.values import is_step_output
 from jdist._src.values import ragged_components
 
 PER_REPLICA, MIRRORED, ARRAY, STATIC = "per_replica", "mirrored", "array", "static"
-SCALARS = (bool, int, float, complex)
 
 
 def classify_leaf(leaf, place):
