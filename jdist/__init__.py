@@ -34,7 +34,6 @@ from jdist._src.cross_device_ops import CrossDeviceOps
 from jdist._src.cross_device_ops import HierarchicalCopyAllReduce
 from jdist._src.cross_device_ops import NcclAllReduce
 from jdist._src.cross_device_ops import ReductionToOneDevice
-from jdist._src.cross_host import RemoteArray
 from jdist._src.dispatch import function
 from jdist._src.input import DistributedDataset
 from jdist._src.input import DistributedIterator
@@ -92,7 +91,6 @@ __all__ = (
     "ProgressBar",
     "ReduceOp",
     "ReductionToOneDevice",
-    "RemoteArray",
     "ReplicaContext",
     "SimpleClusterResolver",
     "SlurmClusterResolver",

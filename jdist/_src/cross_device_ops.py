@@ -26,7 +26,6 @@ from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 
 from jdist._src import collectives
-from jdist._src import cross_host
 from jdist._src import destinations as destinations_lib
 from jdist._src import devices as devices_lib
 from jdist._src import errors
@@ -54,8 +53,7 @@ class CrossDeviceOps(abc.ABC):
     `destinations.Target` s; the public methods check their arguments first. Destinations are a
     `DistributedValues` (the result is `Mirrored` on its devices), a device name such as
     ``"CPU:0"`` or a ``jax.Device`` (an array on that device; under `MultiWorkerMirroredStrategy`
-    also another worker's, whose other workers get a `cross_host.RemoteArray`), a ``jax.Array``
-    (an array on its devices), or an already resolved `Target`. ``""`` or any other object is an
+    this worker's), a ``jax.Array`` (an array on its devices), or an already resolved `Target`. ``""`` or any other object is an
     `InvalidArgumentError` (a ``ValueError``). A plain array counts as a one-replica value.
 
     Example:
@@ -263,7 +261,7 @@ class ReductionToOneDevice(CrossDeviceOps):
     applies ``accumulation_fn`` there (one SPMD program has no single reducing device). A value
     of a `MultiWorkerMirroredStrategy` (spread over several processes) is reduced the same way:
     every device gathers the replicas' values in replica order and applies ``accumulation_fn``,
-    and the destinations keep their copies (`cross_host`; every worker makes the call).
+    and the destinations keep their copies (every worker makes the call).
 
     Args:
       reduce_to_device: the device to reduce on: a name such as ``"CPU:0"`` (or, with several
@@ -323,7 +321,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         mesh = replica_mesh.of_array(value.stacked, value.num_replicas)
         stacked, _ = mesh.strip_padding(value.stacked, value._lengths, None)
         device = self._device(destinations)
-        if cross_host.is_global(stacked):
+        if destinations_lib.is_global(stacked):
             reduced = self._accumulate_everywhere(mesh, reduce_op, stacked)
         elif device.process_index != jax.process_index():
             raise errors.InvalidArgumentError(
@@ -339,8 +337,8 @@ class ReductionToOneDevice(CrossDeviceOps):
     def _accumulate_everywhere(self, mesh, op, stacked):
         """A value spread over several processes, accumulated as on one device: every device
         gathers the replicas' values (in replica order) and applies ``accumulation_fn`` to the
-        same list, so each holds the reduced value; the destinations keep theirs
-        (`cross_host`). Every worker makes this call (one program over every process)."""
+        same list, so each holds the reduced value; the destinations keep theirs. Every worker
+        makes this call (one program over every process)."""
         n = stacked.shape[0]
         if stacked.size == 0:
             return collectives.reduce_empty(self._accumulate_fn(op, n), stacked.shape,

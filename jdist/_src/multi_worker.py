@@ -22,7 +22,6 @@ import functools
 import jax
 import numpy as np
 
-from jdist._src import cross_host
 from jdist._src import devices as devices_lib
 from jdist._src import errors
 from jdist._src import input_batches
@@ -290,7 +289,6 @@ def _runtime_services(cluster, options, guard):
         watchdog.start()
         _register_exit(watchdog.stop)
         _services["agreement"] = runtime.Agreement(cluster, timeout)
-        cross_host.register_exchange(_services["agreement"].exchange)
     return _services["agreement"]
 
 
