@@ -1,22 +1,11 @@
 """Packing many small values into a few collectives, and the options that ask for it.
 
-A batch of small gradients all-reduced one by one costs one collective each, and each collective
-has a fixed latency. Packing concatenates the raveled values of one dtype into a flat buffer, cuts
-the buffer into packs, all-reduces each pack and splits the result back into the original shapes,
-so 200 gradients of a few KB cross the devices in a handful of collectives.
-
-Two ways to cut, as in TF:
-
-* ``bytes_per_pack > 0`` (``CommunicationOptions``): values are kept whole and appended to the
-  current pack of their dtype, in order, until it holds at least ``bytes_per_pack`` bytes
-  (TF's ``group_by_size``: best effort, a pack may be smaller or larger);
-* ``num_packs > 0`` (``NcclAllReduce(num_packs)``): each dtype's buffer is split into
-  ``num_packs`` nearly equal slices regardless of value boundaries (TF's ``_ConcatAndSplitPacker``).
-
-With neither, every value is its own pack. `CommunicationOptions` (TF's
-``tf.distribute.experimental.CommunicationOptions``) carries ``bytes_per_pack``. The plan is
-static (shapes and dtypes only), so a compiled program holds exactly one all-reduce per pack;
-`jdist.testing.count_all_reduces` reads that number from HLO text.
+Each collective has a fixed latency, so a batch of small values of one dtype is concatenated
+into flat buffers, all-reduced pack by pack and split back. As in TF, ``bytes_per_pack > 0``
+(`CommunicationOptions`) keeps values whole and closes a pack once it holds that many bytes
+(``group_by_size``); ``num_packs > 0`` (``NcclAllReduce``) cuts each dtype's buffer into that
+many slices (``_ConcatAndSplitPacker``); with neither each value is its own pack. The plan is
+static, so a compiled program holds one all-reduce per pack (`jdist.testing.count_all_reduces`).
 """
 
 import dataclasses
