@@ -310,8 +310,6 @@ class MultiWorkerMirroredStrategy(Strategy):
                  communication_options: Optional[packing.CommunicationOptions] = None) -> None:
         resolver = TFConfigClusterResolver() if cluster_resolver is None else cluster_resolver
         options = packing.as_options(communication_options)
-        if options is None:
-            options = packing.CommunicationOptions()
         cluster = runtime.Cluster(resolver)
         if cluster.num_workers > 1:
             runtime.initialize(cluster, options.timeout_seconds or runtime.DEFAULT_TIMEOUT_SECONDS)
