@@ -34,7 +34,6 @@ from jdist._src.reduce.cross_device_ops import CrossDeviceOps
 from jdist._src.reduce.cross_device_ops import HierarchicalCopyAllReduce
 from jdist._src.reduce.cross_device_ops import NcclAllReduce
 from jdist._src.reduce.cross_device_ops import ReductionToOneDevice
-from jdist._src.multi_worker.cross_host import RemoteArray
 from jdist._src.dispatch import function
 from jdist._src.input.datasets import DistributedDataset
 from jdist._src.input.datasets import DistributedIterator
@@ -92,7 +91,6 @@ __all__ = (
     "ProgressBar",
     "ReduceOp",
     "ReductionToOneDevice",
-    "RemoteArray",
     "ReplicaContext",
     "SimpleClusterResolver",
     "SlurmClusterResolver",

@@ -8,7 +8,6 @@ from jdist._src.errors import MissingDependencyError
 from jdist._src.errors import MixedStrategyError
 from jdist._src.errors import NoGradientError
 from jdist._src.errors import OutOfRangeError
-from jdist._src.errors import RemoteValueError
 from jdist._src.errors import ShapeMismatchError
 from jdist._src.errors import UnevenValuesError
 from jdist._src.errors import UnavailableError
@@ -29,7 +28,6 @@ __all__ = (
     "MixedStrategyError",
     "NoGradientError",
     "OutOfRangeError",
-    "RemoteValueError",
     "ShapeMismatchError",
     "UnevenValuesError",
     "UnavailableError",

@@ -202,48 +202,61 @@ def _int64(s, jdist, np):
 
 
 def _record(s, jdist, np, result):
-    """What one worker sees of a reduce_to / broadcast_to result: its kind, where it lies (replica
-    indices of its devices), and its value or the typed error reading it raises."""
-    devices = list(s.extended.replica_devices)
+    """What one worker sees of a reduce_to / broadcast_to result: its kind, where it lies (local
+    device indices, "all": Mirrored) and its value."""
+    import jax  # pylint: disable=import-outside-toplevel
     if isinstance(result, jdist.Mirrored):
         return {"kind": "Mirrored", "on": "all", "value": np.asarray(
             s.experimental_local_results(result)[0]).tolist()}
-    on = sorted(devices.index(d) for d in result.devices())
-    try:
-        return {"kind": type(result).__name__, "on": on, "value": np.asarray(result).tolist()}
-    except jdist.errors.JdistError as e:
-        return {"kind": type(result).__name__, "on": on, "error": type(e).__name__}
+    on = sorted(jax.local_devices().index(d) for d in result.devices())
+    return {"kind": type(result).__name__, "on": on, "value": np.asarray(result).tolist()}
 
 
-def _cross_host(s, jdist, np):
-    """reduce_to / batch_reduce_to / broadcast_to and CrossDeviceOps towards the devices of every
-    worker: replica 3's device is worker 1's in 2 x 2, given as a TF name and as a jax.Device."""
+def _destinations(s, jdist, np):
+    """reduce_to / batch_reduce_to / broadcast_to and CrossDeviceOps towards this worker's devices
+    (TF names, its own task's name, jax.Devices) and the strategy's; towards the other worker's
+    device (2 x 2 only) each worker gets InvalidArgumentError, before anything runs."""
     import functools  # pylint: disable=import-outside-toplevel
+    import jax  # pylint: disable=import-outside-toplevel
     ext, names, devs = s.extended, s.extended.device_names, s.extended.replica_devices
+    me, local = jax.process_index(), jax.local_devices()
+    own = [n for n, d in zip(names, devs) if d.process_index == me]
     v = s.experimental_distribute_values_from_function(
         lambda c: np.arange(3, dtype=np.float32) * (c.replica_id_in_sync_group + 1) - 1)
     ordered = lambda xs: functools.reduce(lambda a, b: a * 2 + b, xs)  # noqa: E731
     to_one = jdist.ReductionToOneDevice(reduce_to_device=names[3], accumulation_fn=ordered)
     nccl, seven = jdist.NcclAllReduce(), np.full((2,), 7, np.int32)
     SUM, MEAN = jdist.ReduceOp.SUM, jdist.ReduceOp.MEAN  # pylint: disable=invalid-name
-    remote = ext.reduce_to("sum", v, names[3])
+    here = ext.reduce_to("sum", v, "CPU:0")
+    mirrored = ext.broadcast_to(here, v)
     results = {
-        "reduce_to_name": remote,
-        "reduce_to_device": ext.reduce_to("mean", v, devs[3]),
-        "reduce_to_local": ext.reduce_to("sum", v, names[1]),
-        "batch_reduce_to": ext.batch_reduce_to("sum", [(v, names[3]), (v, v)])[0],
-        "broadcast_back": ext.broadcast_to(remote, v),
-        "broadcast_back_to_0": ext.broadcast_to(remote, devs[0]),
-        "broadcast_host": ext.broadcast_to(seven, names[3]),
-        "ops_reduce": nccl.reduce(SUM, v, devs[3]),
-        "ops_batch": nccl.batch_reduce(MEAN, [(v, names[3]), (v, devs[0])])[0],
-        "ops_broadcast": nccl.broadcast(seven, devs[2]),
+        "reduce_to_name": ext.reduce_to("sum", v, "CPU:1"),
+        "reduce_to_device": ext.reduce_to("mean", v, local[0]),
+        "reduce_to_own_task": ext.reduce_to("sum", v, own[1]),
+        "batch_reduce_to": ext.batch_reduce_to("sum", [(v, "CPU:0"), (v, v)])[0],
+        "broadcast_back": mirrored,
+        "broadcast_to_local": ext.broadcast_to(mirrored, "CPU:1"),
+        "broadcast_host": ext.broadcast_to(seven, "CPU:1"),
+        "ops_reduce": nccl.reduce(SUM, v, "CPU:1"),
+        "ops_batch": nccl.batch_reduce(MEAN, [(v, "CPU:1"), (v, local[0])])[0],
+        "ops_broadcast": nccl.broadcast(seven, local[1]),
         "to_one_mirrored": to_one.reduce(SUM, v, v),
-        "to_one_mean": to_one.reduce(MEAN, v, names[3]),
-        "to_one_batch": to_one.batch_reduce(SUM, [(v, devs[0]), (v, names[2])])[1],
-        "to_one_default": jdist.ReductionToOneDevice().reduce(SUM, v, devs[2]),
+        "to_one_mean": to_one.reduce(MEAN, v, "CPU:1"),
+        "to_one_batch": to_one.batch_reduce(SUM, [(v, "CPU:0"), (v, "CPU:1")])[1],
+        "to_one_default": jdist.ReductionToOneDevice().reduce(SUM, v, "CPU:1"),
     }
-    return {"_cross_host": {k: _record(s, jdist, np, r) for k, r in results.items()}}
+    out = {k: _record(s, jdist, np, r) for k, r in results.items()}
+    other = [i for i, d in enumerate(devs) if d.process_index != me][:1]
+    for i in other:  # Another worker's device: the typed error on every worker.
+        for case, call in {"remote_name": lambda: ext.reduce_to("sum", v, names[i]),
+                           "remote_device": lambda: nccl.broadcast(seven, devs[i]),
+                           "remote_batch": lambda: ext.batch_reduce_to(
+                               "sum", [(v, v), (v, names[i])])}.items():
+            try:
+                out[case] = {"kind": type(call()).__name__}
+            except jdist.errors.JdistError as e:
+                out[case] = {"error": type(e).__name__, "message": str(e)}
+    return {"_destinations": out}
 
 
 def _auto_shard(s, jdist, np):
@@ -509,7 +522,7 @@ def main(out_path, fault=None):
             sys.exit(5)
         return
     results = {}
-    for part in (_values_and_run, _replica_collectives, _dataset, _training, _cross_host,
+    for part in (_values_and_run, _replica_collectives, _dataset, _training, _destinations,
                  _auto_shard, _exact_uneven, _per_worker, _int64):
         results.update(part(s, jdist, np))
     results["_seconds"] = time.time() - t0

@@ -1,5 +1,5 @@
-"""Destinations of every process: TF device names with a job and task, devices of other
-workers, and what a worker that holds none of a result gets (a RemoteArray whose reads raise).
+"""Destinations of every process: TF device names with a job and task, and the typed error for
+a device of another worker.
 
 The placement itself across processes is compared in ``test_multi_worker.py`` (2 workers x 2
 devices against 1 process x 4 devices); these are the parts one process can check.
@@ -8,13 +8,11 @@ devices against 1 process x 4 devices); these are the parts one process can chec
 import collections
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jdist
 from jdist import errors
-from jdist._src.multi_worker import cross_host
 from jdist._src.reduce import destinations
 from jdist._src import devices
 from jdist.testing import REPLICA_COUNTS, mirrored, per_replica
@@ -81,36 +79,16 @@ def test_resolve_any_bad_names(spec, two_workers):
         devices.resolve_any(spec)
 
 
-READS = {
-    "asarray": np.asarray, "float": lambda r: float(r), "index": lambda r: r[0],
-    "add": lambda r: r + 1, "radd": lambda r: 1 + r, "tolist": lambda r: r.tolist(),
-    "iter": list, "bool": bool,
-}
-
-
-@pytest.mark.parametrize("read", sorted(READS))
-def test_remote_array_reads_raise(read):
-    remote = cross_host.RemoteArray(jnp.arange(3.0))  # Stands in for another worker's array.
-    assert (remote.shape, remote.dtype, remote.ndim, remote.size) == ((3,), jnp.float32, 1, 3)
-    assert remote.owners == (0,) and remote.block_until_ready() is remote
-    with pytest.raises(errors.RemoteValueError, match="only its owner can read it"):
-        READS[read](remote)
-
-
-def test_jax_functions_reject_a_remote_array():
-    with pytest.raises(TypeError):  # JAX's own check: it is not an array of this process.
-        jnp.sum(cross_host.RemoteArray(jnp.arange(3.0)))
-
-
-def test_remote_array_as_destination_and_tensor():
-    remote = cross_host.RemoteArray(jax.device_put(jnp.arange(3.0), jax.devices()[2]))
-    assert destinations.resolve(remote).devices == (jax.devices()[2],)
-    placed = jdist.NcclAllReduce().broadcast(remote, "CPU:1")
-    assert placed.devices() == {jax.devices()[1]} and placed.tolist() == [0.0, 1.0, 2.0]
-
-
-def test_one_process_places_without_agreement():
-    assert not cross_host.active() and not cross_host.is_global(jnp.ones(2))
+@pytest.mark.parametrize("spec", ["CPU:1", "/job:worker/replica:0/task:0/device:CPU:1"])
+def test_another_workers_device_is_a_typed_error(spec, monkeypatch):
+    # This process's devices stand for another worker's when it pretends to be worker 1.
+    v = per_replica(mirrored(2), [np.ones(1, np.float32)] * 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    for call in (lambda: destinations.resolve(spec),
+                 lambda: jdist.NcclAllReduce().reduce(jdist.ReduceOp.SUM, v, spec),
+                 lambda: jdist.NcclAllReduce().broadcast(np.float32(1), jax.devices()[1])):
+        with pytest.raises(errors.InvalidArgumentError, match="results go to this worker's"):
+            call()
 
 
 @pytest.mark.parametrize("n", REPLICA_COUNTS)

@@ -97,7 +97,7 @@ def test_two_workers_equal_one_process(tmp_path):
     assert workers[1]["input_context"]["replicas"] == {"2": [2, 1, 4]}
     assert one["input_context"]["replicas"] == {"0": [1, 0, 4]}
     _check_per_worker(workers)
-    _check_cross_host(workers, one)
+    _check_destinations(workers, one)
     _check_auto_shard(workers, one)
     _check_exact(one)
     _check_int64(one)
@@ -144,39 +144,40 @@ def test_a_plain_value_is_each_workers_own(tmp_path):
     assert got[0]["float64 reduce None"] == [float(np.float32(0.1) + np.float32(1.1))]
 
 
-def _cross_host_expected():
-    """The reduce_to / broadcast_to cases of ``_cross_host``, computed in NumPy: (where the
-    result lies (replica indices, "all": Mirrored), its value)."""
+def _destinations_expected():
+    """The cases of ``_destinations``, computed in NumPy: (where the result lies (local device
+    indices, "all": Mirrored), its value)."""
     v = [np.arange(3, dtype=np.float32) * (i + 1) - 1 for i in range(4)]
     total, mean = sum(v), sum(v) / 4
     ordered = 8 * v[0] + 4 * v[1] + 2 * v[2] + v[3]  # functools.reduce(a * 2 + b), in order.
     seven = [7, 7]
-    return {"reduce_to_name": ([3], total), "reduce_to_device": ([3], mean),
-            "reduce_to_local": ([1], total), "batch_reduce_to": ("all", total),
-            "broadcast_back": ("all", total), "broadcast_back_to_0": ([0], total),
-            "broadcast_host": ([3], seven), "ops_reduce": ([3], total), "ops_batch": ([3], mean),
-            "ops_broadcast": ([2], seven), "to_one_mirrored": ("all", ordered),
-            "to_one_mean": ([3], ordered / 4), "to_one_batch": ([2], ordered),
-            "to_one_default": ([2], total)}
+    return {"reduce_to_name": ([1], total), "reduce_to_device": ([0], mean),
+            "reduce_to_own_task": ([1], total), "batch_reduce_to": ("all", total),
+            "broadcast_back": ("all", total),
+            "broadcast_to_local": ([1], total), "broadcast_host": ([1], seven),
+            "ops_reduce": ([1], total), "ops_batch": ([1], mean), "ops_broadcast": ([1], seven),
+            "to_one_mirrored": ("all", ordered), "to_one_mean": ([1], ordered / 4),
+            "to_one_batch": ([1], ordered), "to_one_default": ([1], total)}
 
 
-def _check_cross_host(workers, one):
-    """Destinations on another worker's device: the owner (replicas 0-1: worker 0, 2-3: worker
-    1) reads what 1 process x 4 devices reads; the other worker holds a RemoteArray whose read
-    raises RemoteValueError; Mirrored results are read on both."""
-    expected = _cross_host_expected()
-    assert set(one["_cross_host"]) == set(expected)
-    for case, (on, value) in expected.items():
-        assert one["_cross_host"][case]["on"] == on, case
-        np.testing.assert_array_equal(one["_cross_host"][case]["value"], value, err_msg=case)
-        for w, worker in enumerate(workers):
-            got = worker["_cross_host"][case]
-            assert got["on"] == on, (case, w)
-            if on == "all" or all(i // 2 == w for i in on):
-                assert got["kind"] == one["_cross_host"][case]["kind"], (case, w)
-                np.testing.assert_array_equal(got["value"], value, err_msg=f"{case} {w}")
-            else:
-                assert (got["kind"], got["error"]) == ("RemoteArray", "RemoteValueError"), case
+def _check_destinations(workers, one):
+    """This worker's devices and the strategy's: every worker reads what 1 process x 4 devices
+    reads. Another worker's device: InvalidArgumentError on every worker (and the program went
+    on: the parts after it agree)."""
+    expected = _destinations_expected()
+    assert set(one["_destinations"]) == set(expected)
+    remote = {"remote_name", "remote_device", "remote_batch"}
+    for w, got in enumerate([one] + workers):
+        got = got["_destinations"]
+        for case, (on, value) in expected.items():
+            assert (got[case]["on"], got[case]["kind"]) == (on, one["_destinations"][case][
+                "kind"]), (case, w)
+            np.testing.assert_array_equal(got[case]["value"], value, err_msg=f"{case} {w}")
+        if w:
+            assert set(got) == set(expected) | remote
+            for case in remote:
+                assert got[case]["error"] == "InvalidArgumentError", (case, w)
+                assert "results go to this worker's devices" in got[case]["message"], case
 
 
 def _expected_shards(policy, workers, per_worker):

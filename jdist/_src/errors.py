@@ -92,15 +92,6 @@ class ClusterMismatchError(JdistError, RuntimeError):
     """JAX's distributed runtime runs already with another cluster, or cannot start for this one."""
 
 
-class RemoteValueError(JdistError, RuntimeError):
-    """A value whose data lies only on another worker's devices was read on this worker.
-
-    ``reduce_to`` / ``broadcast_to`` towards another worker's device give the other workers a
-    `RemoteArray` (TF's remote tensor): it can be passed on to ``broadcast_to`` / ``reduce_to``
-    on every worker, but reading it needs the data, which only its owner holds.
-    """
-
-
 class X64CastWarning(UserWarning):
     """Without ``jax_enable_x64``, jdist holds float64 host values as float32, as ``jax.jit``
     does, and says so once per dtype and process (TF computes with them in float64)."""

@@ -1,21 +1,11 @@
 """Host values given to ``strategy.run`` must be equal on every worker: checked once per program.
 
-Under `MultiWorkerMirroredStrategy` every worker compiles and launches the same SPMD program
-over the global mesh. A NumPy array, a Python number or a plain (this process's) ``jax.Array``
-passed to ``run`` is placed from each worker's own copy, so if the copies differ each worker
-silently computes with its own value (and different shapes or static values give each worker a
-different program, which then hangs or aborts inside a collective). TF would never give those
-numbers, so jdist checks: whenever ``run`` compiles a new program (once per argument
-signature), every worker publishes a description of each argument through the coordination
-service (`multi_worker_runtime.Agreement`) and every worker raises the same
-`errors.InvalidArgumentError` if they differ.
-
-The description of an argument leaf is cheap: its kind, shape and dtype always; a hash of the
-bytes of host arrays (and of this process's ``jax.Array`` s) up to `HASHED_BYTES`; the value of
-Python numbers, strings and other simple constants. Global arrays (`DistributedValues`, arrays
-spanning processes) are consistent by construction and only described by shape and dtype.
-A difference that appears only after a signature has been compiled everywhere is not seen by
-this check (the watchdog still ends a job whose workers diverge into different programs).
+Each worker places its own copy of a host argument, so copies that differ would silently give
+each worker its own numbers (or different programs, which hang in a collective). Whenever
+``run`` compiles a new program, every worker publishes a cheap description of each argument
+leaf (kind, shape, dtype; a hash of host arrays up to `HASHED_BYTES`; the value of simple
+constants) through `multi_worker_runtime.Agreement`, and all raise the same
+`errors.InvalidArgumentError` if they differ. Global arrays agree by construction.
 """
 
 import enum

@@ -1,21 +1,13 @@
 """Input across workers: each worker places its own replicas' rows; PER_WORKER pipelines in step.
 
-* `LocalRowsPlacer` places only THIS worker's replicas' rows of each split batch
-  (``experimental_distribute_dataset`` on data every worker reads whole: TF's ``DATA`` order).
-* `per_worker_feed` runs a ``distribute_datasets_from_function`` dataset in ``PER_WORKER``
-  mode over several workers. Each worker reads its OWN pipeline and deals its per-replica
-  batches to its own replicas, ``L`` (its local replica count) per step. The workers' steps
-  are kept in step through the coordination service (`multi_worker_runtime.Agreement`, never an
-  XLA collective): every step each worker publishes what it holds (per local replica: the
-  shapes and dtypes of its batch, or nothing), so that every worker knows every replica's
-  shapes and builds the same global arrays. A worker whose pipeline has ended takes part with
-  empty batches (TF's behaviour); iteration ends when every worker is out. Rows of different
-  sizes across replicas then stay exact (a ragged value, `uneven_multi_worker.RaggedRowsPlacer`),
-  every worker building them from the same exchanged shapes.
+* `LocalRowsPlacer` places only THIS worker's replicas' rows of each split batch.
+* `per_worker_feed` runs a ``PER_WORKER`` dataset: each worker reads its own pipeline for its
+  own replicas, and every step the workers publish their batches' shapes through the
+  coordination service (never an XLA collective), so all build the same global arrays; a
+  worker that has ended takes part with empty batches, as in TF, until every worker is out.
 
 The exchange runs on the consumer's thread (``next(iterator)``), in the same order on every
-worker as the other agreements (the loader itself still runs ahead on the prefetch thread):
-a prefetch thread waiting for a peer could not be stopped when the loop ends.
+worker as the other agreements: a prefetch thread waiting for a peer could not be stopped.
 """
 
 import itertools

@@ -1,23 +1,15 @@
 """``python -m jdist.launch``: run one script as N local workers of a multi-worker job.
 
-Each worker is a child process with its own ``TF_CONFIG`` (a ``worker`` job on free loopback
-ports, 127.0.0.1 only; worker 0 hosts JAX's coordination service), optionally
-``--xla_force_host_platform_device_count=K`` in ``XLA_FLAGS`` (K simulated CPU devices), and
-unbuffered output. Output lines are prefixed with ``[worker i]``; gloo's line saying a rank is
-connected to all its peers (printed by its C++ code, no setting turns it off) is dropped. When
-a worker fails, the launcher terminates the others (by PID: only the processes it started),
-waits for them and exits with the failed worker's status; when it is interrupted or terminated
-itself it does the same. On Linux the children also receive SIGKILL if the launcher dies
-abruptly, so no worker is left behind.
+Each worker is a child process with its own ``TF_CONFIG`` (loopback ports; worker 0 hosts
+JAX's coordination service), optionally K simulated CPU devices, and output prefixed with
+``[worker i]`` (gloo's "connected" lines dropped). When a worker fails, or the launcher is
+interrupted, the others are terminated by PID and the launcher exits with the failure's
+status; on Linux the children get SIGKILL if the launcher dies, so none is left behind.
 
-With ``--max-restarts K`` a job whose worker failed (or was preempted: it saved a checkpoint
-and exited, `jdist.experimental.PreemptionCheckpointHandler`) is started again, every worker
-anew on new ports, up to K times; the script resumes from its latest checkpoint, and
-``JDIST_RESTART`` in its environment says which start this is (0 for the first). With
-``--restart-nproc M`` every restart runs M workers instead of ``--nproc`` (restart-based
-elasticity: a job that lost a machine goes on with fewer): checkpoints do not depend on the
-number of replicas that wrote them (``docs/stop_and_resume.md``), so the script resumes there
-on M workers, as it would when started again by hand with another ``--nproc``.
+``--max-restarts K`` starts a failed (or preempted) job again, every worker anew, up to K
+times; the script resumes from its latest checkpoint, ``JDIST_RESTART`` saying which start
+this is. ``--restart-nproc M`` restarts with M workers (checkpoints do not depend on the
+replica count, ``docs/stop_and_resume.md``).
 """
 
 import argparse

@@ -1,22 +1,10 @@
 """Exact uneven (ragged) per-replica values across the processes of a multi-worker strategy.
 
-Under `MultiWorkerMirroredStrategy` each process holds only its own replicas' arrays. A ragged
-`PerReplica` spanning workers keeps, for every other worker's replica, a ``jax.ShapeDtypeStruct``
-(`values.ragged_components`): its shape is known on every worker, because it was agreed through
-the coordination service when the value was made (a distributed dataset's split rule or its
-PER_WORKER exchange, ``experimental_distribute_values_from_function``'s exchange). The exact
-step (`jdist._src.uneven.plan`) then traces every replica on every worker alike, so every worker runs
-the same sequence of collective programs with the same shapes; before each exact step the
-workers compare their views of the step once more (`agree_step`), so a disagreement is a typed
-error on every worker instead of a hang or an aborted collective. This module holds the parts
-that only exist across processes:
-
-* `RaggedRowsPlacer`: the multi-worker input placer keeping partial batches ragged.
-* `ragged_from_local`: a ragged value from this worker's arrays and every worker's shapes.
-* `agree_step`: the per-step comparison of the workers' views (one key-value round trip).
-* `gather_operands`: a merge_call's arguments, every replica's, on one device of each worker
-  (padded to one shape for one all-gather program, cut back to the true shapes).
-* `as_padded`: a ragged value as a padded one, for ``strategy.reduce`` / ``gather`` across hosts.
+Each process holds only its own replicas' arrays; the others' are ``jax.ShapeDtypeStruct`` s
+whose shapes were agreed when the value was made. So every worker traces the exact step
+(`jdist._src.uneven.plan`) alike and runs the same collectives, and `agree_step` compares the
+workers' views before each step, making a disagreement a typed error on every worker instead
+of a hang. This module holds the parts that only exist across processes.
 """
 
 import functools

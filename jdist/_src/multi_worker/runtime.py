@@ -1,17 +1,10 @@
-"""The multi-worker runtime: which worker this is, ``jax.distributed``, agreement, the watchdog.
+"""The multi-worker runtime: which worker this is, ``jax.distributed``, and agreement.
 
-* `Cluster` reads a cluster resolver the way TF's ``MultiWorkerMirroredStrategy`` does: the
-  workers are the ``chief`` task (if any) then the ``worker`` tasks, in index order; the first of
-  them hosts the coordinator (JAX's coordination service) on its address's port.
-* `initialize` starts ``jax.distributed`` once per process from a `Cluster`, or checks that the
-  running one matches it.
-* `agree` exchanges a small JSON payload between all workers through the coordination
-  service's key-value store (never through an XLA collective, whose mismatched shapes abort the
-  process): shapes and dtypes are compared there before any collective needs them equal.
-* `Watchdog` is a thread that publishes this worker's progress (launched collective programs)
-  and liveness, and ends the process with `errors.UnavailableError` when a peer has stopped
-  (dead, or alive but not reaching a collective the others wait in) for ``timeout_seconds``:
-  JAX has no timeout for a stuck peer, and its own heartbeat failure is a SIGABRT.
+* `Cluster` reads a cluster resolver as TF does: the ``chief`` (if any) then the ``worker``
+  tasks; the first hosts JAX's coordination service.
+* `initialize` starts ``jax.distributed`` once per process, or checks the running one matches.
+* `Agreement` exchanges small JSON payloads through the coordination service's key-value store,
+  never an XLA collective (whose mismatched shapes abort): what must be equal is compared there.
 """
 
 import json

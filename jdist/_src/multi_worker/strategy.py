@@ -1,28 +1,20 @@
 """`MultiWorkerMirroredStrategy`: synchronous replicas on the devices of several processes.
 
-Each worker (process) runs the same script. The strategy reads the cluster from a resolver
-(``TF_CONFIG`` by default), starts ``jax.distributed`` (`multi_worker_runtime`), and lays ONE
-replica axis over ``jax.devices()``, the devices of every process in process order, so
-``num_replicas_in_sync`` counts every device of every worker and replica ``i`` is the ``i``-th
-device of that list. ``run`` is the same ``jit(shard_map)`` program as `MirroredStrategy`'s on
-that global mesh, so collectives span all workers (gloo on CPU, NCCL on GPU).
-
-What changes with several processes is how host data enters and leaves the global arrays:
-each worker holds only its own replicas' blocks. Host values are placed through
-``jax.make_array_from_process_local_data`` (this worker's rows only), reads go through
-addressable shards (`experimental_local_results` returns this worker's replicas, as in TF), and
-shapes that must agree across workers are compared through the coordination service before a
-collective needs them (`multi_worker_runtime.Agreement`). With one worker (no ``TF_CONFIG``) the
-strategy is `MirroredStrategy` over the local devices and ``jax.distributed`` is not started.
+ONE replica axis over ``jax.devices()`` (every process's devices, in process order) makes
+``run`` the same ``jit(shard_map)`` program as `MirroredStrategy`'s, its collectives spanning
+all workers. What differs is how host data enters and leaves global arrays: each worker holds
+only its own replicas' blocks, and what must agree across workers is compared through the
+coordination service before a collective needs it (`multi_worker_runtime.Agreement`). With one
+worker (no ``TF_CONFIG``) it is `MirroredStrategy` over the local devices.
 """
 
 import atexit
 import functools
+from typing import Any, Optional
 
 import jax
 import numpy as np
 
-from jdist._src.multi_worker import cross_host
 from jdist._src import devices as devices_lib
 from jdist._src import errors
 from jdist._src.input import batches as input_batches
@@ -48,13 +40,9 @@ from jdist._src.multi_worker.watchdog import Watchdog
 
 
 class MultiProcessMesh(replica_mesh.ReplicaMesh):
-    """A `replica_mesh.ReplicaMesh` spanning processes: no cross-host copies.
-
-    A host value is assumed equal on every worker (each computed it the same way) and placed
-    from host memory; an array on this process's devices is first read back to the host (JAX
-    cannot copy a device array to another host's device); a global array is resharded by a
-    compiled identity.
-    """
+    """A `replica_mesh.ReplicaMesh` spanning processes: a local value (taken to be equal on every
+    worker) is placed from host memory, since JAX cannot copy a device array to another host; a
+    global array is resharded by a compiled identity."""
 
     def place_per_replica(self, stacked):
         if isinstance(stacked, jax.Array) and not stacked.is_fully_addressable:
@@ -76,13 +64,8 @@ _ONE_PACK = 1 << 40
 
 
 def _in_step_options(options, cluster, platform):
-    """The strategy's options as the default of ``ReplicaContext.all_reduce`` (TF's rule), packing
-    everything into one buffer per dtype across CPU processes unless ``bytes_per_pack`` is set.
-
-    JAX's CPU cross-process all-reduce (gloo) costs about a millisecond per array on loopback,
-    whatever its size (XLA combines a step's all-reduces into one instruction, but gloo still
-    reduces its operands one by one): 6 gradients cost 10-20 ms, one 340 KB buffer 1.2-1.6 ms.
-    """
+    """The default options of ``ReplicaContext.all_reduce``: across CPU processes one pack per
+    dtype unless ``bytes_per_pack`` is set (gloo costs about a millisecond per array)."""
     if cluster.num_workers == 1 or platform != "cpu" or options.bytes_per_pack:
         return options
     return packing.CommunicationOptions(_ONE_PACK, options.timeout_seconds,
@@ -132,12 +115,9 @@ class MultiWorkerExtended(MirroredExtended):
         return jax.tree_util.tree_map(self._as_worker_value, value, is_leaf=is_distributed)
 
     def _as_worker_value(self, value):
-        """A non-distributed array or number reduced or gathered across several workers is this
-        worker's value, as in TF (its collective ops take a plain tensor as the worker's one
-        replica value): a `PerReplica` of it on one replica per worker; refused on several.
-        With one replica per worker TF's `Mirrored` results (``reduce_to``, ``broadcast_to``,
-        ``run``) are such plain tensors too: each worker's copy is its value. (``run``'s own
-        results are equal on every worker: they reduce as TF's, with no exchange.)"""
+        """A plain value reduced or gathered across workers is this worker's, as in TF: a
+        `PerReplica` of it with one replica per worker (refused with several); so is a
+        `Mirrored` result of ``reduce_to`` / ``broadcast_to`` there (``run``'s are not)."""
         if self._cluster.num_workers == 1 or isinstance(value, PerReplica):
             return value
         if isinstance(value, Mirrored):
@@ -172,12 +152,12 @@ class MultiWorkerExtended(MirroredExtended):
         return True
 
     @property
-    def worker_index(self):
+    def worker_index(self) -> int:
         """This worker's index: the process index, 0 for the chief."""
         return self._cluster.index
 
     @property
-    def num_workers(self):
+    def num_workers(self) -> int:
         """How many workers (processes) the strategy spans."""
         return self._cluster.num_workers
 
@@ -188,21 +168,18 @@ class MultiWorkerExtended(MirroredExtended):
         return self._cluster.num_workers, self._cluster.index
 
     @property
-    def cluster(self):
+    def cluster(self) -> runtime.Cluster:
         """The `multi_worker_runtime.Cluster` this worker belongs to."""
         return self._cluster
 
     @property
-    def agreement(self):
-        """The `multi_worker_runtime.Agreement` (None with one worker): how workers compare
-        what must be equal before a collective needs it."""
+    def agreement(self) -> Optional[runtime.Agreement]:
+        """The `multi_worker_runtime.Agreement`, or None with one worker."""
         return self._agreement
 
     def _any_worker(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on any worker: each worker's flag, placed on its own
-        replicas (no exchange), maxed over every replica by one tiny compiled collective,
-        launched through the guard like a step's program and read back on this host. Every
-        worker that calls it at the same point of its program stream reads the same value."""
+        """Whether ``flag`` is true on any worker: one tiny compiled max over the replicas (no
+        exchange), so every worker calling it at the same point reads the same value."""
         local = np.full((len(self._local_ids),), flag, np.int32)
         flags = jax.make_array_from_process_local_data(
             self._programs.per_replica_sharding, local, (self._num_replicas,))
@@ -220,19 +197,16 @@ class MultiWorkerExtended(MirroredExtended):
         return placer(strategy, options.experimental_fetch_to_device)
 
     def _per_worker_feed(self, source, dealer):
-        """A PER_WORKER ``distribute_datasets_from_function`` pipeline kept in step with the
-        other workers' (`multi_worker_input.per_worker_feed`)."""
+        """A PER_WORKER pipeline kept in step with the other workers'."""
         return multi_worker_input.per_worker_feed(self, source, dealer)
 
     def _check_host_arguments(self, in_tree, leaves):
-        """Called by ``run`` when it compiles a new program: raises on every worker unless the
-        arguments are the same on all of them (`multi_worker_arguments`)."""
+        """At each new program of ``run``: raises on every worker unless the arguments agree."""
         if self._agreement is not None:
             multi_worker_arguments.check_equal(self._agreement, self._cluster, in_tree, leaves)
 
     def _agree_uneven_step(self, signature):
-        """Called by ``run`` before every exact step on ragged values: every worker must see
-        the same replica shapes (`uneven_multi_worker.agree_step`)."""
+        """Before every exact step on ragged values: every worker must see the same shapes."""
         if self._agreement is not None:
             uneven_multi_worker.agree_step(self._agreement, self._cluster, signature)
 
@@ -262,8 +236,7 @@ class MultiWorkerExtended(MirroredExtended):
 
 
 def _check_one_dtype(cluster, shapes):
-    """Raises unless every worker's replica values share one dtype (typed, on every worker:
-    each raises from the same exchanged dtypes)."""
+    """Raises (on every worker alike) unless every worker's replica values share one dtype."""
     flat = [(w, tuple(s), d) for w, worker in enumerate(shapes) for s, d in worker]
     dtypes = sorted({d for _, _, d in flat})
     if len(dtypes) != 1:
@@ -298,7 +271,6 @@ def _runtime_services(cluster, options, guard):
         watchdog.start()
         _register_exit(watchdog.stop)
         _services["agreement"] = runtime.Agreement(cluster, timeout)
-        cross_host.register_exchange(_services["agreement"].exchange)
     return _services["agreement"]
 
 
@@ -320,9 +292,9 @@ class MultiWorkerMirroredStrategy(Strategy):
     ``python -m jdist.launch --nproc N script.py`` locally, or with ``TF_CONFIG`` (or a
     `SlurmClusterResolver`) on a cluster. Create the strategy before anything else uses JAX.
 
-    A peer that dies or never reaches a collective the others wait in ends every other worker
-    after ``communication_options.timeout_seconds`` (default 300 s) with
-    `errors.UnavailableError` printed and exit status 14 (see ``docs/multi_worker.md``).
+    A peer that dies or never reaches a collective ends every other worker after
+    ``communication_options.timeout_seconds`` (default 300 s): `errors.UnavailableError`, exit
+    status 14 (``docs/multi_worker.md``).
 
     Args:
       cluster_resolver: where the cluster comes from; default `TFConfigClusterResolver`
@@ -342,11 +314,10 @@ class MultiWorkerMirroredStrategy(Strategy):
       (8, True, None)
     """
 
-    def __init__(self, cluster_resolver=None, communication_options=None):
+    def __init__(self, cluster_resolver: Any = None,
+                 communication_options: Optional[packing.CommunicationOptions] = None) -> None:
         resolver = TFConfigClusterResolver() if cluster_resolver is None else cluster_resolver
         options = packing.as_options(communication_options)
-        if options is None:
-            options = packing.CommunicationOptions()
         cluster = runtime.Cluster(resolver)
         if cluster.num_workers > 1:
             runtime.initialize(cluster, options.timeout_seconds or runtime.DEFAULT_TIMEOUT_SECONDS)
@@ -357,11 +328,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         super().__init__(MultiWorkerExtended(self, devices, cluster, options))
 
     @property
-    def cluster_resolver(self):
+    def cluster_resolver(self) -> Any:
         """The cluster resolver the strategy was built from."""
         return self._cluster_resolver
 
-    def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None):
+    def configure(self, session_config: Any = None, cluster_spec: Any = None,
+                  task_type: Optional[str] = None, task_id: Optional[int] = None) -> None:
         """Checks that ``cluster_spec`` / ``task_type`` / ``task_id`` describe this strategy's job.
 
         JAX's distributed runtime starts once per process, when the strategy is created, so the

@@ -1,31 +1,19 @@
 """The multi-worker watchdog: a stuck or dead peer ends every worker in bounded time.
 
-JAX gives no error for a peer that never reaches a collective: the others wait forever (jax-ml/jax
-issue 38503), and a dead peer ends them only through the coordination service's heartbeat
-check, as a SIGABRT. The watchdog thread publishes, every ``poll`` seconds, this worker's
-heartbeat and how many collective programs it has launched (the dispatch guard counts them),
-and reads its peers'. A peer that is behind this worker (it has not launched a program this one
-waits in) or has stopped beating, with no change for ``timeout_seconds``, is reported: the
-thread prints `errors.UnavailableError` naming it and ends the process with exit status
-`UNAVAILABLE_EXIT_CODE` (the main thread is blocked inside the collective and cannot raise).
-A worker inside `busy` (the checkpoint manager's save and its wait for the write) publishes
-that it is busy: its peers then wait for it, in a collective or at exit, as long as its heartbeat
-goes on, and report it only once it stops beating (it died mid-save) or stays behind for
-``timeout_seconds`` after the save. A save is the chief's alone, and may take longer than any
-timeout chosen for the steps.
-If the coordination service itself is gone, the coordinator's worker has died: reported at once.
-JAX's client notices that first and aborts the process (SIGABRT) within 0.1 s, so on the other
-workers a SIGABRT handler reports it instead, when the service's port refuses connections.
+JAX gives no error for a peer that never reaches a collective (the others wait forever,
+jax-ml/jax issue 38503), and a dead peer ends them only by a heartbeat SIGABRT. The watchdog
+thread publishes, every ``poll`` seconds, this worker's heartbeat and how many collective
+programs it has launched (counted by the dispatch guard), and reads its peers'. A peer behind
+this worker, or silent, for ``timeout_seconds`` is reported: the thread prints
+`errors.UnavailableError` and ends the process with `UNAVAILABLE_EXIT_CODE` (the main thread,
+blocked in the collective, cannot raise). A worker inside `busy` (the chief's checkpoint save)
+is waited for as long as it beats. A lost coordination service (worker 0 died) is reported
+from a SIGABRT handler, since JAX's client aborts first.
 
-The thread is stopped and joined by `stop`, which runs at interpreter exit before
-``jax.distributed``'s shutdown barrier: the worker announces that it ends and waits until every
-peer has ended too, so that a peer that died (or failed, or stays away for ``timeout_seconds``)
-is reported with the same error and exit status instead of JAX's shutdown barrier aborting the
-process. A worker that fails publishes it first, so its peers end at once: one that reports a
-peer, and one whose main thread ends with an uncaught exception (its traceback printed by
-``sys.excepthook``, then exit status 1 without waiting for peers that would wait for it); a
-collective's runtime error is most likely a dead peer's doing, which the exit then names.
-Worker 0 ends after its failing peers (its end closes the service under them).
+`stop` runs at interpreter exit, before ``jax.distributed``'s shutdown barrier: the worker
+announces its end and waits for its peers', so a failed peer is reported with the same error
+instead of the barrier aborting; a worker that fails (an uncaught exception) publishes it, so
+its peers end at once. Worker 0 ends last: its end closes the service under the others.
 """
 
 import contextlib

@@ -1,23 +1,9 @@
-"""The arithmetic of combining replicas: every reduce and gather rule, written once.
+"""The arithmetic of combining replicas: every reduce and gather rule (docs/semantics.md), once.
 
-One rule set, three settings:
-
-* **host programs** over a `PerReplica` whose array is sharded over the replica axis
-  (``strategy.reduce`` / ``strategy.gather``): each device reduces its own block, then
-  ``lax.psum`` / ``lax.all_gather`` combine the devices (`jdist._src.reduce.replica_mesh`);
-* **inside a replica function** (``ReplicaContext.all_reduce`` / ``all_gather``): the same
-  collectives on the traced per-replica value (`replica_all_reduce`, `replica_all_gather`);
-* **inside a merge function**, where arguments are gathered views with the replica axis first,
-  so reduction is a sum over that axis with no further communication (`stacked_reduce`).
-
-The rules (TF's, ``docs/semantics.md``): sums keep the values' dtype, integers wrap as in TF
-(`local_sum`); MEAN divides the sum as TF's ``truediv`` does, integers in float32 or float64
-(`mean_dtype`, `finish`); it divides by the number of values combined (`mean_count`,
-`finish`): with ``axis=None`` the number of replicas, with an axis the total number of elements
-along it over all replicas, padding rows excluded, so replica batches ``[5., 6.]`` and ``[7.]``
-average to 6.0; an element-wise combine of padded batches needs equal lengths and drops the
-padding (`strip_padding`); zero-size values never reach a collective (`reduce_empty`,
-`empty_gather`).
+The same rules serve three settings: host programs over a sharded `PerReplica`
+(`jdist._src.reduce.replica_mesh`), collectives inside a replica function (`replica_all_reduce`,
+`replica_all_gather`) and a merge function's stacked views (`stacked_reduce`), so that every
+path gives TF's dtypes, divisors and order of additions.
 """
 
 import functools
@@ -38,14 +24,7 @@ from jdist._src.reduce_op import ReduceOp
 
 
 def normalize_axis(axis: Axis, ndim: int) -> Optional[Tuple[int, ...]]:
-    """Returns ``axis`` (int, tuple or None) as a sorted tuple of non-negative axes, or None.
-
-    Args:
-      axis: None, an int or a sequence of ints (negative ones count from the end).
-      ndim: the rank of one replica's value.
-
-    Returns:
-      The sorted, deduplicated non-negative axes, or None for ``axis=None``.
+    """``axis`` (None, an int or ints, negative from the end) as sorted non-negative axes.
 
     Example:
       >>> normalize_axis((-1, 0), 3)
@@ -84,8 +63,7 @@ def gather_axis(axis, ndim: int) -> int:
 # ------------------------------------------------------------------------------ the rules
 def mean_dtype(dtype) -> np.dtype:
     """The dtype of a MEAN, TF's ``truediv``: floats keep theirs, 8- and 16-bit integers give
-    float32, 32- and 64-bit integers float64 with ``jax_enable_x64``; without it JAX's default
-    float, float32, as ``jnp.mean`` gives.
+    float32, wider ones float64 with ``jax_enable_x64`` (else float32, as ``jnp.mean``).
 
     Example:
       >>> str(mean_dtype("int8")), str(mean_dtype("float16")), str(mean_dtype("int32"))
@@ -100,11 +78,8 @@ def mean_dtype(dtype) -> np.dtype:
 
 
 def finish(op: ReduceOp, total, count, divisors: Optional[dict] = None):
-    """The result of a reduction: the sum itself, or for MEAN TF's ``truediv`` of the sum by
-    ``count``: the count in the sum's dtype (TF casts it so), then both in `mean_dtype`.
-
-    ``divisors``, a dict shared by the leaves of one nest, lets leaves of one shape and dtype
-    share their divisor: fewer operations to trace for a model's gradients.
+    """The sum itself, or for MEAN TF's ``truediv`` of it by ``count`` (cast to the sum's dtype,
+    then both to `mean_dtype`). ``divisors`` lets one nest's leaves share a divisor per shape.
 
     Example:
       >>> import numpy as np
@@ -133,15 +108,9 @@ def finish(op: ReduceOp, total, count, divisors: Optional[dict] = None):
 
 
 def _exact_reciprocal(count, total_dtype, dtype):
-    """``1 / divisor`` in ``dtype`` when ``count`` is a concrete int whose divisor (TF's cast
-    through ``total_dtype``) is a power of two with a normal reciprocal, else None.
-
-    Dividing by such a divisor and multiplying by its reciprocal both give the correctly rounded
-    value of the same real number, so the product is TF's quotient bit for bit. A division
-    must stay a division (see `finish`), and XLA then computes it in a loop of its own where an
-    optimiser's gradient uses it twice (one more pass over every gradient per step); a
-    multiplication it fuses into each user, as a hand-written ``lax.pmean``'s.
-    """
+    """``1 / divisor`` when ``count`` is a concrete int whose divisor is a power of two with a
+    normal reciprocal (then the product is TF's quotient bit for bit, and XLA fuses it into
+    its users where a division needs a loop of its own), else None."""
     if not isinstance(count, (int, np.integer)) or isinstance(count, bool):
         return None
     return _reciprocal_of(int(count), jnp.dtype(total_dtype), jnp.dtype(dtype))
@@ -149,8 +118,7 @@ def _exact_reciprocal(count, total_dtype, dtype):
 
 @functools.lru_cache(maxsize=None)
 def _reciprocal_of(count, total_dtype, dtype):
-    """`_exact_reciprocal` of a concrete count, once per count and dtypes: a model's gradients
-    ask for it once per leaf while the step is traced."""
+    """`_exact_reciprocal`, cached: a model's gradients ask once per leaf while tracing."""
     if jnp.issubdtype(dtype, jnp.complexfloating):
         return None  # A complex product by (1/n + 0j) turns an infinite part's partner NaN.
     divisor = float(np.asarray(count).astype(total_dtype).astype(dtype))
@@ -165,18 +133,8 @@ def _reciprocal_of(count, total_dtype, dtype):
 
 def mean_count(shape: Sequence[int], axes: Optional[Tuple[int, ...]], num_replicas: int,
                total_rows=None):
-    """How many values a MEAN over ``num_replicas`` replicas divides by (TF's rule).
-
-    Args:
-      shape: one replica's (padded) shape.
-      axes: the normalized within-replica axes, or None for an element-wise combine.
-      num_replicas: how many replicas are combined.
-      total_rows: the real rows of all replicas together when the values are padded batches
-        (an int or a traced int), else None.
-
-    Returns:
-      ``num_replicas`` for ``axes=None``; else the number of elements along ``axes`` over all
-      replicas, with the real rows standing for axis 0 of a padded batch.
+    """How many values a MEAN divides by: ``num_replicas`` for ``axes=None``, else the elements
+    along ``axes`` over all replicas (``total_rows``, the real rows, for axis 0 when padded).
 
     Example:
       >>> mean_count((2, 3), (0,), 2), mean_count((2, 3), (0, 1), 2, total_rows=3)
@@ -190,13 +148,8 @@ def mean_count(shape: Sequence[int], axes: Optional[Tuple[int, ...]], num_replic
 
 
 def local_sum(x, axes: Optional[Tuple[int, ...]], valid_rows=None):
-    """One replica's share of a reduction: the sum over ``axes`` of its real rows.
-
-    ``valid_rows`` (an int, a traced int or None) masks padding rows along axis 0. The sum keeps
-    the dtype of the values, for SUM and MEAN alike (int8 stays int8 and wraps, as in TF); TF
-    sums bfloat16 values in float32 and rounds once, and so does this (a bfloat16 ``jnp.sum``
-    rounds as it goes: 50-80% of random sums of 50 rows came out otherwise).
-    """
+    """One replica's sum over ``axes`` of its ``valid_rows`` real rows, in the values' dtype
+    (int8 wraps, as in TF); bfloat16 is summed in float32 and rounded once, as TF does."""
     if axes is None:
         return x
     if valid_rows is not None and 0 in axes:
@@ -207,8 +160,7 @@ def local_sum(x, axes: Optional[Tuple[int, ...]], valid_rows=None):
 
 
 def equal_lengths_or_raise(lengths: Tuple[int, ...], padded: int, what: str) -> Optional[int]:
-    """Returns the common row count when ``lengths`` are all equal (None when it is ``padded``,
-    so nothing needs cutting); raises `ShapeMismatchError` otherwise."""
+    """The common row count (None when it is ``padded``); `ShapeMismatchError` if they differ."""
     if len(set(lengths)) != 1:
         raise errors.ShapeMismatchError(
             f"{what}: the replicas' values have different sizes along axis 0 ({list(lengths)} "
@@ -219,22 +171,9 @@ def equal_lengths_or_raise(lengths: Tuple[int, ...], padded: int, what: str) -> 
 
 def strip_padding(stacked, lengths: Lengths, axes: Optional[Tuple[int, ...]], what: str,
                   slice_rows: Optional[Callable] = None):
-    """Prepares a padded batch for a combine that does not run along axis 0.
-
-    Element-wise (``axes`` None or without 0) the replicas' row counts must agree; their padding
-    rows are cut. Along axis 0 the padding is masked by the combine itself, so nothing changes.
-
-    Args:
-      stacked: the ``(replicas, rows, ...)`` array.
-      lengths: the real rows of each replica, or None (not padded).
-      axes: the normalized axes the combine runs along (None: element-wise).
-      what: the operation, for the error message.
-      slice_rows: ``(stacked, rows) -> stacked[:, :rows]`` as the caller computes it (a compiled
-        program on a mesh); by default plain indexing.
-
-    Returns:
-      ``(stacked, lengths)``: ``lengths`` stays only when the combine masks the padding.
-    """
+    """``(stacked, lengths)`` ready for a combine: along axis 0 the combine masks the padding
+    (unchanged); element-wise the row counts must agree and the padding rows are cut (by
+    ``slice_rows(stacked, rows)`` when given, e.g. a compiled program on a mesh)."""
     if lengths is None or (axes is not None and 0 in axes):
         return stacked, lengths
     common = equal_lengths_or_raise(lengths, stacked.shape[1], what)
@@ -244,13 +183,7 @@ def strip_padding(stacked, lengths: Lengths, axes: Optional[Tuple[int, ...]], wh
 
 
 def reduce_empty(reduce_stacked: Callable, stacked_shape: Sequence[int], dtype):
-    """The reduction of zero-size values, computed here: XLA rejects zero-size collectives.
-
-    Args:
-      reduce_stacked: the reduction of a ``stacked_shape`` array of replica values.
-      stacked_shape: the replicas' values stacked, replica axis first (of size zero).
-      dtype: their dtype.
-    """
+    """``reduce_stacked`` of zero-size values, computed here: XLA rejects zero-size collectives."""
     return reduce_stacked(jnp.zeros(stacked_shape, dtype))
 
 
@@ -270,11 +203,8 @@ _ROUNDED_EVERY_ADD = {jnp.dtype(jnp.bfloat16): (8, 7)}
 
 
 def add_in_order(values: Sequence):
-    """The values added one at a time, in replica order, as TF's ``add_n`` adds them.
-
-    XLA keeps float adds in the order written, but may fuse a reduction over a stacked axis (or a
-    sum of sums) into an order of its own, so every cross-replica sum goes through here. Each
-    bfloat16 partial sum is rounded to bfloat16, as in TF.
+    """The values added one at a time, in replica order, as TF's ``add_n`` (bfloat16 partial
+    sums rounded): XLA may reorder a reduction over a stacked axis, not written adds.
 
     Example:
       >>> import jax.numpy as jnp
@@ -292,12 +222,8 @@ def add_in_order(values: Sequence):
 
 
 def replica_sum(x, axis_name: str):
-    """The sum of ``x`` over the replicas of ``axis_name``, inside a replica program.
-
-    ``lax.psum``, which adds in replica order on CPUs (in NCCL's ring order on GPUs: docs/
-    design.md, section 9). A bfloat16 ``psum`` on CPUs keeps its partial sums in float32, so
-    there the replicas' values are gathered and added as `add_in_order` adds them.
-    """
+    """``lax.psum`` over ``axis_name``; bfloat16 on CPUs (whose psum keeps float32 partial sums)
+    is gathered and added by `add_in_order`."""
     if not _sums_in_order(x.dtype):
         return lax.psum(x, axis_name)
     return add_in_order(list(lax.all_gather(x, axis_name)))
@@ -309,24 +235,13 @@ def _sums_in_order(dtype) -> bool:
 
 
 def _off_cpu():
-    """Whether the program being traced runs on another platform than CPUs (False where the
-    trace does not say: a ``vmap`` over the replicas)."""
+    """Whether the traced program runs off CPUs (False where the trace does not say: a vmap)."""
     device = jax.sharding.get_abstract_mesh().abstract_device
     return device is not None and device.platform != "cpu"
 
 
 def stacked_reduce(op: ReduceOp, stacked, axes: Optional[Tuple[int, ...]], valid_rows=None):
-    """Reduces a value whose leading axis holds the replicas (no communication needed).
-
-    Args:
-      op: the `ReduceOp`.
-      stacked: the ``(replicas, ...)`` array (concrete, or a traced merge_call view).
-      axes: the normalized within-replica axes, or None (element-wise).
-      valid_rows: each replica's real rows (an int array) when the values are padded batches.
-
-    Returns:
-      The reduced array.
-    """
+    """Reduces a ``(replicas, ...)`` array (no communication); ``valid_rows``: real rows."""
     total = add_in_order([  # Each replica's own sum first, as TF's replicas compute them.
         local_sum(stacked[i], axes, None if valid_rows is None else valid_rows[i])
         for i in range(stacked.shape[0])])
@@ -336,14 +251,9 @@ def stacked_reduce(op: ReduceOp, stacked, axes: Optional[Tuple[int, ...]], valid
 
 def replicated_reduce(op: ReduceOp, value, axes: Optional[Tuple[int, ...]],
                       num_replicas: int = 1, mean_is_value: bool = True):
-    """Reduces a value that every one of ``num_replicas`` replicas holds identically.
-
-    The copies are combined as TF combines them: the within-replica sums (in the values' dtype)
-    added one copy at a time, in replica order as ``add_n`` adds (``7x + x`` is not ``8x`` in
-    floats), MEAN divided by the count over every copy. With ``mean_is_value`` (TF's
-    ``Mirrored``; not a step's output, `values.is_step_output`) an element-wise MEAN is the
-    value itself, dtype included, as TF returns a mirrored value.
-    """
+    """Reduces a value every one of ``num_replicas`` replicas holds, as TF adds the copies (one
+    at a time: ``7x + x`` is not ``8x``); with ``mean_is_value`` (TF's ``Mirrored``) an
+    element-wise MEAN is the value itself."""
     value = jnp.asarray(value)
     if op is ReduceOp.MEAN and axes is None and mean_is_value:
         return value
@@ -371,26 +281,13 @@ def replica_all_reduce(axis_name: str, op: ReduceOp, value: PyTree) -> PyTree:
 
 def all_reduce_with_tfs_gradient(reduce: Callable, op: ReduceOp, num_replicas: int,
                                  value: PyTree, sums_by_psum: bool = True) -> PyTree:
-    """``reduce(op, leaves)`` over ``value``'s leaves, whose gradient is TF's: the all-reduce,
-    with the same op, of the upstream gradients (TF's ``all_reduce`` custom gradient).
+    """``reduce(op, leaves)`` over ``value``'s leaves, whose gradient is TF's: the same
+    all-reduce of the upstream gradients.
 
-    XLA's own transposes differ from it twice. A MEAN's (a sum, then a division) divides each
-    replica's gradient before summing, which rounds differently unless the replica count is a
-    power of two: its tangent here divides, then sums, so its transpose sums, then divides. A
-    bfloat16 sum on CPUs (`replica_sum` gathers and adds in order) transposes to a float32
-    reduce-scatter: those leaves get a custom VJP, the same all-reduce, so forward derivatives
-    of them raise JAX's error (docs/design.md, section 2). So do all leaves of an all-reduce
-    that is not a ``psum`` (a custom ``accumulation_fn``).
-
-    Args:
-      reduce: ``(op, list of arrays) -> list of arrays``, the all-reduce.
-      op: the `ReduceOp`.
-      num_replicas: the replica count.
-      value: a nest of traced arrays.
-      sums_by_psum: whether ``reduce`` sums with ``psum`` (`replica_sum`).
-
-    Returns:
-      The nest of all-reduced arrays.
+    XLA's transposes differ twice: a MEAN's divides before summing (its tangent here divides,
+    then sums, so the transpose sums, then divides), and a gathered bfloat16 sum or a
+    non-``psum`` all-reduce (``sums_by_psum`` False) transposes otherwise: those leaves get a
+    custom VJP (docs/design.md, section 2).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -447,13 +344,8 @@ def _mean_by_jvp(reduce, op, num_replicas, xs):
 
 
 def all_gather_with_tfs_gradient(x, axis_name: str, axis: int):
-    """``lax.all_gather(x, axis_name, axis=axis, tiled=True)`` whose gradient is TF's: the
-    all-reduce SUM (`replica_sum`) of the upstream gradients, of which each replica takes its
-    own rows. XLA's transpose, a reduce-scatter, adds in another order. The tangent is the
-    replica's rows in zeros, summed over the replicas, whose transpose is the sum, then the
-    slice; bfloat16 on CPUs, whose sum is gathered, gets a custom VJP (as in
-    `all_reduce_with_tfs_gradient`).
-    """
+    """A tiled ``lax.all_gather`` whose gradient is TF's: each replica's rows of the
+    `replica_sum` of the upstream gradients (XLA's reduce-scatter adds in another order)."""
     gather = _gather_by_vjp if _sums_in_order(x.dtype) else _gather_by_jvp
     return gather(x, axis_name, axis)
 
@@ -511,15 +403,8 @@ def replica_all_gather(axis_name: str, value: PyTree, axis: int) -> PyTree:
 
 # ------------------------------------------------------------------ ragged values (TF's rules)
 def ragged_partials(components: Sequence, axis: Axis):
-    """Each replica's share of reducing a ragged value along ``axis`` (TF's rule).
-
-    Element-wise (``axis=None``) needs one shape, so it raises; with an axis each replica sums
-    its own value along it (on its own device), and MEAN will divide the combined sum by the
-    element count over all replicas (an empty replica adds nothing). Works on concrete arrays
-    and on traced ones (inside a merge function).
-
-    Returns:
-      ``(partials, count)``: one partial sum per replica (all of one shape), and the count.
+    """``(partials, count)`` for a ragged value along ``axis``: each replica's sum, and the
+    element count MEAN divides by (``axis=None`` raises: it needs one shape).
 
     Raises:
       ShapeMismatchError: ``axis`` is None, or the replicas' values differ in rank.
@@ -536,7 +421,7 @@ def ragged_partials(components: Sequence, axis: Axis):
 
 
 def ragged_gather(components: Sequence, axis: int):
-    """Concatenates one value per replica along ``axis``, sizes along it may differ (TF's rule).
+    """Concatenates one value per replica along ``axis``, whose sizes may differ.
 
     Raises:
       InvalidArgumentError: the values are scalars.

@@ -1,17 +1,10 @@
-"""CrossDeviceOps: how a `MirroredStrategy` combines values across its devices.
+"""CrossDeviceOps: how a strategy combines values across its devices.
 
-* `ReductionToOneDevice`: the sharded array is copied to one device (``jax.device_put``),
-  combined there by ``accumulation_fn`` (default: add all) and broadcast to the destinations.
-* `NcclAllReduce` / `HierarchicalCopyAllReduce` (and the default of ``cross_device_ops=None``):
-  one ``jit(shard_map)`` program with ``lax.psum``, XLA's all-reduce (NCCL on GPUs); batches are
-  packed (`jdist._src.reduce.packing`) into a few collectives.
-
-A `CrossDeviceOps` receives values and destinations, never a strategy: the public methods
-resolve the destinations once into a `destinations.Target` (a strategy passes its own, already
-resolved) and find the devices of the values from their shardings (`replica_mesh`). Every launch
-goes through the platform's dispatch guard (`jdist._src.dispatch`); nothing goes through the
-host. ``strategy.reduce``, the strategy's ``reduce_to`` / ``batch_reduce_to`` / ``broadcast_to``
-and ``ReplicaContext.all_reduce`` inside ``run`` use the strategy's ops.
+`ReductionToOneDevice` copies the replicas to one device and combines them there;
+`NcclAllReduce` / `HierarchicalCopyAllReduce` (and the default) run one ``jit(shard_map)``
+``lax.psum`` program, batches packed by `jdist._src.reduce.packing`. A `CrossDeviceOps` never sees a
+strategy: public methods resolve destinations once into a `destinations.Target` and find the
+values' devices from their shardings (`replica_mesh`), so the ops also work standalone.
 """
 
 import abc
@@ -26,7 +19,6 @@ from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 
 from jdist._src.reduce import collectives
-from jdist._src.multi_worker import cross_host
 from jdist._src.reduce import destinations as destinations_lib
 from jdist._src import devices as devices_lib
 from jdist._src import errors
@@ -50,13 +42,11 @@ class CrossDeviceOps(abc.ABC):
     """Base class of how values are combined across devices (``tf.distribute.CrossDeviceOps``).
 
     Subclasses implement ``reduce_implementation`` (and may override
-    ``batch_reduce_implementation`` / ``broadcast_implementation``), which receive resolved
-    `destinations.Target` s; the public methods check their arguments first. Destinations are a
-    `DistributedValues` (the result is `Mirrored` on its devices), a device name such as
-    ``"CPU:0"`` or a ``jax.Device`` (an array on that device; under `MultiWorkerMirroredStrategy`
-    also another worker's, whose other workers get a `cross_host.RemoteArray`), a ``jax.Array``
-    (an array on its devices), or an already resolved `Target`. ``""`` or any other object is an
-    `InvalidArgumentError` (a ``ValueError``). A plain array counts as a one-replica value.
+    ``batch_reduce_implementation`` / ``broadcast_implementation``), which receive checked
+    arguments and resolved `destinations.Target` s. Destinations are a `DistributedValues`
+    (a `Mirrored` result on its devices), a device name or ``jax.Device`` (an array there; under
+    `MultiWorkerMirroredStrategy` this worker's), a ``jax.Array`` (an array on its devices) or a
+    `Target`. A plain array counts as a one-replica value.
 
     Example:
       >>> import jax, numpy as np, jdist
@@ -136,20 +126,8 @@ class CrossDeviceOps(abc.ABC):
 
     def _reduce_to_mesh(self, mesh: ReplicaMesh, op: ReduceOp, value: PerReplica,
                        axes: Optional[Tuple[int, ...]]) -> jax.Array:
-        """``strategy.reduce(op, value, axis)``: the result replicated over ``mesh``.
-
-        Generic: each replica reduces its block along ``axes`` (no communication), the partial
-        sums are reduced with SUM by `reduce_implementation`, MEAN divides by the element count.
-
-        Args:
-          mesh: the strategy's `ReplicaMesh`.
-          op: the `ReduceOp`.
-          value: a `PerReplica` of the strategy (not ragged, not traced).
-          axes: the normalized within-replica axes, or None (element-wise).
-
-        Returns:
-          The reduced array, replicated on ``mesh``.
-        """
+        """``strategy.reduce(op, value, axis)`` replicated over ``mesh``: each replica's partial
+        sums along ``axes``, added by `reduce_implementation`, MEAN divided by the count."""
         here = destinations_lib.mirrored_on(mesh.devices)
         stacked = mesh.place_per_replica(value.stacked)
         stacked, lengths = mesh.strip_padding(stacked, value._lengths, axes)
@@ -163,33 +141,19 @@ class CrossDeviceOps(abc.ABC):
         return mesh.finish(op, total, collectives.mean_count(stacked.shape[1:], axes,
                                                              stacked.shape[0], rows))
 
-    #: Whether `_replica_all_reduce` sums with ``psum`` (packed or not), whose transpose XLA
-    #: derives as TF's gradient of an all-reduce; otherwise `ReplicaContext.all_reduce` gives
-    #: its gradient by a custom VJP (`collectives.all_reduce_with_tfs_gradient`).
+    #: Whether `_replica_all_reduce` sums with ``psum`` (else a custom VJP gives TF's gradient).
     _sums_by_psum = True
 
     def _replica_all_reduce(self, axis_name: str, num_replicas: int, op: ReduceOp, value: PyTree,
                            options: Optional[CommunicationOptions] = None) -> PyTree:
         """``ReplicaContext.all_reduce`` inside ``run``: psum per leaf, or packed psums when
-        ``options.bytes_per_pack`` > 0.
-
-        Args:
-          axis_name: the replica axis of the traced program.
-          num_replicas: its size.
-          op: the `ReduceOp`.
-          value: a nest of traced per-replica arrays.
-          options: a `CommunicationOptions`, or None.
-
-        Returns:
-          The nest with each leaf reduced over the replicas.
-        """
+        ``options.bytes_per_pack`` > 0."""
         options = as_options(options)
         if options.bytes_per_pack <= 0:
             return collectives.replica_all_reduce(axis_name, op, value)
         return packing.packed_replica_all_reduce(axis_name, num_replicas, op, value,
                                                  options.bytes_per_pack)
 
-    # Internals shared by the public methods.
     def _reduce(self, op, value, target, options):
         if isinstance(value, PerReplica) and isinstance(value.stacked, jax.core.Tracer):
             # A merge_call view, inside a trace: the program places the result.
@@ -201,9 +165,8 @@ class CrossDeviceOps(abc.ABC):
         return self.reduce_implementation(op, per_replica, target, options)
 
     def _reduce_one(self, op, one, target):
-        """One value (TF's shortcut): on the destinations' devices already, it is returned as it
-        is, dtype included; elsewhere it is reduced as any value is (a MEAN divides by 1). A host
-        value lies on the first CPU device, as TF's converted tensor does."""
+        """One value (TF's shortcut): returned as it is on the destinations' devices, else
+        reduced (a MEAN divides by 1); a host value lies on the first CPU, as in TF."""
         one = one if isinstance(one, (jax.Array, np.ndarray)) else jnp.asarray(one)
         here = (set(one.devices()) if isinstance(one, jax.Array)
                 else {jax.local_devices(backend="cpu")[0]})
@@ -230,8 +193,7 @@ class CrossDeviceOps(abc.ABC):
 
 
 def _adds(value) -> bool:
-    """Whether the cross-device ops add ``value``'s replicas: one replica's value is handed
-    back (TF's shortcut) or, elsewhere, divided by one (`CrossDeviceOps._reduce_one`)."""
+    """Whether ``value``'s replicas are added (one replica's is handed back: `_reduce_one`)."""
     return isinstance(value, DistributedValues) and value.num_replicas > 1
 
 
@@ -256,14 +218,11 @@ def check_pairs(value_destination_pairs: Sequence[tuple]) -> List[tuple]:
 class ReductionToOneDevice(CrossDeviceOps):
     """Copies values to one device, combines them there, and broadcasts the result.
 
-    ``tf.distribute.ReductionToOneDevice``: every replica's block is copied (device to device) to
-    ``reduce_to_device``, ``accumulation_fn`` combines the list of values there (MEAN then
-    divides by how many there are), and the result is copied to the destinations. It does not
-    pack batches. Inside ``strategy.run``, ``all_reduce`` gathers the values to every replica and
-    applies ``accumulation_fn`` there (one SPMD program has no single reducing device). A value
-    of a `MultiWorkerMirroredStrategy` (spread over several processes) is reduced the same way:
-    every device gathers the replicas' values in replica order and applies ``accumulation_fn``,
-    and the destinations keep their copies (`cross_host`; every worker makes the call).
+    ``tf.distribute.ReductionToOneDevice``: the replicas' values are copied to
+    ``reduce_to_device`` and combined there by ``accumulation_fn`` (MEAN divides by their
+    count). Inside ``run``, and for a value spread over several workers, every device gathers
+    the values in replica order and applies ``accumulation_fn`` (one SPMD program has no single
+    reducing device).
 
     Args:
       reduce_to_device: the device to reduce on: a name such as ``"CPU:0"`` (or, with several
@@ -323,7 +282,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         mesh = replica_mesh.of_array(value.stacked, value.num_replicas)
         stacked, _ = mesh.strip_padding(value.stacked, value._lengths, None)
         device = self._device(destinations)
-        if cross_host.is_global(stacked):
+        if destinations_lib.is_global(stacked):
             reduced = self._accumulate_everywhere(mesh, reduce_op, stacked)
         elif device.process_index != jax.process_index():
             raise errors.InvalidArgumentError(
@@ -337,10 +296,8 @@ class ReductionToOneDevice(CrossDeviceOps):
         return self.broadcast_implementation(reduced, destinations)
 
     def _accumulate_everywhere(self, mesh, op, stacked):
-        """A value spread over several processes, accumulated as on one device: every device
-        gathers the replicas' values (in replica order) and applies ``accumulation_fn`` to the
-        same list, so each holds the reduced value; the destinations keep theirs
-        (`cross_host`). Every worker makes this call (one program over every process)."""
+        """A value over several processes, accumulated on every device from the gathered values
+        (one program every worker enters)."""
         n = stacked.shape[0]
         if stacked.size == 0:
             return collectives.reduce_empty(self._accumulate_fn(op, n), stacked.shape,
@@ -382,11 +339,8 @@ class ReductionToOneDevice(CrossDeviceOps):
 class AllReduceCrossDeviceOps(CrossDeviceOps):
     """All-reduce over the replicas' devices: one compiled program with ``lax.psum``.
 
-    The base of `NcclAllReduce` and `HierarchicalCopyAllReduce`, and the default of
-    ``MirroredStrategy(cross_device_ops=None)`` off GPUs (``all_reduce_alg="xla"``). A batch is
-    packed: ``CommunicationOptions.bytes_per_pack`` > 0 packs into buckets of about that size,
-    else ``num_packs`` > 0 concatenates each dtype's values and splits them into that many packs,
-    else each value gets its own all-reduce (still in one program).
+    The base of `NcclAllReduce` and `HierarchicalCopyAllReduce`, and the default off GPUs
+    (``all_reduce_alg="xla"``). Batches are packed as `jdist._src.reduce.packing` says.
 
     Args:
       all_reduce_alg: ``"nccl"``, ``"hierarchical_copy"`` or ``"xla"`` (a name: XLA lowers every
@@ -428,11 +382,8 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         return super()._replica_all_reduce(axis_name, num_replicas, op, value, options)
 
     def _check_tf_all_reduce(self, num_replicas: int, dtypes: Sequence) -> None:
-        """Raises `InvalidArgumentError` where TF's all-reduce of a batch of values of
-        ``dtypes`` over ``num_replicas`` devices raises, or returns a sum jdist does not
-        reproduce. TF's NCCL op takes five dtypes; with ``num_packs`` > 0 TF concatenates the
-        whole batch into one buffer, one dtype; its hierarchical copy adds two groups of
-        ``num_replicas // 2`` devices, which leaves a replica out of the sum on an odd count."""
+        """Raises `InvalidArgumentError` where TF's all-reduce of ``dtypes`` over
+        ``num_replicas`` devices raises, or returns a sum jdist does not reproduce."""
         name = self._ALGORITHMS[self._all_reduce_alg]
         if self._all_reduce_alg == "xla" or num_replicas == 1:
             return
@@ -458,8 +409,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
                 f"num_packs=0, or {instead}.")
 
     def _place(self, mesh, reduced, target):
-        """``reduced`` (replicated on ``mesh``) on ``target``; no copy when they are the same
-        devices."""
+        """``reduced`` (replicated on ``mesh``) on ``target``; no copy on the same devices."""
         if target.mirrored and target.mesh is mesh:
             return Mirrored._from_value(reduced, mesh.num_replicas)
         return self.broadcast_implementation(reduced, target)
@@ -485,8 +435,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
 
     def _packed_all_reduce(self, mesh: ReplicaMesh, reduce_op: ReduceOp, stacked: Sequence,
                           options: Optional[CommunicationOptions] = None) -> List[jax.Array]:
-        """All-reduces ``stacked`` arrays (sharded over ``mesh``) in one packed program;
-        returns the reduced arrays, replicated."""
+        """All-reduces ``stacked`` arrays in one packed program; returns them replicated."""
         program, _ = self._packed_program(mesh, reduce_op, stacked, as_options(options))
         return list(mesh.guard.dispatch(program, *stacked))
 
@@ -533,9 +482,6 @@ class NcclAllReduce(AllReduceCrossDeviceOps):
 class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
     """``tf.distribute.HierarchicalCopyAllReduce``: XLA's all-reduce, whose algorithm XLA picks.
 
-    TF's hierarchical copy is a hand-made all-reduce for one 8-GPU topology; XLA compiles
-    ``lax.psum`` to the best all-reduce of the backend, so the numbers are the same.
-
     Args:
       num_packs: how many packs a batch of values is split into (>= 0; 0: no packing).
 
@@ -557,8 +503,7 @@ class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
 
 
 def resolve(cross_device_ops, devices):
-    """``cross_device_ops`` checked; for None the default: `NcclAllReduce` on GPUs, else the same
-    psum all-reduce under the name ``"xla"``."""
+    """``cross_device_ops`` checked; None: `NcclAllReduce` on GPUs, else the ``"xla"`` psum."""
     if cross_device_ops is None:
         gpus = all(d.platform == "gpu" for d in devices)
         return NcclAllReduce() if gpus else AllReduceCrossDeviceOps("xla")

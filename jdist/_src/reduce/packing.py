@@ -1,22 +1,11 @@
 """Packing many small values into a few collectives, and the options that ask for it.
 
-A batch of small gradients all-reduced one by one costs one collective each, and each collective
-has a fixed latency. Packing concatenates the raveled values of one dtype into a flat buffer, cuts
-the buffer into packs, all-reduces each pack and splits the result back into the original shapes,
-so 200 gradients of a few KB cross the devices in a handful of collectives.
-
-Two ways to cut, as in TF:
-
-* ``bytes_per_pack > 0`` (``CommunicationOptions``): values are kept whole and appended to the
-  current pack of their dtype, in order, until it holds at least ``bytes_per_pack`` bytes
-  (TF's ``group_by_size``: best effort, a pack may be smaller or larger);
-* ``num_packs > 0`` (``NcclAllReduce(num_packs)``): each dtype's buffer is split into
-  ``num_packs`` nearly equal slices regardless of value boundaries (TF's ``_ConcatAndSplitPacker``).
-
-With neither, every value is its own pack. `CommunicationOptions` (TF's
-``tf.distribute.experimental.CommunicationOptions``) carries ``bytes_per_pack``. The plan is
-static (shapes and dtypes only), so a compiled program holds exactly one all-reduce per pack;
-`jdist.testing.count_all_reduces` reads that number from HLO text.
+Each collective has a fixed latency, so a batch of small values of one dtype is concatenated
+into flat buffers, all-reduced pack by pack and split back. As in TF, ``bytes_per_pack > 0``
+(`CommunicationOptions`) keeps values whole and closes a pack once it holds that many bytes
+(``group_by_size``); ``num_packs > 0`` (``NcclAllReduce``) cuts each dtype's buffer into that
+many slices (``_ConcatAndSplitPacker``); with neither each value is its own pack. The plan is
+static, so a compiled program holds one all-reduce per pack (`jdist.testing.count_all_reduces`).
 """
 
 import dataclasses
@@ -34,11 +23,8 @@ from jdist._src import errors
 
 
 class CommunicationImplementation(enum.Enum):
-    """Which collective implementation to prefer (``tf.distribute.experimental``'s enum).
-
-    XLA chooses the algorithm of the all-reduce it compiles (NCCL on GPUs), so jdist records the
-    preference but the numbers and the program do not depend on it.
-    """
+    """Which collective implementation to prefer (``tf.distribute.experimental``'s enum):
+    recorded only, since XLA chooses the algorithm of the all-reduce it compiles."""
     AUTO = "AUTO"
     RING = "RING"
     NCCL = "NCCL"
@@ -63,8 +49,8 @@ class CommunicationOptions:
       CommunicationOptions(bytes_per_pack=32768, timeout_seconds=5.0, implementation=NCCL)
     """
 
-    def __init__(self, bytes_per_pack=0, timeout_seconds=None,
-                 implementation=CommunicationImplementation.AUTO):
+    def __init__(self, bytes_per_pack: int = 0, timeout_seconds: "float | None" = None,
+                 implementation: object = CommunicationImplementation.AUTO) -> None:
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, (int, np.integer)):
             raise errors.InvalidArgumentError(
                 f"bytes_per_pack must be an int >= 0, got {bytes_per_pack!r}.")
@@ -78,15 +64,8 @@ class CommunicationOptions:
         self.timeout_seconds = timeout_seconds
         self.implementation = _as_implementation(implementation)
 
-    def merge(self, options):
-        """Returns new options: ``options``' values where they are not the defaults, else ours.
-
-        Args:
-          options: a `CommunicationOptions` or None.
-
-        Returns:
-          The merged `CommunicationOptions`.
-        """
+    def merge(self, options: "CommunicationOptions | None") -> "CommunicationOptions":
+        """New options: ``options``' values (or None's) where they are not the defaults, else ours."""
         merged = CommunicationOptions(self.bytes_per_pack, self.timeout_seconds,
                                       self.implementation)
         if options is None:
@@ -138,13 +117,8 @@ def as_options(options):
 
 @dataclasses.dataclass(frozen=True)
 class PackGroup:
-    """Values of one dtype that share a flat buffer, and where that buffer is cut into packs.
-
-    Attributes:
-      dtype: the common dtype (a NumPy dtype name).
-      members: indices of the values, in buffer order.
-      bounds: element offsets into the buffer: pack ``i`` is ``buffer[bounds[i]:bounds[i+1]]``.
-    """
+    """Values of one ``dtype`` (``members``: their indices) sharing a flat buffer, cut into packs
+    at ``bounds``: pack ``i`` is ``buffer[bounds[i]:bounds[i+1]]``."""
     dtype: str
     members: tuple
     bounds: tuple
@@ -156,12 +130,8 @@ class PackGroup:
 
 @dataclasses.dataclass(frozen=True)
 class PackPlan:
-    """How a list of values is cut into packs (hashable, so programs can be cached per plan).
-
-    Attributes:
-      shapes: the values' shapes, in input order.
-      groups: the `PackGroup` s; values of size zero belong to none (nothing to reduce).
-    """
+    """How values of ``shapes`` are cut into packs (hashable: programs are cached per plan);
+    values of size zero belong to no `PackGroup`."""
     shapes: tuple
     groups: tuple
 
@@ -174,15 +144,9 @@ class PackPlan:
 def plan_packs(specs, bytes_per_pack=0, num_packs=0):
     """Plans the packs for values with the given ``(shape, dtype)`` specs.
 
-    Args:
-      specs: a sequence of ``(shape, dtype)`` pairs, one per value.
-      bytes_per_pack: when > 0, pack whole values of one dtype until a pack holds at least this
-        many bytes.
-      num_packs: when > 0 (and ``bytes_per_pack`` is 0), concatenate each dtype's values and split
-        the buffer into this many nearly equal packs.
-
-    Returns:
-      A `PackPlan`. With neither argument set, each value is its own pack.
+    ``bytes_per_pack`` > 0 packs whole values of one dtype until a pack holds that many bytes;
+    else ``num_packs`` > 0 splits each dtype's buffer into that many packs; else each value is
+    its own pack.
 
     Example:
       >>> plan = plan_packs([((256,), "float32")] * 10, bytes_per_pack=4096)
@@ -222,17 +186,8 @@ def plan_packs(specs, bytes_per_pack=0, num_packs=0):
 
 
 def packed_reduce(values, plan, reduce_pack):
-    """Reduces ``values`` pack by pack: ``reduce_pack`` is called once per pack.
-
-    Args:
-      values: the arrays (traced inside a replica function or shard_map), matching ``plan``.
-      plan: their `PackPlan`.
-      reduce_pack: a function of one flat array returning its reduction (e.g. a ``psum``).
-
-    Returns:
-      A list with the reduced value of each input, in input order and shape (a value of size
-      zero comes back as it is).
-    """
+    """Traced ``values`` reduced pack by pack by ``reduce_pack`` (of one flat array), back in
+    their order and shapes; a value of size zero comes back as it is."""
     out = list(values)
     for group in plan.groups:
         starts = np.cumsum([0] + [math.prod(plan.shapes[i]) for i in group.members]).tolist()
@@ -259,8 +214,7 @@ def packed_reduce(values, plan, reduce_pack):
 
 
 def packed_psum(values, plan, axis_name):
-    """`packed_reduce` with the sum over ``axis_name`` (`collectives.replica_sum`, a ``psum``):
-    one all-reduce per pack."""
+    """`packed_reduce` with `collectives.replica_sum`: one all-reduce per pack."""
     return packed_reduce(values, plan,
                          lambda buffer: collectives.replica_sum(buffer, axis_name))
 
@@ -280,19 +234,8 @@ def packed_replica_all_reduce(axis_name, num_replicas, op, value, bytes_per_pack
 
 @functools.lru_cache(maxsize=256)
 def all_reduce_program(sharding, op, bytes_per_pack, num_packs, signature):
-    """The compiled program all-reducing stacked arrays in packs, and its `PackPlan`.
-
-    Args:
-      sharding: the arrays' ``NamedSharding`` over a 1-D mesh, replica axis first.
-      op: a `ReduceOp` (MEAN divides the sums by the replicas, `collectives.finish`).
-      bytes_per_pack: ``plan_packs``' argument.
-      num_packs: ``plan_packs``' argument (used when ``bytes_per_pack`` is 0).
-      signature: the stacked arrays' ``(shape, dtype)`` pairs.
-
-    Returns:
-      ``(program, plan)``: a jitted ``jit(shard_map)`` function of the stacked arrays returning
-      the reduced arrays replicated, with one all-reduce per pack of ``plan``.
-    """
+    """``(program, plan)``: a ``jit(shard_map)`` all-reducing arrays stacked over ``sharding``
+    (``signature``: their shapes and dtypes) to replicated results, one all-reduce per pack."""
     plan = plan_packs([(shape[1:], dtype) for shape, dtype in signature],
                       bytes_per_pack=bytes_per_pack, num_packs=0 if bytes_per_pack else num_packs)
     axis, mesh = sharding.spec[0], sharding.mesh
