@@ -69,9 +69,6 @@ def replicated_sharding(strategy: Optional[Any] = None) -> NamedSharding:
     Args:
       strategy: the strategy; default: the current one (`get_strategy`).
 
-    Returns:
-      ``NamedSharding(mesh, PartitionSpec())`` over the strategy's replica mesh.
-
     Example:
       >>> import jdist
       >>> sharding = jdist.replicated_sharding(jdist.MirroredStrategy(["cpu:0", "cpu:1"]))
@@ -102,9 +99,6 @@ def mirror(tree: Any, strategy: Optional[Any] = None) -> Any:
     Args:
       tree: a pytree of arrays, Python scalars or `Mirrored` values (parameters, optimizer state).
       strategy: the strategy to place on; default: the current one (`get_strategy`).
-
-    Returns:
-      The same structure with `Mirrored` leaves.
 
     Raises:
       UnsupportedValueError: a leaf is a `PerReplica` value.
@@ -145,9 +139,6 @@ def to_host(tree: Any) -> Any:
     Args:
       tree: a pytree of `Mirrored` values, replicated arrays, NumPy arrays or scalars.
 
-    Returns:
-      The same structure with NumPy arrays as leaves.
-
     Raises:
       UnsupportedValueError: a leaf is a `PerReplica` value or an array that is not fully
         replicated (no single device holds its whole value).
@@ -167,9 +158,6 @@ def replica_key(key: jax.Array) -> jax.Array:
 
     Args:
       key: a PRNG key (``jax.random.key`` or a raw ``PRNGKey``).
-
-    Returns:
-      ``jax.random.fold_in(key, replica_id_in_sync_group)``.
 
     Raises:
       WrongContextError: called in a cross-replica context (there is no current replica).
