@@ -1,43 +1,13 @@
 """Auto-sharding of ``experimental_distribute_dataset`` across workers (TF's ``AutoShardPolicy``).
 
-With ``W`` workers of ``R`` replicas (``N = W * R``) each worker feeds its own replicas the rows
-TF's ``input_lib`` gives them: it rebatches the dataset for its replicas, then auto-shards it
-(``auto_shard_dataset``) under the dataset's policy (a ``tf.data`` dataset's
-``options().experimental_distribute.auto_shard_policy``, or ``InputOptions(auto_shard_policy)``)
-or, when none is asked for, TF's default ``AUTO``:
-
-* ``DATA``: TF turns the rebatch into its legacy one (each global batch cut into ``N``
-  consecutive chunks of ``ceil(B / N)`` rows, trailing ones shorter or empty) and shards the
-  chunk stream: worker ``w`` keeps chunks ``w, w + W, ...``, so its replica ``r``, the global
-  replica ``w * R + r``, gets chunk ``w + r * W`` of each global batch (`chunk_order`). Every
-  worker reads the same global batches, so jdist splits each one as one process does and only
-  reorders the chunks: no exchange between the workers per step.
-* ``AUTO``: TF shards by file where it finds file readers, else by data. A `NumpyDataset` or a
-  Python iterable reads no files: ``DATA``.
-* ``OFF``: TF rebatches each worker's copy into the sub-batch sizes of
-  ``tf.data.experimental.batch_sizes_for_worker(B, W, R, w)`` (``N`` sizes ``ceil`` / ``floor``
-  of ``B / N``, worker 0's list rotated by ``w * R``), as a stream of rows (``unbatch`` then
-  ``batch`` cycling through the sizes). Each global batch therefore spans ``W`` steps on every
-  worker, and every worker processes every row.
-* ``FILE``: TF rewrites the graph at its file readers; a `NumpyDataset` or an iterable has
-  none, so across workers TF's iterator fails ("unshardable source") and jdist raises when the
-  dataset is distributed; on one worker TF skips the rewrite, which leaves ``OFF``'s rebatch.
-* ``HINT``: TF shards at the ``SHARD_HINT`` placeholders of a tf.data graph; data without any
-  is not sharded, which leaves ``OFF``'s rebatch.
-
-A ``tf.data`` dataset whose rows TF shards by data (``DATA``, or ``AUTO`` on a graph without
-file readers, `reads_files`) is split like the others, with no exchange per step. Otherwise (a
-reader under ``AUTO``, ``FILE``, ``OFF``, ``HINT``) each worker's pipeline is rebatched and
-auto-sharded by TF itself (the same ``rebatch`` and ``auto_shard_dataset`` as TF's
-``input_lib``), so the file sharding, its fallback to data and TF's errors (too few files for
-the workers) are TF's own, and the workers keep in step as ``PER_WORKER`` pipelines do.
-
-With one worker TF still rebatches, so the policy still matters there: ``DATA`` and ``AUTO``
-without files split each global batch as above (in order), while ``OFF``, ``FILE`` and
-``HINT``, and ``AUTO`` on a tf.data graph with readers, cut the row stream by
-``batch_sizes_for_worker(B, 1, N, 0)``: a partial last batch of 4 rows on 4 replicas of a
-``B = 7`` dataset gives ``[r r] [r r] [] []``, not ``[r] [r] [r] [r]``. One replica is never
-rebatched.
+Each of ``W`` workers of ``R`` replicas feeds its replicas the rows TF's ``input_lib`` gives
+them (policies: ``docs/multi_worker.md``). Where TF shards by data (``DATA``; ``AUTO`` on data
+without file readers, `reads_files`) every worker reads the same global batches, so jdist splits
+each as one process does and only reorders the chunks (`chunk_order`): no exchange per step.
+Otherwise each worker's pipeline is rebatched: a ``tf.data`` one by TF's own ``rebatch`` and
+``auto_shard_dataset`` (so file sharding and its errors are TF's), other data by
+`rebatched_for_worker`. TF rebatches on one worker too, so the policy decides there how a
+partial batch is split; one replica is never rebatched.
 """
 
 import enum
@@ -109,16 +79,8 @@ def effective_policy(asked: Optional[AutoShardPolicy],
 
 
 def chunk_order(num_workers: int, replicas_per_worker: int) -> Optional[Tuple[int, ...]]:
-    """TF's ``DATA`` sharding as an order of chunks: the global replica ``w * R + r`` receives
-    chunk ``w + r * W`` of each global batch cut into ``N`` chunks; None where that is the
-    identity (one worker, or one replica per worker).
-
-    Args:
-      num_workers: ``W``.
-      replicas_per_worker: ``R``.
-
-    Returns:
-      Per global replica, the index of its chunk, or None.
+    """TF's ``DATA`` sharding as an order of chunks: global replica ``w * R + r`` receives chunk
+    ``w + r * W`` of each global batch; None where that is the identity.
 
     Example:
       >>> chunk_order(2, 2), chunk_order(2, 1)
@@ -132,17 +94,8 @@ def chunk_order(num_workers: int, replicas_per_worker: int) -> Optional[Tuple[in
 
 def batch_sizes_for_worker(global_batch_size: int, num_workers: int,
                            num_replicas_per_worker: int, worker_index: int) -> List[int]:
-    """TF's ``batch_sizes_for_worker``: worker ``worker_index``'s sub-batch sizes of one batch.
-
-    Args:
-      global_batch_size: ``B``, the rows of a full global batch.
-      num_workers: ``W``.
-      num_replicas_per_worker: ``R``.
-      worker_index: ``w``.
-
-    Returns:
-      ``W * R`` sizes summing to ``B``: worker 0's (``ceil`` sizes first, then ``floor``)
-      rotated left by ``w * R``.
+    """TF's ``batch_sizes_for_worker``: ``W * R`` sizes summing to ``B``, worker 0's (``ceil``
+    sizes first, then ``floor``) rotated left by ``w * R``.
 
     Example:
       >>> batch_sizes_for_worker(7, 2, 2, 0), batch_sizes_for_worker(7, 2, 2, 1)
@@ -157,18 +110,8 @@ def batch_sizes_for_worker(global_batch_size: int, num_workers: int,
 
 def rebatched_for_worker(batches: Iterator, num_workers: int, replicas_per_worker: int,
                         worker_index: int, full_rows: int) -> Iterator:
-    """``OFF``'s stream of per-replica batches for one worker: the rows of ``batches`` cut
-    by TF's sub-batch sizes (`batch_sizes_for_worker`, cycled), as TF's ``rebatch`` cuts them.
-
-    Args:
-      batches: the global batches (NumPy nests with a leading batch axis).
-      num_workers: ``W``.
-      replicas_per_worker: ``R``.
-      worker_index: ``w``.
-      full_rows: ``B``, the full batch size (`off_batch_rows`).
-
-    Returns:
-      An iterator of per-replica batches, to be dealt ``R`` per step to this worker's replicas.
+    """``OFF``'s per-replica batches for one worker: the rows of ``batches`` cut by TF's
+    sub-batch sizes (`batch_sizes_for_worker` of ``full_rows``, cycled), as TF's ``rebatch``.
 
     Example:
       >>> rows = [np.arange(7), np.arange(7, 10)]
@@ -201,14 +144,8 @@ def _rows(leaves):
 
 
 def off_batch_rows(source) -> int:
-    """The full batch size ``B`` that ``OFF`` rebatches a `NumpyDataset` or an iterable by: the
-    one it declares (a `NumpyDataset`'s ``batch``).
-
-    Raises:
-      InvalidArgumentError: no full batch size is known. Across workers TF would then fall
-        back to its legacy rebatch, which jdist does not reproduce for Python data, so it
-        refuses rather than guess (on one worker that rebatch is the plain split).
-    """
+    """The full batch size ``OFF`` rebatches a `NumpyDataset` or an iterable by. Raises where
+    none is declared: TF's legacy rebatch is not reproduced for Python data."""
     rows = source.static_rows()
     if rows is None:
         raise errors.InvalidArgumentError(
@@ -222,31 +159,19 @@ def off_batch_rows(source) -> int:
 
 
 class Share(NamedTuple):
-    """How this worker reads ``experimental_distribute_dataset``'s data (`worker_share`).
-
-    Either ``pipeline`` is None and the worker splits the global batches over all replicas as
-    one process does, replica ``g`` taking chunk ``order[g]`` (``order`` None: chunk ``g``);
-    or ``pipeline`` is this worker's own `input_batches.Source` of per-replica batches, dealt
-    ``R`` per step to its replicas and kept in step with the other workers'.
-    """
+    """How this worker reads the data: with ``pipeline`` None it splits the global batches,
+    replica ``g`` taking chunk ``order[g]``; else its own `input_batches.Source` of per-replica
+    batches, dealt ``R`` per step."""
     order: Optional[Tuple[int, ...]] = None
     pipeline: Optional[input_batches.Source] = None
 
 
 def worker_share(source, asked: Optional[AutoShardPolicy], extended) -> Share:
-    """This worker's share of ``experimental_distribute_dataset``'s data, as TF's ``input_lib``
-    gives it (see the module doc): on one worker too, where TF still rebatches (its ``OFF`` /
-    ``FILE`` rebatch splits a partial batch unlike the ``DATA`` one).
-
-    Args:
-      source: the dataset's `input_batches.Source`.
-      asked: ``InputOptions.auto_shard_policy``.
-      extended: the strategy's extended (its workers and local replicas).
+    """This worker's share of the data, as TF's ``input_lib`` gives it (on one worker too).
 
     Raises:
       InvalidArgumentError: see `effective_policy`; workers with different replica counts;
-        ``FILE`` across workers on data without files; ``OFF`` across workers on an iterable
-        without a declared full batch size (`off_batch_rows`).
+        ``FILE`` across workers on data without files; ``OFF`` without a full batch size.
     """
     workers, index = extended._input_pipeline()
     local = len(extended._local_replica_ids())
@@ -299,12 +224,9 @@ _FILE_SHARDING_OPS = (b"ArrayRecordDataset", b"FixedLengthRecordDataset", b"Reco
 
 
 def reads_files(dataset) -> bool:
-    """Whether TF's ``AUTO`` might shard the ``tf.data`` ``dataset`` by file: its serialised
-    graph (functions included, an ``interleave``'s say) names one of TF's reader ops or a
-    ``Placeholder``. Without any TF's file sharding finds nothing and ``AUTO`` shards by
-    data; with one (or a name that only looks like one, in a string constant), TF's own rewrite
-    decides (`worker_share`). The bytes are searched, not parsed: an in-memory dataset's graph
-    holds its data.
+    """Whether TF's ``AUTO`` might shard ``dataset`` by file: its serialised graph names a reader
+    op or a ``Placeholder`` (a false positive only leaves the decision to TF's own rewrite).
+    The bytes are searched, not parsed: an in-memory dataset's graph holds its data.
 
     Example:
       >>> import tensorflow as tf  # doctest: +SKIP
@@ -319,10 +241,8 @@ def reads_files(dataset) -> bool:
 
 
 def _tf_worker_dataset(dataset, asked, num_workers, replicas_per_worker, worker_index):
-    """This worker's pipeline of a ``tf.data`` dataset, built by TF's own functions as its
-    ``input_lib`` builds it: ``rebatch`` into this worker's sub-batch sizes (TF's legacy
-    rebatch where the graph has no batch op to size them), then ``auto_shard_dataset`` under
-    the dataset's policy (``asked`` set on its options first)."""
+    """This worker's ``tf.data`` pipeline, built by TF's own functions as ``input_lib`` builds
+    it: ``rebatch`` (legacy without a batch op), then ``auto_shard_dataset``."""
     # Not TF's public API: the functions its input_lib calls (TF is installed: this is tf.data).
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tensorflow.python.data.experimental.ops import distribute  # pylint: disable=import-outside-toplevel

@@ -1,22 +1,10 @@
 """From host batches to per-replica values: sources, TF's splitting rule, placement.
 
-Representation (``docs/design.md``, "Partial and uneven batches"): when every replica's chunk
-of a leaf has one shape, the leaf is ONE array ``(N, rows, *inner)`` sharded over the replicas.
-When the chunks differ (the last partial batch), each replica gets its true chunk on its own
-device: a ragged `PerReplica`, which ``strategy.run`` computes on exactly (`jdist._src.uneven.plan`).
-
-* `Source` adapts what users bring (tf.data, `NumpyDataset`, lists, loaders, generators,
-  zero-argument functions returning a fresh iterable) to an iterator of NumPy nests.
-* `GlobalBatchSplitter` applies TF's rule to a global batch of ``B`` rows: consecutive chunks of
-  ``ceil(B / N)`` rows, trailing replicas getting fewer or none.
-* `PerReplicaDealer` deals per-replica batches (``distribute_datasets_from_function``) to the
-  replicas in order; replicas left without data get empty batches, while statically shaped
-  elements (batches that drop their remainder, single examples) end the data where a step
-  would lack one (`makes_a_step`), except for ``get_next_as_optional`` (`TrailingRound`).
-* `Placer` transfers: one ``jax.device_put`` call per element, each stacked leaf a host array
-  ``(N, rows, *inner)`` with the replica sharding and each ragged leaf's chunks to their own
-  devices, so each device receives its own block straight from host memory (a full batch is a
-  free reshape of the global batch; no device-side copy).
+A leaf whose replica chunks share a shape becomes ONE array ``(N, rows, *inner)`` sharded over
+the replicas; the last partial batch's differing chunks become a ragged `PerReplica`, which
+``strategy.run`` computes on exactly (``docs/design.md``, "Partial and uneven batches").
+`Source` adapts what users bring, `GlobalBatchSplitter` and `PerReplicaDealer` apply TF's rules,
+and `Placer` transfers each element in one ``jax.device_put`` call straight from host memory.
 """
 
 import collections.abc
@@ -41,14 +29,9 @@ def _is_tf_dataset(obj):
 
 
 class Source:
-    """An iterable of host batches, opened once per pass over the data.
-
-    Args:
-      obj: a ``tf.data.Dataset``, a `NumpyDataset`, a re-iterable (list, loader), a one-shot
-        iterator (a generator; it can be read once), or a function of no arguments returning
-        a fresh iterable on each call.
-      what: the API name, for error messages.
-    """
+    """An iterable of host batches, opened once per pass: a ``tf.data.Dataset``, a `NumpyDataset`,
+    a re-iterable, a one-shot iterator, or a function returning a fresh iterable (``what``:
+    the API name, for error messages)."""
 
     def __init__(self, obj, what):
         if isinstance(obj, (np.ndarray, jax.Array, DistributedValues)):
@@ -74,7 +57,7 @@ class Source:
 
     @property
     def dataset(self):
-        """What the user passed (a ``tf.data.Dataset``, a `NumpyDataset`, an iterable, ...)."""
+        """What the user passed."""
         return self._obj
 
     def open(self):
@@ -98,24 +81,18 @@ class Source:
         return _host_batches(iter(self._obj), ())
 
     def open_blocks(self, count):
-        """A batched `NumpyDataset`'s ``(arrays, blocks, placements)``: `NumpyDataset.arrays`,
-        `NumpyDataset.blocks` (the rows of ``arrays`` each block reads) and
-        `NumpyDataset.placements`."""
+        """A batched `NumpyDataset`'s ``(arrays, blocks(count), placements)``."""
         dataset = self._checked_numpy()
         return dataset.arrays, dataset.blocks(count), dataset.placements
 
     def _checked_numpy(self):
-        """The `NumpyDataset`, its arrays' dtypes and numbers checked once per pass (its batches
-        are then used as they are)."""
+        """The `NumpyDataset`, its arrays checked once per pass (its batches are used as is)."""
         to_host(self._obj._data)
         return self._obj
 
     def first(self):
-        """The first batch as a NumPy nest (None if there is none), without losing it.
-
-        Sources that declare a full element's shapes answer with ``jax.ShapeDtypeStruct`` s
-        instead, without reading (reading would advance a shuffle's sequence of orders).
-        """
+        """The first batch as a NumPy nest (None if none), without losing it; or the declared
+        ``jax.ShapeDtypeStruct`` s, unread (reading would advance a shuffle's orders)."""
         if isinstance(self._obj, NumpyDataset):
             return self._obj.element_spec
         if self.is_tf:
@@ -161,8 +138,7 @@ class Source:
 
     def fixed_shapes(self):
         """Whether the source declares one shape for every element (TF's statically shaped
-        dataset: batches that drop their remainder, or single examples); None when it declares
-        nothing (an iterable)."""
+        dataset); None when it declares nothing."""
         if isinstance(self._obj, NumpyDataset):
             return self._obj.fixed_shapes
         if self.is_tf:
@@ -181,15 +157,12 @@ class Source:
         return self._tf_spec(unknown_as_zero=False)
 
     def empty_spec(self):
-        """A tf.data source's element spec with TF's dummy dimensions (unknown ones 0, as
-        ``input_lib._dummy_tensor_fn`` makes them): the structure of the empty batches a worker
-        whose pipeline yielded nothing gives its replicas. None for other sources (or an
-        element of unknown rank)."""
+        """A tf.data source's element spec, unknown dimensions 0 (TF's dummies for a worker
+        without data); None for other sources or an unknown rank."""
         return self._tf_spec(unknown_as_zero=True) if self.is_tf else None
 
     def _tf_spec(self, unknown_as_zero):
-        """The tf.data element spec as ``jax.ShapeDtypeStruct`` s: unknown dimensions 0 when
-        ``unknown_as_zero``, else None unless every shape is fully defined."""
+        """The tf.data element spec as ``jax.ShapeDtypeStruct`` s (see `empty_spec`), or None."""
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
         specs = self._obj.element_spec
         flat = tf.nest.flatten(specs)
@@ -211,11 +184,8 @@ class Source:
 
 
 def _host_batches(it, stash, convert=True):
-    """Yields each element of ``it`` (after ``stash``) as a NumPy nest; closes ``it`` at the end.
-
-    ``convert=False``: the elements are NumPy nests already (a `NumpyDataset`'s, whose arrays
-    `Source.open` checked once).
-    """
+    """Yields each element of ``it`` (after ``stash``) as a NumPy nest (``convert=False``: they
+    are, checked already); closes ``it`` at the end."""
     try:
         for element in stash:
             yield to_host(element)
@@ -251,19 +221,9 @@ WHOLE, STACKED, RAGGED = "whole", "stacked", "ragged"  # How `Placer` places a l
 
 
 class Placer:
-    """Puts the leaves of one element on the strategy's devices, in one transfer call.
-
-    Each leaf arrives as one replica's whole value (`whole`, on one replica or the default
-    strategy), or as one chunk per replica (`split`): a host array ``(N, rows, *inner)`` (with
-    ``lengths`` in padded mode) or, when the chunks differ and padding is off, the chunks
-    themselves. All leaves of an element go to ``jax.device_put`` together, a stacked leaf with
-    the strategy's replica sharding and a ragged leaf's chunks each to its replica's device.
-
-    Args:
-      strategy: the strategy whose replicas receive the data.
-      fetch_to_device: False keeps the batches in host memory (`strategy.run` transfers them
-        when called).
-    """
+    """Puts the leaves of one element on the strategy's devices, in one transfer call: whole
+    leaves replicated, stacked ones sharded over the replicas, ragged chunks each to its
+    replica's device (``fetch_to_device=False`` keeps them on the host for ``run``)."""
 
     whole_batches_here = True  # Every row of a global batch goes to this process's devices.
 
@@ -276,8 +236,7 @@ class Placer:
             self._targets = {WHOLE: None}
         else:
             spec = jax.sharding.PartitionSpec
-            # A whole leaf (one replica) goes where `run` wants its arguments, replicated on the
-            # mesh, so `run` uses it as it is instead of placing it again on every step.
+            # A whole leaf goes where `run` wants it, so `run` does not place it again.
             self._targets = {WHOLE: jax.sharding.NamedSharding(extended.mesh, spec()),
                              RAGGED: list(extended.replica_devices),
                              STACKED: jax.sharding.NamedSharding(
@@ -290,7 +249,7 @@ class Placer:
 
     def split(self, chunks, rows):
         """A leaf from one chunk per replica: stacked when their shapes agree, else ragged
-        (``rows``, a full batch's per-replica size, is the multi-worker placer's)."""
+        (``rows`` is for the multi-worker placer)."""
         if len({c.shape for c in chunks}) == 1:
             return (np.stack(chunks), None, STACKED)
         return (list(chunks), None, RAGGED)
@@ -300,8 +259,7 @@ class Placer:
         arrays = [a for a, _, _ in leaves]
         kinds = {kind for _, _, kind in leaves}
         if self.fetch and len(kinds) == 1 and RAGGED not in kinds:
-            # One target for every leaf: JAX's cheapest form of the call (a list of targets
-            # costs about a third more per element).
+            # One target for every leaf: a third cheaper than a list of targets.
             arrays = jax.device_put(arrays, self._targets[kinds.pop()])
         elif self.fetch:
             arrays = jax.device_put(arrays, [self._targets[kind] for _, _, kind in leaves])
@@ -312,15 +270,9 @@ class Placer:
 
 
 class GlobalBatchSplitter:
-    """Splits global batches by TF's rule and pads each replica's chunk (see module doc).
-
-    Args:
-      placer: the `Placer` of the strategy.
-      full_rows: the leading size of a full global batch when known in advance; otherwise the
-        largest batch seen so far sets the per-replica size.
-      order: per replica, the index of the chunk it receives (TF's ``DATA`` sharding over
-        several workers, `auto_shard.chunk_order`); None: replica ``i`` receives chunk ``i``.
-    """
+    """Splits global batches by TF's rule: consecutive chunks of ``ceil(B / N)`` rows, trailing
+    replicas getting fewer or none. ``full_rows``: a full batch's size if known (else the
+    largest seen); ``order``: replica ``i``'s chunk (`auto_shard.chunk_order`), None: ``i``."""
 
     def __init__(self, placer, full_rows=None, order=None):
         self.placer = placer
@@ -381,12 +333,8 @@ def unbatched_error(n):
 
 
 class PerReplicaDealer:
-    """Deals per-replica batches to the replicas in order (``distribute_datasets_from_function``).
-
-    Called with a group of up to ``N`` per-replica batches (None for a replica without data);
-    replicas without data get empty batches, and every block is padded to the largest
-    per-replica batch seen so far (or ``full_rows`` when known).
-    """
+    """Deals a group of up to ``N`` per-replica batches to the replicas in order (None, or
+    missing: a replica without data, which gets an empty batch)."""
 
     def __init__(self, placer, full_rows=None):
         self.placer = placer
@@ -438,15 +386,11 @@ def is_unbatched(element):
 
 
 def makes_a_step(group, fixed_shapes=None):
-    """Whether per-replica elements (None for a replica whose data ended) make one more step.
+    """Whether per-replica elements (None: that replica's data ended) make one more step.
 
-    TF's rule: elements of a statically shaped dataset (``fixed_shapes``: every batch drops its
-    remainder, or single examples) only when every replica has one, since an empty batch would
-    break their shape: seven batches over four replicas give one step, five scalars over two
-    give ``[0, 1]`` and ``[2, 3]``. Other batches do while any replica has data, the others
-    getting empty batches. ``fixed_shapes`` None (a source that declares nothing): decided by
-    the elements, rank-0 ones being single examples. (TF's ``get_next_as_optional`` goes on
-    while any replica has data, whatever the shapes: see `TrailingRound`.)
+    TF's rule: statically shaped elements (``fixed_shapes``; None: rank-0 elements are) only
+    when every replica has one, as an empty batch would break their shape (seven batches on
+    four replicas: one step); other batches while any replica has data.
     """
     present = [b for b in group if b is not None]
     if not present:
@@ -457,15 +401,12 @@ def makes_a_step(group, fixed_shapes=None):
 
 
 class TrailingRound(list):
-    """A round of statically shaped per-replica batches in which some replica has none: no step
-    for ``next(iterator)`` (`makes_a_step`), but one for ``get_next_as_optional``, which in TF
-    always hands such rounds over, filling the missing replicas with TF's dummies (zeros, the
-    first dimension 0: `_empty_like`). Dealt, it holds the one element it makes."""
+    """A statically shaped round in which some replica has no batch: a step for TF's
+    ``get_next_as_optional`` only (`makes_a_step`). Dealt, it holds the one element it makes."""
 
 
 def _empty_like(leaf):
-    """TF's dummy value for a replica without data (``input_lib._dummy_tensor_fn``): zeros of the
-    leaf's shape with the first dimension 0, or one zero for a rank-0 leaf."""
+    """TF's dummy for a replica without data: zeros, first dimension 0 (rank 0: one zero)."""
     return np.zeros(leaf.shape[:0] if leaf.ndim == 0 else (0,) + leaf.shape[1:], leaf.dtype)
 
 

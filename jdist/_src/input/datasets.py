@@ -1,23 +1,10 @@
 """Distributed input: datasets split across replicas as tf.distribute splits them, fed ahead.
 
-``strategy.experimental_distribute_dataset(ds)`` takes a dataset of GLOBAL batches and returns a
-`DistributedDataset`; each element is the batch cut into consecutive chunks of ``ceil(B / N)``
-rows, one per replica (trailing replicas get fewer rows or none), as `PerReplica` values.
-``strategy.distribute_datasets_from_function(fn)`` calls ``fn(InputContext)`` once per input
-pipeline and deals its per-replica batches to the replicas in order. Iterators end as TF's do:
-``StopIteration`` for ``next``, `OutOfRangeError` for ``get_next``, an empty `Optional` for
-``get_next_as_optional``.
-
-On a partial batch each replica gets its true rows, as in TF, and ``strategy.run`` computes on
-them exactly (`jdist._src.uneven.plan`).
-
-Batches are prepared (split, transferred) on a background thread ahead of the step
-(`jdist._src.input.prefetch`); ``InputOptions.experimental_per_replica_buffer_size`` bounds how many
-wait ready (0 prepares each batch when asked, without a thread). A numpy dataset's full batches
-come in blocks placed up to 64 batches ahead (`jdist._src.input.blocks`). On CPU devices the loop's
-own thread prepares them: the data is in memory, so there is no loading to hide, and a thread's
-work competes with the devices for the host's cores (``docs/design.md``, "Batch blocks"). On
-accelerators the prefetch thread does, overlapping the copy and transfer with the steps.
+``experimental_distribute_dataset`` splits global batches (`_GlobalPlan`);
+``distribute_datasets_from_function`` deals per-replica batches (`_DealtPlan`). Both hand out
+`PerReplica` elements through a `DistributedIterator` that ends as TF's do. Batches are prepared
+ahead on a thread (`prefetch`), except a numpy dataset's full batches on CPU devices, placed in
+blocks by the loop's own thread (`blocks`; ``docs/design.md``, "Batch blocks").
 """
 
 import itertools
@@ -50,36 +37,33 @@ _EMPTY = object()
 
 
 class Optional:
-    """A value that may be absent (``tf.experimental.Optional``).
-
-    ``DistributedIterator.get_next_as_optional`` returns one: with the next element, or empty
-    once the data has ended.
+    """A value that may be absent (``tf.experimental.Optional``), as `get_next_as_optional` gives.
 
     Example:
       >>> Optional.from_value(3).get_value(), Optional.empty(None).has_value()
       (3, False)
     """
 
-    def __init__(self, value=_EMPTY, element_spec=None):
+    def __init__(self, value: Any = _EMPTY, element_spec: Any = None):
         self._value = value
         self._element_spec = element_spec
 
     @staticmethod
-    def from_value(value):
+    def from_value(value: Any) -> "Optional":
         """An optional holding ``value``."""
         return Optional(value, input_batches.spec_of_element(value)
                         if _has_arrays(value) else None)
 
     @staticmethod
-    def empty(element_spec):
+    def empty(element_spec: Any) -> "Optional":
         """An empty optional whose value would have had ``element_spec``."""
         return Optional(_EMPTY, element_spec)
 
-    def has_value(self):
+    def has_value(self) -> bool:
         """Whether a value is present (a Python bool)."""
         return self._value is not _EMPTY
 
-    def get_value(self):
+    def get_value(self) -> Any:
         """The value. Raises `InvalidArgumentError` when the optional is empty."""
         if self._value is _EMPTY:
             raise errors.InvalidArgumentError(
@@ -88,7 +72,7 @@ class Optional:
         return self._value
 
     @property
-    def element_spec(self):
+    def element_spec(self) -> Any:
         """The spec of the value (a nest of ``jax.ShapeDtypeStruct``), if known."""
         return self._element_spec
 
@@ -115,13 +99,11 @@ class _GlobalPlan:
         self.placer = _placer(strategy, options)
         self.full_rows = source.static_rows()
         self.order = order  # Replica i's chunk of each batch (`auto_shard.chunk_order`).
-        # Only ever with several workers, where no process holds whole batches: no blocks.
         self.blocks = _block_feed(strategy, source, self.placer)
 
     @property
     def on_loop_thread(self):
-        """Whether the loop's own thread places the data: blocks of full batches on CPU devices
-        (`batch_blocks.BlockFeed.on_loop_thread`)."""
+        """Whether the loop's own thread places the data (blocks on CPU devices)."""
         return self.blocks is not None and self.blocks.on_loop_thread
 
     def open(self):
@@ -146,14 +128,14 @@ class _DealtPlan:
 
     on_loop_thread = False  # Per-replica batches: one placement each, by the prefetch thread.
 
-    def __init__(self, strategy, sources, per_replica, counted=None):
+    def __init__(self, strategy, options, sources, per_replica, counted=None):
         self.extended = strategy.extended
         self.sources = sources
         self.counted = counted or sources[0]  # The source whose batches `cardinality` counts.
         self.per_replica = per_replica  # PER_REPLICA mode: one source per replica.
         self.n = strategy.num_replicas_in_sync
-        self.workers = strategy.extended._input_pipeline()[0]  # Several under MultiWorkerMirroredStrategy.
-        self.placer = None  # Set by the caller (needs the options).
+        self.workers = strategy.extended._input_pipeline()[0]
+        self.placer = _placer(strategy, options)
         rows = {s.static_rows() for s in sources}
         self.full_rows = rows.pop() if len(rows) == 1 else None
         # TF ends statically shaped data at the last whole round of replicas (`makes_a_step`).
@@ -177,15 +159,12 @@ class _DealtPlan:
         return input_batches.PerReplicaDealer(self.placer, self.full_rows).spec(first)
 
     def cardinality(self):
-        # TF's (``input_lib``: ``_cardinality(self._datasets[0])``): the first dataset
-        # ``dataset_fn`` returned (this worker's; replica 0's in PER_REPLICA mode), counted in
-        # per-replica batches, not in steps; an auto-sharded dataset's own count (`counted`).
+        # TF's ``_cardinality(self._datasets[0])``: in per-replica batches, not steps.
         return self.counted.cardinality()
 
 
 def _deal(batches, n, fixed_shapes):
-    """Groups of ``n`` consecutive per-replica batches (the last may be short, see
-    `input_batches.makes_a_step`, or a `input_batches.TrailingRound`)."""
+    """Rounds (`_round`) of ``n`` consecutive per-replica batches."""
     try:
         while True:
             group: list = []
@@ -239,11 +218,9 @@ def _round(group, fixed_shapes):
 class DistributedDataset:
     """A dataset whose elements are per-replica batches (``tf.distribute.DistributedDataset``).
 
-    Iterating it (``for batch in dist_dataset``, ``iter(dist_dataset)``) starts a
-    `DistributedIterator` that prepares the batches ahead of the step; each iteration replays
-    the data from the start (except over a one-shot iterator, which can be read once).
-    Elements keep the nest of the input batches, with a `PerReplica` value at each leaf (on one
-    replica: a plain array for full batches, a padded `PerReplica` for partial ones).
+    Each iteration starts a `DistributedIterator` from the start of the data (a one-shot
+    source can be read once). Elements keep the input's nest, a `PerReplica` at each leaf
+    (on one replica, a plain array for full batches).
     """
 
     INFINITE_CARDINALITY = INFINITE
@@ -256,11 +233,9 @@ class DistributedDataset:
         self._spec = None
         self._spec_known = False
 
-    def __iter__(self):
+    def __iter__(self) -> "DistributedIterator":
         _check_not_in_replica("iter(distributed_dataset)")
         if dispatch.under_a_staging_trace():
-            # TF's traced loop iterates the dataset anew on every call (a reshuffled epoch);
-            # a JAX trace would compile this epoch's batches in, reused by every call.
             raise errors.InvalidArgumentError(
                 "a distributed dataset was iterated while jdist.function or jax.jit traced a "
                 "function: its batches would be compiled into the program as constants, so "
@@ -270,17 +245,13 @@ class DistributedDataset:
         return DistributedIterator(self)
 
     def _iterator_at(self, position: iterator_state.Position) -> "DistributedIterator":
-        """An iterator whose count of handed-out batches starts at ``position``'s (a restored
-        one's: `iterator_state.iterator_from_state`)."""
+        """An iterator counting handed-out batches from ``position`` (a restored one's)."""
         return DistributedIterator(self, position)
 
     @property
-    def element_spec(self):
-        """A nest of ``jax.ShapeDtypeStruct``: what ONE replica's function receives per element.
-
-        The leading dimension is the padded per-replica batch size (partial batches are padded
-        to it). None for a dataset without elements. May read the first batch to find it out.
-        """
+    def element_spec(self) -> Any:
+        """A nest of ``jax.ShapeDtypeStruct``: what ONE replica receives per element (the full
+        per-replica batch size); None without elements. May read the first batch."""
         if not self._spec_known:
             spec = self._plan.spec()
             if spec is not None:
@@ -293,12 +264,10 @@ class DistributedDataset:
             self._spec_known = True
 
     @property
-    def cardinality(self):
-        """TF 2.21's ``cardinality`` property: an int, ``INFINITE_CARDINALITY`` (-1) or
-        ``UNKNOWN_CARDINALITY`` (-2). For ``experimental_distribute_dataset`` the number of
-        global batches (elements); for ``distribute_datasets_from_function`` TF's count of the
-        first dataset ``dataset_fn`` returned, in per-replica batches (five batches over two
-        replicas: 5, for 3 elements).
+    def cardinality(self) -> int:
+        """TF 2.21's ``cardinality``: an int, ``INFINITE_CARDINALITY`` (-1) or
+        ``UNKNOWN_CARDINALITY`` (-2). From ``distribute_datasets_from_function``, TF's count of
+        the first dataset, in per-replica batches (five batches on two replicas: 5).
 
         Example:
           >>> import numpy as np, jdist
@@ -310,11 +279,11 @@ class DistributedDataset:
         return self._plan.cardinality()
 
     @property
-    def options(self):
+    def options(self) -> InputOptions:
         """The `InputOptions` the dataset was created with."""
         return self._options
 
-    def reduce(self, initial_state, reduce_func):
+    def reduce(self, initial_state: Any, reduce_func: Any) -> Any:
         """Folds the elements: ``state = reduce_func(state, element)`` over one pass."""
         state = initial_state
         for element in self:
@@ -328,8 +297,8 @@ class DistributedDataset:
 class _SyncFeed:
     """The feeder without a thread (buffer size 0): prepares each element when asked."""
 
-    def __init__(self, source, transform, on_close):
-        self._source, self._transform, self._on_close = source, transform, on_close
+    def __init__(self, source, transform):
+        self._source, self._transform = source, transform
 
     def get(self):
         if self._source is None:
@@ -343,7 +312,7 @@ class _SyncFeed:
     def close(self):
         source, self._source = self._source, None
         if source is not None:
-            self._on_close(source)
+            source.close()
 
 
 def _close_source(source):
@@ -353,11 +322,9 @@ def _close_source(source):
 class DistributedIterator:
     """An iterator over a `DistributedDataset` (``tf.distribute.DistributedIterator``).
 
-    ``next(it)`` raises ``StopIteration`` at the end; `get_next` raises `OutOfRangeError`;
-    `get_next_as_optional` returns an empty `Optional` from then on. A background thread
-    (``jdist-prefetch-*``) prepares elements ahead; it stops when the data ends, on `close`,
-    and when the iterator is garbage collected (e.g. after ``break``). A numpy dataset's blocks
-    of full batches are placed by ``next`` itself, up to 64 batches ahead of their steps.
+    At the end ``next`` raises ``StopIteration``, `get_next` `OutOfRangeError`, and
+    `get_next_as_optional` returns an empty `Optional`. Its prefetch thread stops at the end of
+    the data, on `close`, and when the iterator is garbage collected.
     """
 
     def __init__(self, dataset, position=None):
@@ -366,7 +333,7 @@ class DistributedIterator:
         self._position = iterator_state.Position(dataset) if position is None else position
         self._finished = False
         self._feed = None
-        self._step = None  # A multi-worker PER_WORKER dataset's consumer-side step.
+        self._step = None  # A multi-worker dataset's consumer-side step (`_DealtPlan.open`).
         self._finalizer = None
         self._ready = None  # A block's later elements (`batch_blocks.Elements`), in order.
         self._no_optional = None  # Worked out at the first get_next_as_optional.
@@ -376,21 +343,20 @@ class DistributedIterator:
         source, transform, self._step = self._dataset._plan.open()
         size = self._dataset._options.experimental_per_replica_buffer_size
         if size == 0 or self._dataset._plan.on_loop_thread:
-            feed = _SyncFeed(source, transform, _close_source)
+            feed = _SyncFeed(source, transform)
         else:
             feed = prefetch.Prefetcher(source, transform, size, on_close=_close_source)
         self._feed = feed
         self._finalizer = weakref.finalize(self, feed.close)
 
-    def __iter__(self):
+    def __iter__(self) -> "DistributedIterator":
         return self
 
-    def __next__(self):
+    def __next__(self) -> Any:
         return self._next(trailing=False)
 
     def _next(self, trailing):
-        """The next element; ``trailing``: whether an `input_batches.TrailingRound` is one (for
-        ``get_next_as_optional`` only, as in TF)."""
+        """The next element; ``trailing``: whether a `input_batches.TrailingRound` counts."""
         _check_not_in_replica("next(iterator)")
         if dispatch.under_a_staging_trace():
             raise errors.InvalidArgumentError(
@@ -438,7 +404,7 @@ class DistributedIterator:
         self._ready = None
         self._finalizer()  # Stops and joins the worker (at most once).
 
-    def get_next(self):
+    def get_next(self) -> Any:
         """The next element. Raises `OutOfRangeError` once the data has ended."""
         try:
             return self.__next__()
@@ -447,22 +413,17 @@ class DistributedIterator:
                                          "elements.") from None
 
     def get_next_steps(self, num_steps: int) -> Any:
-        """The next ``num_steps`` elements as one, each replica's batches stacked on a new
-        leading step axis, ``(num_steps, batch, ...)``: K steps in one program, by a
-        ``lax.scan`` inside the replica function (jdist's form of TF's steps per execution).
+        """The next ``num_steps`` elements as one, each replica's batches stacked on a leading
+        step axis, for a ``lax.scan`` inside the replica function (TF's steps per execution).
 
-        A group holds batches of one shape: it ends early before the last partial batch, which
-        comes alone in the next group, and at the end of the data. A scan with collectives
-        cannot run that partial group (its replicas' shapes differ): batch with
-        ``drop_remainder=True``, or run its one step as ``step(state, xs[0])`` in the replica
-        function (``docs/quickstart.md``, steps per execution).
+        A group holds batches of one shape: the last partial batch comes alone in a group of
+        its own (``docs/quickstart.md``, steps per execution).
 
         Args:
           num_steps: how many batches to stack, at least 1.
 
         Returns:
-          The element structure, with per-replica values of shape ``(k, batch, ...)``, ``k``
-          at most ``num_steps``.
+          The element structure, per-replica values ``(k, batch, ...)``, ``k <= num_steps``.
 
         Raises:
           OutOfRangeError: no element is left.
@@ -496,18 +457,13 @@ class DistributedIterator:
                                          "elements.")
         return input_steps.stack_steps(group)
 
-    def get_next_as_optional(self):
+    def get_next_as_optional(self) -> Optional:
         """An `Optional` with the next element, or an empty one once the data has ended.
 
-        As in TF, on statically shaped per-replica batches (``distribute_datasets_from_function``
-        with ``drop_remainder=True``, or single examples) it also hands over the last rounds in
-        which only some replicas have data, where ``next`` ends: the others get TF's dummies,
-        zeros with the first dimension 0 (one zero for a rank-0 value). And as in TF, on one
-        worker it is empty from the start where `DistributedDataset.cardinality` is 0 (a
-        PER_REPLICA dataset whose first replica has no data), whatever the others hold."""
+        As in TF it also hands over statically shaped rounds where only some replicas have
+        data (the others get TF's dummies, first dimension 0), and on one worker it is empty
+        from the start where `DistributedDataset.cardinality` is 0."""
         if self._no_optional is None:
-            # TF's is empty at once on one worker where the (first) dataset's cardinality is 0,
-            # even if other replicas' datasets have elements (input_lib).
             self._no_optional = (self._dataset._strategy.extended._input_pipeline()[0] == 1
                                  and self._dataset.cardinality == 0)
         if self._no_optional:
@@ -518,27 +474,18 @@ class DistributedIterator:
             return Optional.empty(self._dataset._spec)
 
     @property
-    def element_spec(self):
+    def element_spec(self) -> Any:
         """The spec of one replica's value per element (see `DistributedDataset.element_spec`)."""
         return self._dataset.element_spec
 
-    def close(self):
+    def close(self) -> None:
         """Stops the background feeding and releases the source; the iterator is then at its end."""
         self._finish()
-
-    def initialize(self):
-        """TF1 API: restarts the iterator at the beginning of the data; returns ``[]`` (no ops)."""
-        self._finish()
-        self._finished = False
-        self._position = iterator_state.Position(self._dataset)
-        self._start()
-        return []
 
     def __repr__(self):
         return f"DistributedIterator(finished={self._finished})"
 
 
-# ------------------------------------------------------------------ Strategy entry points
 def distribute_dataset(strategy, dataset, options=None):
     """Implements `Strategy.experimental_distribute_dataset`."""
     options = _options(options)
@@ -560,10 +507,8 @@ def distribute_dataset(strategy, dataset, options=None):
     if share.pipeline is None:  # Every worker splits the same global batches.
         return DistributedDataset(strategy, _GlobalPlan(strategy, source, options, share.order),
                                   options)
-    # This worker's own pipeline, dealt as PER_WORKER ones are; counted as TF counts it: in
-    # batches of the dataset as given.
-    plan = _DealtPlan(strategy, [share.pipeline], per_replica=False, counted=source)
-    plan.placer = _placer(strategy, options)
+    # This worker's own pipeline, dealt as PER_WORKER ones are, counted in the given batches.
+    plan = _DealtPlan(strategy, options, [share.pipeline], per_replica=False, counted=source)
     return DistributedDataset(strategy, plan, options)
 
 
@@ -589,31 +534,15 @@ def distribute_datasets_from_function(strategy, dataset_fn, options=None):
     if mode is InputReplicationMode.PER_REPLICA:
         contexts = [InputContext(n, i, n) for i in range(n)]
     else:
-        # One input pipeline per worker (MultiWorkerMirroredStrategy has several, issue 10).
         contexts = [InputContext(*strategy.extended._input_pipeline(), n)]
     sources = [input_batches.Source(dataset_fn(ctx), what) for ctx in contexts]
-    plan = _DealtPlan(strategy, sources, mode is InputReplicationMode.PER_REPLICA)
-    plan.placer = _placer(strategy, options)
+    plan = _DealtPlan(strategy, options, sources, mode is InputReplicationMode.PER_REPLICA)
     return DistributedDataset(strategy, plan, options)
 
 
 def make_numpy_dataset(numpy_input):
     """Implements `Strategy.experimental_make_numpy_dataset`: the rows of ``numpy_input``."""
     return NumpyDataset(numpy_input)
-
-
-def make_input_fn_iterator(strategy, input_fn, replication_mode):
-    """Implements `Strategy.make_input_fn_iterator` (TF1): an iterator over ``input_fn``'s data."""
-    if replication_mode is not InputReplicationMode.PER_WORKER:
-        raise errors.InvalidArgumentError(
-            f"Input replication mode not supported: {replication_mode!r}.")
-    return iter(distribute_datasets_from_function(strategy, input_fn))
-
-
-def experimental_run(strategy, fn, input_iterator=None):
-    """Implements `Strategy.experimental_run` (TF1): ``run(fn, args=(next element,))``."""
-    args = () if input_iterator is None else (input_iterator.get_next(),)
-    return strategy.run(fn, args=args)
 
 
 def _placer(strategy, options):
@@ -625,9 +554,8 @@ def _placer(strategy, options):
 
 
 def _block_feed(strategy, source, placer):
-    """A `batch_blocks.BlockFeed` where blocks serve: a batched `NumpyDataset` (in memory, one
-    shape for every full batch) placed whole on this process's devices, with full batches that
-    split evenly and small enough for two or more to a block; else None."""
+    """A `batch_blocks.BlockFeed` for a batched `NumpyDataset` placed whole on this process's
+    devices, its full batches split evenly, two or more to a block; else None."""
     rows, n = source.static_rows(), placer.n
     if (not isinstance(source.dataset, NumpyDataset) or rows is None or rows % n
             or placer.plain or not placer.fetch or not placer.whole_batches_here):
@@ -635,8 +563,7 @@ def _block_feed(strategy, source, placer):
     spec = jax.tree_util.tree_leaves(source.first())
     size = batch_blocks.block_size(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
                                        for s in spec))
-    # No bigger than a pass's full batches: a block then holds the dataset's own rows, read
-    # in place, where a bigger one is a padded copy made every epoch.
+    # No bigger than a pass's full batches: bigger would be a padded copy made every epoch.
     in_order = source.dataset.full_batches_in_order()
     size = min(size, in_order or size)
     if size < 2:

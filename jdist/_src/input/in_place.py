@@ -1,21 +1,13 @@
 """Full batches read in place: on CPU devices, a numpy dataset's batches as arrays whose device
 buffers are the dataset's own rows, made at the first epoch and kept for the later ones.
 
-JAX's CPU client uses aligned host memory as a device buffer without copying it, and a
-`NumpyDataset` holds an aligned, read-only copy of its data (`host_values.owned_copy`). So where
-its full batches are its rows in order and every replica's part of a batch starts at an aligned
-address, each batch's array can be its rows themselves, split over the devices
-(`host_values.placed_split`): the step then receives exactly what a batch placed by hand gives
-it (the same program, no index into a block). Making such an array costs about 3.4 us per device
-buffer (54 us for a batch of two leaves on 8 CPU devices), more than placing a block of 64
-batches at once, so the arrays are made once, a block's batches at a time while the devices are
-idle, and kept with the data (`NumpyDataset.placements`): they hold no memory the dataset does
-not hold already, and every later epoch, of any distributed dataset over it, reads them. A
-dataset whose arrays would be more than `KEPT_BUFFERS` device buffers is read in blocks instead
-(`batch_blocks`), as are shuffled rows and parts that are not aligned. 64-bit data is read from
-a 32-bit copy without x64 (as JAX holds it).
-
-Measured with the benchmark's dispatch-bound step (``docs/design.md``, "Batches read in place").
+JAX's CPU client uses aligned host memory as a device buffer without a copy, and a `NumpyDataset`
+holds an aligned, read-only copy of its data. Where its full batches are its rows in order and
+every replica's part starts at an aligned address, each batch's array is its rows themselves
+(`host_values.placed_split`): the step gets what a batch placed by hand gives it. Making one
+costs about 3.4 us per buffer, so they are made once, a block at a time while the devices are
+idle, and kept with the data (`NumpyDataset.placements`). Past `KEPT_BUFFERS`, shuffled or
+unaligned data is read in blocks (`batch_blocks`); ``docs/design.md``, "Batches read in place".
 """
 
 import itertools
@@ -55,27 +47,21 @@ class InPlaceBatches:
         self.key = ("in place", self._sharding, full_rows)  # Its arrays' place in a store.
 
     def readable(self, leaves) -> bool:
-        """Whether the batches of ``leaves`` (the dataset's arrays) can be read in place: every
-        leaf its own aligned read-only memory (64-bit ones: their 32-bit copy, `_held`), every
-        replica's part of a batch a multiple of `host_values.ALIGNMENT` bytes as JAX holds
-        it, and at most `KEPT_BUFFERS` buffers in all."""
+        """Whether the batches of ``leaves`` can be read in place: every leaf aligned (64-bit
+        ones: their 32-bit copy), at most `KEPT_BUFFERS` buffers in all."""
         return self._buffers * len(leaves) <= KEPT_BUFFERS and all(
             map(self._aligned_as_held, leaves))
 
     def _aligned_as_held(self, leaf) -> bool:
-        """`readable`'s rule for one leaf: its memory as it is, or a 64-bit one's 32-bit copy
-        (half its bytes), and a replica's part a multiple of `ALIGNMENT` bytes."""
+        """A replica's part of ``leaf``, as JAX holds it, is a multiple of `ALIGNMENT` bytes."""
         part = leaf[:self._rows // self._n].nbytes
         if held_narrower(leaf):
             return leaf.flags.c_contiguous and part // 2 % ALIGNMENT == 0
         return placed_as_is(leaf) and part % ALIGNMENT == 0
 
     def elements(self, leaves, tree, rows, kept: dict):
-        """The elements of the full batches whose rows of ``leaves`` are ``rows`` (a slice, or
-        an index of consecutive rows per batch), in order: over the arrays ``kept`` holds
-        (each batch's arrays and values by its first row, and under "held" the leaves as
-        placed, `_held`; `NumpyDataset.placements`) where they are still alive, else over new
-        ones (`_make`)."""
+        """The elements of the full batches reading ``rows`` (a slice, or consecutive rows per
+        batch): from ``kept`` (arrays and values by first row) where still alive, else made."""
         starts = range(rows.start, rows.stop, self._rows) if isinstance(rows, slice) else \
             rows[::self._rows].tolist()
         held: list = list(map(kept.get, starts))
@@ -86,9 +72,8 @@ class InPlaceBatches:
         return tuple(tree.unflatten(values) for _, values in held)
 
     def _make(self, leaves, kept, starts):
-        """Places the batches from rows ``starts`` not in ``kept`` or with an array deleted
-        (donated, or by hand), once the program in flight has finished
-        (`DispatchGuard.wait`): the cores are then the placement's alone."""
+        """Places the batches of ``starts`` missing from ``kept`` (or deleted since), once the
+        program in flight has finished: the cores are then the placement's alone."""
         missing = [r for r in starts if r not in kept or any(map(deleted, kept[r][0]))]
         self._guard.wait()
         held = self._held(leaves, kept)
@@ -100,9 +85,7 @@ class InPlaceBatches:
 
     @staticmethod
     def _held(leaves, kept):
-        """``leaves`` as JAX holds them: each 64-bit one's 32-bit copy without x64 (made once,
-        kept with the arrays over it; an int64 one's numbers fit, which `input_batches`
-        checked), others as they are."""
+        """``leaves`` as JAX holds them (a 64-bit one's 32-bit copy without x64), made once."""
         if "held" not in kept:
             kept["held"] = tuple(read_only(held_copy(leaf)) for leaf in leaves)
         return kept["held"]

@@ -1,12 +1,8 @@
 """`NumpyDataset`: slices of in-memory NumPy arrays with the few tf.data verbs training needs.
 
-``strategy.experimental_make_numpy_dataset(x)`` returns one, as TF returns
-``tf.data.Dataset.from_tensor_slices(x)``: an unbatched dataset of the rows of ``x`` (any nest of
-arrays with a common leading size), copied when it is made, as TF copies them. ``batch``,
-``shuffle``, ``repeat``, ``take``, ``skip`` and ``shard`` behave as their tf.data namesakes.
-Internally the pipeline moves row indices, and a batch is materialised by one gather per array
-(a view, without a copy, when its rows are consecutive; batches are read-only), so no per-row
-Python work is done for batched data.
+What ``strategy.experimental_make_numpy_dataset(x)`` returns, as TF returns
+``from_tensor_slices(x)``. The pipeline moves row indices, and a batch is one gather per array
+(a read-only view where its rows are consecutive): no per-row Python work for batched data.
 """
 
 import itertools
@@ -28,8 +24,7 @@ class NumpyDataset:
     """A tf.data-like dataset over the rows of NumPy arrays (what TF's from_tensor_slices gives).
 
     Args:
-      data: an array, or a nest (dict, tuple, list) of arrays sharing their leading size.
-        The dataset reads a copy made here: later writes to ``data`` do not change it.
+      data: an array, or a nest of arrays sharing their leading size (copied here, as TF does).
 
     Example:
       >>> import numpy as np
@@ -38,7 +33,7 @@ class NumpyDataset:
       ([[0, 1], [2, 3], [4]], 3)
     """
 
-    def __init__(self, data, _ops=()):
+    def __init__(self, data: object, _ops: tuple = ()):
         leaves = jax.tree_util.tree_leaves(data)
         if not leaves:
             raise errors.InvalidArgumentError("a numpy dataset needs at least one array.")
@@ -52,14 +47,13 @@ class NumpyDataset:
             raise errors.InvalidArgumentError(
                 "the arrays of a numpy dataset must share their first dimension, got "
                 f"{sorted(sizes)}.")
-        # TF's from_tensor_slices copies its input: later writes to ``data`` change nothing.
         self._data = jax.tree_util.tree_map(owned_copy, data)
         self._size = sizes.pop()
         self._ops = tuple(_ops)
-        self._placements = {}  # Shared with every dataset made from this one, as `_data` is.
+        self._placements: dict = {}  # Shared with every dataset made from this one, as `_data` is.
 
     @classmethod
-    def from_tensor_slices(cls, data):
+    def from_tensor_slices(cls, data: object) -> "NumpyDataset":
         """The rows of ``data`` (same as the constructor)."""
         return cls(data)
 
@@ -69,40 +63,38 @@ class NumpyDataset:
         out._placements = self._placements
         return out
 
-    def batch(self, batch_size, drop_remainder=False):
+    def batch(self, batch_size: int, drop_remainder: bool = False) -> "NumpyDataset":
         """Groups consecutive elements into batches of ``batch_size`` (the last may be smaller)."""
         return self._then(_Batch(_positive(batch_size, "batch_size"), bool(drop_remainder)))
 
-    def shuffle(self, buffer_size, seed=None, reshuffle_each_iteration=True):
-        """Shuffles with a ``buffer_size`` buffer in tf.data's order: ``seed`` gives the order
-        TF gives for that seed (`tf_shuffle`); a new order every iteration unless
-        ``reshuffle_each_iteration=False``, again TF's."""
+    def shuffle(self, buffer_size: int, seed: Optional[int] = None,
+                reshuffle_each_iteration: bool = True) -> "NumpyDataset":
+        """Shuffles with a ``buffer_size`` buffer in tf.data's order for ``seed`` (`tf_shuffle`)."""
         return self._then(_Shuffle(_positive(buffer_size, "buffer_size"), seed,
                                    bool(reshuffle_each_iteration)))
 
-    def repeat(self, count=None):
+    def repeat(self, count: Optional[int] = None) -> "NumpyDataset":
         """Repeats the data ``count`` times (None or -1: forever)."""
         return self._then(_Repeat(None if count is None or count == -1 else int(count)))
 
-    def take(self, count):
+    def take(self, count: int) -> "NumpyDataset":
         """The first ``count`` elements (-1: all)."""
         return self._then(_Take(int(count)))
 
-    def skip(self, count):
+    def skip(self, count: int) -> "NumpyDataset":
         """All but the first ``count`` elements."""
         return self._then(_Skip(int(count)))
 
-    def shard(self, num_shards, index):
+    def shard(self, num_shards: int, index: int) -> "NumpyDataset":
         """Every ``num_shards``-th element starting at ``index`` (tf.data's shard)."""
         num_shards = _positive(num_shards, "num_shards")
         if not 0 <= int(index) < num_shards:
             raise errors.InvalidArgumentError(f"index {index} must be in [0, {num_shards}).")
         return self._then(_Shard(num_shards, int(index)))
 
-    def prefetch(self, buffer_size=None):
-        """The same elements: distributed datasets already feed ahead of the step. (Kept in the
-        pipeline: as in tf.data, a prefetch between ``shuffle`` and ``repeat`` changes which
-        shuffle orders the epochs get, `_Repeat`.)"""
+    def prefetch(self, buffer_size: Optional[int] = None) -> "NumpyDataset":
+        """The same elements (kept in the pipeline: between ``shuffle`` and ``repeat`` it changes
+        the epochs' shuffle orders, as in tf.data)."""
         return self._then(_Prefetch(buffer_size))
 
     def __iter__(self):
@@ -111,13 +103,11 @@ class NumpyDataset:
 
     @property
     def arrays(self):
-        """The nest of arrays whose rows the dataset reads: its own read-only copy of the data
-        it was made from (as TF's ``from_tensor_slices`` copies), 64-byte aligned, so a block
-        of consecutive full batches is placed from it without another copy (`batch_blocks`)."""
+        """The dataset's own aligned read-only copy of its data (`batch_blocks` places it as is)."""
         return self._data
 
-    def __getstate__(self):  # Pickled and deep-copied without them: a cache of this
-        state = dict(self.__dict__)  # process's device arrays over this copy's memory.
+    def __getstate__(self):  # Without `placements`: this process's arrays over this memory.
+        state = dict(self.__dict__)
         state["_placements"] = {}
         return state
 
@@ -127,24 +117,13 @@ class NumpyDataset:
 
     @property
     def placements(self) -> dict:
-        """Where the distributed input keeps the device arrays it made over `arrays` (their
-        own memory, on CPU devices), by how they were placed: kept with the data, so every
-        distributed dataset over it reads them again, epoch after epoch, where making them
-        cost a first epoch 8-16% of a dispatch-bound step's speed (`in_place_batches`,
-        `batch_blocks`)."""
+        """The device arrays the distributed input made over `arrays`, kept with the data so
+        every later epoch reuses them (`in_place_batches`, `batch_blocks`)."""
         return self._placements
 
-    def blocks(self, count):
-        """The elements in order, consecutive full ones as one index (for `batch_blocks`).
-
-        Args:
-          count: the most full elements one block holds.
-
-        Yields:
-          ``(number, rows)``: ``number`` full elements, the rows of `arrays` they read one
-          after another (a slice when they are consecutive, else a 1-D index array: the
-          caller reads them once, where it needs them), or ``(None, element)`` for an element
-          that is not a full batch of rows, read.
+    def blocks(self, count: int):
+        """The elements in order as ``(number, rows)``: up to ``count`` full ones and the rows
+        of `arrays` they read (a slice or a 1-D index), or ``(None, element)`` for another.
 
         Example:
           >>> import numpy as np
@@ -170,7 +149,6 @@ class NumpyDataset:
         return jax.tree_util.tree_map(lambda a: read_only(a[index]), self._data)
 
     def _indices(self):
-        # tf.data's graph optimisations first: the shuffle orders follow its pipeline as run.
         ops = [op for op in self._ops if not op.is_noop]
         if any(isinstance(a, _Shuffle) and isinstance(b, _Repeat) and b.count == 0
                for a, b in zip(ops, ops[1:])):
@@ -191,38 +169,36 @@ class NumpyDataset:
 
     @property
     def iteration_seeds(self) -> list:
-        """Each shuffle's `tf_shuffle.IterationSeeds`, in pipeline order: with the number of
-        elements read, the position of an iterator over the dataset (`iterator_state`)."""
+        """Each shuffle's `tf_shuffle.IterationSeeds`, in pipeline order (`iterator_state`)."""
         return [op.seeds for op in self._ops if isinstance(op, _Shuffle)]
 
     def describe(self) -> list:
-        """The pipeline as JSON, seeds left out: the rows, then each op's name and arguments
-        (what a restored iterator position must be read into, `iterator_state`)."""
+        """The pipeline as JSON without seeds: the rows, then each op (`iterator_state`)."""
         return [self._size] + [[type(op).__name__.strip("_")] + sorted(
             f"{k}={v}" for k, v in vars(op).items() if k != "seeds") for op in self._ops]
 
-    def cardinality(self):
+    def cardinality(self) -> int:
         """The number of elements: an int, or -1 (INFINITE) for an endless repeat."""
         count = self._size
         for op in self._ops:
             count = op.cardinality(count)
         return count
 
-    def __len__(self):
+    def __len__(self) -> int:
         count = self.cardinality()
         if count < 0:
             raise TypeError("the dataset is infinite; it has no len().")
         return count
 
     @property
-    def batch_rows(self):
+    def batch_rows(self) -> Optional[int]:
         """The leading size of a full element (the outermost batch size), None if unbatched."""
         sizes = [op.size for op in self._ops if isinstance(op, _Batch)]
         return sizes[-1] if sizes else None
 
     def full_batches_in_order(self) -> Optional[int]:
-        """How many full batches of consecutive rows one pass over the data gives, where the
-        pipeline is a batch of the rows in order, repeated or not; None for any other.
+        """How many full batches one pass gives where the pipeline is a batch of the rows in
+        order, repeated or not; else None.
 
         Example:
           >>> import numpy as np
@@ -238,8 +214,7 @@ class NumpyDataset:
 
     @property
     def fixed_shapes(self) -> bool:
-        """Whether every element has the shape of `element_spec` (every batch drops its
-        remainder): what TF calls a statically shaped dataset."""
+        """Whether every element has the shape of `element_spec` (TF's statically shaped)."""
         return all(op.drop for op in self._ops if isinstance(op, _Batch))
 
     @property
@@ -254,9 +229,7 @@ class NumpyDataset:
 
 
 def _sliced(items, rows: slice):
-    """``items`` cut by ``rows`` (a take, skip or shard): rows in order read once stay rows in
-    order (`tf_shuffle.Rows.sliced`), which a later shuffle reads as arrays; other items are
-    cut as they come."""
+    """``items`` cut by ``rows`` (a take, skip or shard), rows in order staying `tf_shuffle.Rows`."""
     if isinstance(items, tf_shuffle.Rows):
         sliced = items.sliced(rows)
         if sliced is not None:
@@ -275,7 +248,7 @@ def _rows(item):
 
 
 def _is_rows(item):
-    """Whether an item reads rows of the data (a slice or a 1-D index), not a nested batch."""
+    """Whether an item reads rows of the data, not a nested batch."""
     return isinstance(item, slice) or (isinstance(item, np.ndarray) and item.ndim == 1)
 
 
@@ -333,8 +306,7 @@ class _Batch:
         return self._batches(iter(items))
 
     def _batches_of_runs(self, runs):
-        """`_batches` of a shuffle's runs (`tf_shuffle.shuffled_runs`): row indices are cut
-        into batches as arrays, with no Python int per row."""
+        """`_batches` of a shuffle's runs (`tf_shuffle.shuffled_runs`), cut as arrays."""
         first = next(runs, None)
         if first is None:
             return
@@ -387,9 +359,7 @@ class _Shuffle:
 
 
 class _Shuffled:
-    """A shuffle's iterators: called, its items one by one; `runs`, the same items in runs
-    (for a batch right after it, `_Batch`). Either draws its seeds as it is made, and makes
-    its input at its first element, as tf.data's does."""
+    """A shuffle's iterators: called, its items; `runs`, in runs (for a `_Batch` after it)."""
 
     def __init__(self, upstream, buffer_size, seeds):
         self._upstream, self._buffer_size, self._seeds = upstream, buffer_size, seeds
@@ -402,9 +372,8 @@ class _Shuffled:
 
 
 class _Repeat:
-    """tf.data's repeat, down to the input iterators it makes (each makes a shuffle draw its
-    seeds): the first at once, one per further epoch and, for a finite count, one more after
-    the last (TF makes it before checking the count), unless tf.data fuses the repeat with a
+    """tf.data's repeat, down to the input iterators it makes (each draws a shuffle's seeds):
+    one per epoch and, for a finite count, one more after the last, unless fused with a
     shuffle just before it (``ShuffleAndRepeat``)."""
 
     def __init__(self, count):

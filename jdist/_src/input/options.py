@@ -9,12 +9,8 @@ from jdist._src import errors
 
 
 class InputReplicationMode(enum.Enum):
-    """How ``distribute_datasets_from_function`` replicates the input pipeline.
-
-    ``PER_WORKER``: ``dataset_fn`` runs once per worker; its batches are dealt to the worker's
-    replicas in turn. ``PER_REPLICA``: ``dataset_fn`` runs once per replica, and each replica
-    reads its own dataset.
-    """
+    """How ``distribute_datasets_from_function`` replicates ``dataset_fn``: once per worker,
+    its batches dealt to the replicas in turn (``PER_WORKER``), or once per replica."""
     PER_WORKER = "PER_WORKER"
     PER_REPLICA = "PER_REPLICA"
 
@@ -33,27 +29,28 @@ class InputContext:
       16
     """
 
-    def __init__(self, num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1):
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
+                 num_replicas_in_sync: int = 1):
         self._num_input_pipelines = int(num_input_pipelines)
         self._input_pipeline_id = int(input_pipeline_id)
         self._num_replicas_in_sync = int(num_replicas_in_sync)
 
     @property
-    def num_input_pipelines(self):
+    def num_input_pipelines(self) -> int:
         """The number of input pipelines (one per worker, or per replica in PER_REPLICA mode)."""
         return self._num_input_pipelines
 
     @property
-    def input_pipeline_id(self):
+    def input_pipeline_id(self) -> int:
         """This input pipeline's index; use it to shard the data (``ds.shard(num, id)``)."""
         return self._input_pipeline_id
 
     @property
-    def num_replicas_in_sync(self):
+    def num_replicas_in_sync(self) -> int:
         """The number of replicas the batches are for."""
         return self._num_replicas_in_sync
 
-    def get_per_replica_batch_size(self, global_batch_size):
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """``global_batch_size // num_replicas_in_sync``.
 
         Raises:
@@ -76,24 +73,21 @@ class InputOptions:
 
     Args:
       experimental_fetch_to_device: True (default) transfers each replica's batch to its device
-        ahead of the step; False keeps the padded batches in host memory until ``run``.
+        ahead of the step; False keeps the batches in host memory until ``run``.
       experimental_replication_mode: an `InputReplicationMode`
         (``distribute_datasets_from_function`` only).
       experimental_place_dataset_on_device: accepted for TF compatibility; requires
         ``PER_REPLICA`` mode and ``experimental_fetch_to_device=False``, as in TF.
       experimental_per_replica_buffer_size: how many prepared elements may wait ahead of the
-        step (the bounded prefetch buffer; 0 prepares each element on request, no thread).
-        The default is TF's, 1 (None means the same): a thread for every source, as TF
-        prefetches, except a numpy dataset on CPU devices, whose full batches come in blocks
-        of up to 64 (`batch_blocks`): each block is placed ahead of its batches' steps by the
-        loop's own thread, whatever the buffer size (its data is in memory, and a thread would
-        only compete with the devices for the host's cores). On accelerators the prefetch
-        thread places the blocks.
-      auto_shard_policy: how ``experimental_distribute_dataset`` rebatches its data and
-        shards it across workers, a `jdist.AutoShardPolicy` (TF keeps it in
-        ``tf.data.Options``, which jdist also reads). None (default): the tf.data dataset's
-        own policy, else TF's default ``AUTO`` (`jdist._src.input.auto_shard`; on one worker it
-        still decides how a partial batch is split).
+        step (default TF's 1; None the same; 0 prepares each on request, no thread). A numpy
+        dataset on CPU devices is placed in blocks by the loop's own thread whatever the size.
+      auto_shard_policy: a `jdist.AutoShardPolicy` for ``experimental_distribute_dataset``
+        (TF keeps it in ``tf.data.Options``, also read). None: the tf.data dataset's own,
+        else ``AUTO``.
+
+    Example:
+      >>> InputOptions(experimental_per_replica_buffer_size=None).experimental_per_replica_buffer_size
+      1
     """
 
     def __init__(self, experimental_fetch_to_device=None,

@@ -1,22 +1,11 @@
 """The background feeder: prepares a distributed dataset's batches ahead of the step.
 
-A `Prefetcher` runs one worker thread (named ``jdist-prefetch-<n>``) that reads the host-side
-source, splits and pads each global batch and transfers the pieces to their devices, then puts
-the finished element into a bounded queue. The training loop takes ready elements from the
-queue, so host loading overlaps the step: a loop whose loading takes about as long as its step
-runs at about the speed of the slower of the two, not their sum.
-
-Lifetime rules (no thread is ever left behind):
-
-* the worker is an ordinary (non-daemon) thread that is always joined: by `Prefetcher.close`,
-  which the owning iterator calls when its data ends, when it is closed, and (through
-  ``weakref.finalize``) when it is garbage collected, e.g. after ``break`` or an exception in the
-  loop body;
-* the worker never holds a reference to the iterator, so dropping the iterator frees it;
-* at interpreter exit every live prefetcher is closed before Python joins non-daemon threads
-  (``threading._register_atexit``, the hook ``concurrent.futures`` uses);
-* an exception in the worker (in the user's loader or while splitting) is put into the queue
-  and raised by the consumer's next ``get``; the data then counts as ended.
+A `Prefetcher` runs one worker thread (``jdist-prefetch-<n>``) that reads the source, splits and
+transfers each element into a bounded queue, so host loading overlaps the step. No thread is
+left behind: the worker is non-daemon and always joined (by `Prefetcher.close`, which the
+iterator calls at the end of its data, on ``close`` and from ``weakref.finalize``), never holds
+the iterator, and is closed at interpreter exit before Python joins non-daemon threads. An
+exception in the worker is raised by the consumer's next ``get``; the data then counts as ended.
 """
 
 import itertools
@@ -42,14 +31,8 @@ class _Raised:
 
 
 class Prefetcher:
-    """Produces ``transform(item)`` for each item of ``source`` on a worker thread.
-
-    Args:
-      source: an iterator of raw items (read only by the worker thread).
-      transform: a function applied to each item on the worker thread.
-      buffer_size: how many finished elements may wait in the queue (at least 1).
-      on_close: called with ``source`` after the worker has stopped (e.g. to close a generator).
-    """
+    """Produces ``transform(item)`` for each item of ``source`` on a worker thread, at most
+    ``buffer_size`` waiting; ``on_close(source)`` runs once the worker has stopped."""
 
     def __init__(self, source, transform, buffer_size=1, on_close=None):
         self._queue = queue.Queue(maxsize=max(1, int(buffer_size)))
@@ -159,8 +142,7 @@ def _close_all():
         p.close()
 
 
-try:  # Runs before the interpreter joins non-daemon threads at exit.
-    # CPython's hook run before non-daemon threads are joined (3.9+), no public equivalent.
+try:  # CPython's hook run before non-daemon threads are joined at exit (no public one).
     threading._register_atexit(_close_all)  # type: ignore[attr-defined]
 except (AttributeError, RuntimeError):  # pragma: no cover - other Pythons / late import.
     import atexit

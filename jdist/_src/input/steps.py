@@ -1,12 +1,9 @@
 """Several steps' batches as one value: each replica's K batches stacked on a leading step axis.
 
-A loop that runs K steps in one program (TF's ``steps_per_execution``; in TF, ``for _ in
-tf.range(K): strategy.run(step, args=(next(iterator),))`` inside a ``tf.function``) scans over
-steps inside the replica function. A `PerReplica`'s stacked array has the replicas first, so a
-``lax.scan`` over it outside ``run`` would cut across replicas (`values._check_not_sliced`
-refuses that); here each replica gets its own ``(K, batch, ...)`` block instead, still sharded
-over the replicas, and ``strategy.run(lambda s, xs: lax.scan(step, s, xs), args=(s, xs))``
-scans the steps.
+For K steps in one program (TF's ``steps_per_execution``), a ``lax.scan`` over steps runs
+inside the replica function. A `PerReplica`'s stacked array has the replicas first, so a scan
+outside ``run`` would cut across replicas; here each replica gets its own ``(K, batch, ...)``
+block, still sharded over the replicas.
 """
 
 import functools
@@ -21,8 +18,7 @@ from jdist._src.values import is_distributed
 
 
 def signature(element):
-    """What must agree between the batches of one group: structure, shapes and dtypes (the
-    last partial batch has other per-replica shapes, so it starts a group of its own)."""
+    """What the batches of one group share: structure, shapes and dtypes."""
     leaves, tree = jax.tree_util.tree_flatten(element, is_leaf=is_distributed)
     return tree, tuple(_leaf_signature(leaf) for leaf in leaves)
 
@@ -34,8 +30,7 @@ def _leaf_signature(leaf):
 
 
 def stack_steps(elements):
-    """One element whose every replica holds its ``len(elements)`` batches stacked, step
-    axis first (``elements`` share one `signature`)."""
+    """One element, each replica's batches of ``elements`` (one `signature`) stacked, steps first."""
     return jax.tree_util.tree_map(lambda *leaves: _stack_leaf(leaves), *elements,
                                   is_leaf=is_distributed)
 
@@ -59,6 +54,5 @@ def _stack_leaf(leaves):
 
 @functools.lru_cache(maxsize=None)
 def _stack_axis(axis):
-    # Compiled: the stacked array keeps its inputs' sharding (replicas on axis 0), one
-    # transfer-free program per shape, as the step itself.
+    # Compiled: the stack keeps its inputs' sharding (replicas on axis 0), with no transfer.
     return jax.jit(lambda *xs: jnp.stack(xs, axis=axis))

@@ -1,17 +1,9 @@
 """tf.data's shuffle order, reproduced without TensorFlow: the order `NumpyDataset.shuffle` gives.
 
-``tf.data.Dataset.shuffle(buffer_size, seed=s)`` draws its order from TF's Philox4x32-10 stream
-(``random::PhiloxRandom`` read one 32-bit sample at a time, ``SingleSampleAdapter``):
-
-* the op's seeds are ``tf.compat.v1.random.get_seed(s)``: ``(87654321, s % (2**31 - 1))`` when no
-  global seed is set (`op_seeds`);
-* with ``reshuffle_each_iteration=True`` a seed generator seeded with them hands each new iterator
-  two samples as its seeds (`IterationSeeds`); otherwise every iterator uses the op's seeds;
-* the iterator keeps a ring buffer of ``buffer_size`` elements, filled before each output, and
-  outputs the element ``sample % count`` places after the buffer's oldest, which takes its place
-  (`shuffled`).
-
-Checked against TF 2.21 element by element (``tests/test_numpy_dataset_tf.py``).
+TF draws it from Philox4x32-10 read one 32-bit sample at a time (`Samples`), seeded by
+``get_seed(s)`` (`op_seeds`), through a seed generator per iterator when reshuffling
+(`IterationSeeds`), over a ring buffer (`shuffled`). The ring's steps are computed as array
+operations for row indices. Checked against TF element by element (``test_numpy_dataset_tf.py``).
 """
 
 import itertools
@@ -28,7 +20,7 @@ _MASK = np.uint64(0xFFFFFFFF)
 _BLOCKS = 256  # Philox blocks computed at once, at least (4 samples each).
 
 
-def philox_blocks(key, counter_hi, first_block, count):
+def philox_blocks(key: int, counter_hi: int, first_block: int, count: int) -> np.ndarray:
     """``count`` consecutive outputs of TF's ``PhiloxRandom(key, counter_hi)`` from block
     ``first_block``, flattened to 4 uint32 samples each (as uint64 holding 32 bits)."""
     k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64((key >> 32) & 0xFFFFFFFF)
@@ -47,7 +39,7 @@ def philox_blocks(key, counter_hi, first_block, count):
 class Samples:
     """TF's ``SingleSampleAdapter<PhiloxRandom>(seed, seed2)``: its 32-bit samples in order."""
 
-    def __init__(self, seed, seed2):
+    def __init__(self, seed: int, seed2: int):
         self._seeds, self._block = (int(seed), int(seed2)), 0
         self._samples, self._next = np.zeros(0, np.int64), 0
 
@@ -70,15 +62,9 @@ class Samples:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def op_seeds(seed):
-    """The ``(seed, seed2)`` TF gives a shuffle created with op seed ``seed`` now
-    (``random_seed.get_seed``), or None for a nondeterministic order.
-
-    Raises:
-      InvalidArgumentError: ``seed`` is None while TensorFlow (imported by the program) has a
-        global seed: TF then derives the op seed from its own op counter, which jdist cannot
-        follow.
-    """
+def op_seeds(seed: Optional[int]) -> Optional[tuple]:
+    """The ``(seed, seed2)`` TF gives a shuffle with op seed ``seed`` (``random_seed.get_seed``),
+    or None for a nondeterministic order. Raises for no seed under TF's global seed."""
     if seed is not None and not isinstance(seed, (int, np.integer)):
         raise errors.InvalidArgumentError(
             f"shuffle's seed must be an int or None, got {type(seed).__name__} {seed!r} (TF "
@@ -109,21 +95,17 @@ def _tf_global_seed():
 
 
 class IterationSeeds:
-    """The seeds of each new iterator of one shuffled dataset (TF's seed generator resource).
+    """The seeds of each new iterator of one shuffled dataset (TF's seed generator resource);
+    ``seeds``: `op_seeds`' (None: random ones)."""
 
-    Args:
-      seeds: `op_seeds`' result (None: random seeds, as TF's for seed 0, 0).
-      reshuffle: ``reshuffle_each_iteration``.
-    """
-
-    def __init__(self, seeds, reshuffle):
+    def __init__(self, seeds: Optional[tuple], reshuffle: bool):
         if seeds is None:
             seeds = tuple(int(x) for x in np.random.SeedSequence().generate_state(2, np.uint64))
         self._seeds = seeds
         self._generator = Samples(*seeds) if reshuffle else None
         self._count = 0  # Iterators made: with `_seeds`, the generator's state (`state`).
 
-    def next(self):
+    def next(self) -> tuple:
         """The seeds of the next iterator."""
         self._count += 1
         if self._generator is None:
@@ -131,8 +113,8 @@ class IterationSeeds:
         return self._generator(), self._generator()
 
     def state(self) -> list:
-        """``[seed, seed2, iterators made]``: what `restore` takes to continue the same orders
-        (the seeds too: those of ``shuffle(seed=None)`` are drawn anew by every process)."""
+        """``[seed, seed2, iterators made]``, what `restore` continues from (the seeds too: a
+        ``shuffle(seed=None)``'s differ per process)."""
         return [int(self._seeds[0]), int(self._seeds[1]), self._count]
 
     def restore(self, state) -> None:
@@ -149,9 +131,9 @@ _CHUNK = 1024  # Items shuffled per pass of the loops below (their samples drawn
 _MAX_CHUNK = 1 << 16  # ...growing to this many for row indices, shuffled as arrays.
 
 
-def shuffled(make_items, buffer_size, seeds):
-    """The items of ``make_items()`` (called at the first one, as tf.data makes a shuffle's
-    input) in tf.data's shuffle order for one iterator with ``seeds``.
+def shuffled(make_items, buffer_size: int, seeds: tuple):
+    """The items of ``make_items()`` (called at the first one, as tf.data does) in tf.data's
+    shuffle order for one iterator with ``seeds``.
 
     Example (TF's ``range(6).shuffle(3, seed=5, reshuffle_each_iteration=False)``):
       >>> list(shuffled(lambda: iter(range(6)), 3, (87654321, 5)))
@@ -162,17 +144,15 @@ def shuffled(make_items, buffer_size, seeds):
         for run in shuffled_runs(make_items, buffer_size, seeds))
 
 
-def shuffled_runs(make_items, buffer_size, seeds):
-    """`shuffled`'s items in runs: lists, or int64 arrays where the items are row indices
-    (ints; ``make_items()`` may return the rows in order as `Rows`), so a batch right
-    after the shuffle cuts them without a Python int each.
+def shuffled_runs(make_items, buffer_size: int, seeds: tuple):
+    """`shuffled`'s items in runs: lists, or int64 arrays for row indices (a batch after it cuts
+    them with no Python int each).
 
     TF fills its ring buffer before every output, then outputs the item ``sample % count``
-    places after the oldest, which takes its place. While the input lasts the buffer is full,
-    so each output is followed by one item in, at the oldest's place: row indices go through
-    whole chunks of those steps at once (`_full_ring_steps`), other items a few list operations
-    each. Then the buffer drains, its order computed at once (`_drain_order`). Per row here: a
-    generator per output 0.58-0.65 us, the list loop 0.8 us, the arrays 0.1 us (2026-11-27)."""
+    places after the oldest, which takes its place. While the input lasts, each output lets one
+    item in: row indices go through chunks of those steps at once (`_full_ring_steps`, 8x the
+    list loop's speed), other items a few list operations each. Then the buffer drains
+    (`_drain_order`)."""
     samples, items = Samples(*seeds), _Items(make_items())
     buffer = items.take(min(buffer_size, sys.maxsize))  # Made before the first output.
     size, oldest, count, chunk = buffer_size, 0, len(buffer), _CHUNK
@@ -201,9 +181,8 @@ def shuffled_runs(make_items, buffer_size, seeds):
 
 
 class Rows:
-    """Row indices in order: ``rows`` repeated ``times`` times (None: forever), what a numpy
-    dataset's rows and their ``repeat`` hand on. Iterated, the ints; a shuffle reads them as
-    int64 arrays instead (`take`), with no Python int each.
+    """Row indices in order: ``rows`` repeated ``times`` times (None: forever). Iterated, the
+    ints; a shuffle reads them as int64 arrays (`take`).
 
     Example:
       >>> rows = Rows(range(3), 2)
@@ -213,18 +192,17 @@ class Rows:
       [0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1]
     """
 
-    def __init__(self, rows: range, times=1):
+    def __init__(self, rows: range, times: Optional[int] = 1):
         self._rows, self._times = rows, times
         self._epochs_left, self._next = times, 0  # What `take` has still to read.
 
-    def repeated(self, times) -> "Rows":
+    def repeated(self, times: Optional[int]) -> "Rows":
         """These rows ``times`` times over (None: forever), as a ``repeat`` of them reads."""
         total = None if times is None or self._times is None else self._times * times
         return Rows(self._rows, total)
 
     def sliced(self, rows: slice) -> Optional["Rows"]:
-        """These rows read once, cut by ``rows`` (a ``take``, ``skip`` or ``shard`` of them);
-        None for rows read several times, which no one range holds.
+        """These rows read once, cut by ``rows`` (a take, skip or shard); None if repeated.
 
         Example:
           >>> list(Rows(range(10)).sliced(slice(2, None, 3))), Rows(range(3), 2).sliced(slice(1))
@@ -265,8 +243,7 @@ class Rows:
 
 
 class _Items:
-    """A shuffle's input, read ``count`` items at a time: rows in order (`Rows`) as int64
-    arrays; any other iterable as lists."""
+    """A shuffle's input, ``count`` items at a time: `Rows` as int64 arrays, others as lists."""
 
     def __init__(self, source):
         self._rows = source if isinstance(source, Rows) else None
@@ -284,8 +261,7 @@ def _are_rows(items):
 
 
 def _ring_steps(buffer, oldest, offsets, incoming):
-    """The full ring ``buffer``'s steps, one per ``incoming`` item, as lists (any items):
-    what they output; ``buffer`` is left as they leave it."""
+    """The full ring ``buffer``'s steps, one per ``incoming`` item (any items): their outputs."""
     size, out = len(buffer), []
     for offset, item in zip(offsets, incoming):
         chosen = oldest + offset - (size if oldest + offset >= size else 0)
@@ -296,11 +272,9 @@ def _ring_steps(buffer, oldest, offsets, incoming):
 
 
 def _full_ring_steps(buffer, oldest, offsets, incoming):
-    """`_ring_steps` at once for row indices: ``len(offsets)`` steps of the full ring
-    ``buffer`` (an int64 array, its oldest at ``oldest``), step ``t`` outputting the item
-    ``offsets[t]`` places after its oldest (at ``oldest + t``), moving the oldest there and
-    putting ``incoming[t]`` in at the oldest's place. Returns the items output; ``buffer`` is
-    left as the steps leave it.
+    """`_ring_steps` at once for row indices (``buffer`` an int64 array): step ``t`` outputs
+    the item ``offsets[t]`` places after its oldest (at ``oldest + t``), moves the oldest there
+    and puts ``incoming[t]`` in at the oldest's place.
 
     A position's item is replaced by a step's incoming item once per lap of the oldest, and
     in between by the items steps move there: a move at step ``j`` lands where the item of
@@ -330,9 +304,8 @@ def _full_ring_steps(buffer, oldest, offsets, incoming):
 
 
 def _follow(found, reference):
-    """Sets ``found[k] = found[reference[k]]`` where ``reference[k] >= 0``, following each
-    chain of references (each to an earlier step) to its end, by pointer jumping (about
-    log2 of the longest chain passes; ``reference`` is used up)."""
+    """Sets ``found[k] = found[reference[k]]`` where ``reference[k] >= 0``, following chains to
+    their end by pointer jumping (``reference`` is used up)."""
     pending = np.flatnonzero(reference >= 0)
     while pending.size:
         to = reference[pending]

@@ -1,25 +1,11 @@
 """Checkpoints of Mirrored training state with orbax-checkpoint (the ``checkpoint`` extra).
 
-What is saved is the host value of the state (`to_host`: one device's copy of each replicated
-array), so a checkpoint does not depend on the number of replicas that wrote it: state saved
-from a strategy with N replicas restores bit-identically into one with M replicas, placed
-directly as one replicated array per leaf on the new strategy's devices.
-
-Each step is written by orbax into a temporary directory and renamed into place only once it is
-complete (orbax's atomic finalisation), so a writer killed mid-save leaves the last complete
-checkpoint as the latest one. Beside the state, each checkpoint keeps a small JSON ``spec``
-(every leaf's path, shape and dtype), checked against the restore target before anything is
-read: orbax would otherwise cast a leaf to the target's dtype without a word.
-
-With ``save(step, state, iterator=it)`` the position of a distributed iterator (`iterator_state`)
-goes into the same step's JSON, and ``restore(target, iterator=dist_dataset)`` returns the state
-and an iterator continuing there, on any replica count.
-
-Only the chief writes: ``strategy.extended.should_checkpoint`` (true on one worker; on the
-chief only under a multi-worker strategy). The decision involves no collective, and neither does the
-save itself (host copies), so non-chief workers can skip it without blocking anyone. While the
-chief saves or waits for a write, its peers wait for it however long that takes, as long as it
-is alive (`watchdog.busy`): a slow file system is not a dead chief.
+What is saved is the host value (`to_host`), so state saved from N replicas restores into M.
+Orbax finalises each step atomically (a writer killed mid-save leaves the last complete one),
+and a JSON ``spec`` of every leaf beside the state is checked before a restore reads anything:
+orbax would silently cast to the target's dtype. The iterator's position goes into the same
+JSON (`iterator_state`). Only the chief writes, with no collective, so the others skip it
+without blocking; they wait for it while it is alive (`watchdog.busy`).
 """
 
 import os
@@ -59,13 +45,7 @@ def _leaf_spec(leaf):
 
 
 def tree_spec(tree: Any) -> list:
-    """Every leaf's key path, shape and dtype name, in ``jax.tree_util`` flattening order.
-
-    Args:
-      tree: a pytree of `Mirrored` values, arrays, ``jax.ShapeDtypeStruct`` s or scalars.
-
-    Returns:
-      A JSON-compatible list of ``[path, shape, dtype]``.
+    """Every leaf's ``[key path, shape, dtype name]`` (JSON), in flattening order.
 
     Example:
       >>> import numpy as np
@@ -123,8 +103,7 @@ class CheckpointManager:
         ocp = _orbax()
         self._strategy = context.get_strategy() if strategy is None else strategy
         self._directory = os.path.abspath(os.fspath(directory))
-        # Each process manages its checkpoints alone: only the chief writes, so orbax must not
-        # wait at a barrier for processes that never call save.
+        # Only the chief writes: orbax must not wait at a barrier for the others.
         process = jax.process_index()
         os.makedirs(self._directory, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
@@ -158,25 +137,20 @@ class CheckpointManager:
         return progress.is_chief(self._strategy)
 
     def save(self, step: int, state: Any, iterator: Optional[Any] = None) -> bool:
-        """Starts writing ``state`` as checkpoint ``step`` (in the background) on the chief.
-
-        The state's host copies are taken before this returns, so the next training step may
-        overwrite it. Call `wait_until_finished` (or leave the ``with`` block) to wait.
+        """Starts writing ``state`` as checkpoint ``step`` in the background, on the chief (host
+        copies are taken first, so the next step may overwrite it).
 
         Args:
           step: the checkpoint number, larger than every saved one.
           state: a pytree of `Mirrored` values, replicated arrays, NumPy arrays or scalars.
-          iterator: a `DistributedIterator` whose position is saved in the same atomic step
-            (as ``tf.train.Checkpoint(iterator=...)``); `restore` continues it there.
+          iterator: a `DistributedIterator` whose position is saved in the same step.
 
         Returns:
           True if this process started a write (the chief), False otherwise.
 
         Raises:
           UnsupportedValueError: a leaf is a `PerReplica` value.
-          InvalidArgumentError: ``iterator`` cannot be positioned (a Python iterable, a
-            tf.data dataset or prefetched tf.data iterator, a per-worker pipeline); raised on
-            every process.
+          InvalidArgumentError: ``iterator`` cannot be positioned (on every process).
         """
         position = None if iterator is None else iterator_state.iterator_state(iterator)
         if not self.should_checkpoint:
@@ -194,20 +168,18 @@ class CheckpointManager:
         """Reads checkpoint ``step`` (default: the latest) as Mirrored state of the strategy.
 
         Args:
-          target: a pytree with the state's structure, shapes and dtypes: the initial state
-            (`Mirrored` values or arrays) or its ``jax.eval_shape``.
+          target: a pytree with the state's structure, shapes and dtypes (or its
+            ``jax.eval_shape``).
           step: which checkpoint; default the latest.
-          iterator: the `DistributedDataset` (of this strategy, any replica count) of the
-            pipeline whose iterator `save` was given: it is returned positioned there.
+          iterator: the `DistributedDataset` whose iterator `save` was given (any replica count).
 
         Returns:
-          ``target``'s structure with `Mirrored` leaves, one replicated array each; with
-          ``iterator``, ``(state, distributed_iterator)``.
+          ``target``'s structure with `Mirrored` leaves; with ``iterator``,
+          ``(state, distributed_iterator)`` positioned where it was saved.
 
         Raises:
-          InvalidArgumentError: there is no checkpoint, or its structure or dtypes differ from
-            ``target``'s, or ``iterator`` is given and the checkpoint has no iterator position
-            or one of another pipeline.
+          InvalidArgumentError: no such checkpoint, its structure or dtypes differ, or it holds
+            no (or another pipeline's) iterator position.
           ShapeMismatchError: a leaf's shape differs from ``target``'s.
         """
         ocp = _orbax()

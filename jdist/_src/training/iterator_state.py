@@ -1,21 +1,10 @@
-"""The position of a distributed iterator, saved in a checkpoint and read back (issue 48).
+"""The position of a distributed iterator, saved in a checkpoint and read back.
 
-A position is global, not per replica: the shuffle seed state each shuffle of the numpy
-pipeline had when the iterator was made (its seeds and how many iterators it had made: the
-epoch, for a loop that iterates the dataset once per epoch) and the number of GLOBAL batches
-the iterator has handed out since. Restored, the dataset's shuffles continue from that seed
-state and the new iterator reads the same pipeline with those batches skipped (as row indices:
-no data is read for them), so it hands out the same global batches in the same order, split
-for the new strategy's replica count as every global batch is split (`input_batches`).
-
-Only a ``strategy.experimental_make_numpy_dataset(...)`` pipeline given to
-``experimental_distribute_dataset`` can be positioned this way: a Python iterable cannot be
-positioned at all. A tf.data or grain pipeline is positioned by its own iterator state, when
-jdist reads an iterator the caller made (``iter(tf_dataset)``, ``iter(grain_dataset)``) one
-element per step: with ``experimental_per_replica_buffer_size=0`` that iterator is exactly at
-the handed-out position (jdist's prefetch would put it ahead, and a restore would skip
-batches). Its state (``tf.train.Checkpoint(iterator=...)``'s files in base64; grain's
-``get_state()``) goes into the same JSON.
+A numpy pipeline's position is global: each shuffle's seed state when the iterator was made,
+and the GLOBAL batches handed out since. Restored, the shuffles continue from that state and the
+pipeline skips those batches as row indices (no data read), so the same global batches follow,
+split for any replica count. A tf.data or grain iterator the caller made is positioned by its
+own state (read unbuffered, so it is at the handed-out position); a Python iterable cannot be.
 """
 
 import base64
@@ -52,8 +41,7 @@ def _unpositionable(what):
 
 
 def _own_state_iterator(dataset):
-    """``(kind, iterator)``: the tf.data or grain iterator ``dataset`` reads (the caller's
-    ``iter(tf_dataset)`` or ``iter(grain_dataset)``), else ``(None, None)``."""
+    """``(kind, iterator)``: the tf.data or grain iterator ``dataset`` reads, else ``(None, None)``."""
     source = getattr(getattr(dataset, "_plan", None), "source", None)
     tf, grain = sys.modules.get("tensorflow"), sys.modules.get("grain")
     if source is not None and tf is not None and isinstance(source.dataset, tf.data.Iterator):
@@ -65,8 +53,7 @@ def _own_state_iterator(dataset):
 
 
 def _own_state(dataset, kind, iterator, read_early):
-    """The tf.data or grain iterator's own state, when it is at the handed-out position (not
-    so with a prefetch, nor when ``element_spec`` read its first batch and no step took it)."""
+    """The tf.data or grain iterator's own state, where it is at the handed-out position."""
     if dataset.options.experimental_per_replica_buffer_size != 0 or read_early:
         raise errors.InvalidArgumentError(
             f"the {kind} iterator this distributed dataset reads is ahead of the batches handed "
@@ -89,28 +76,22 @@ def _restore_own_state(dataset, kind, iterator, state):
     """Puts ``iterator`` (unread) at the saved position; returns an iterator over it."""
     if kind == "grain":
         iterator.set_state(state)
-        return dataset._iterator_at(Position(dataset))  # pylint: disable=protected-access
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    with tempfile.TemporaryDirectory() as folder:
-        for name, text in state.items():
-            with open(os.path.join(folder, os.path.basename(name)), "wb") as f:
-                f.write(base64.b64decode(text))
-        tf.train.Checkpoint(iterator=iterator).read(
-            os.path.join(folder, "iterator")).assert_consumed()
+    else:
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        with tempfile.TemporaryDirectory() as folder:
+            for name, text in state.items():
+                with open(os.path.join(folder, os.path.basename(name)), "wb") as f:
+                    f.write(base64.b64decode(text))
+            tf.train.Checkpoint(iterator=iterator).read(
+                os.path.join(folder, "iterator")).assert_consumed()
     return dataset._iterator_at(Position(dataset))  # pylint: disable=protected-access
 
 
 class Position:
-    """Where a `DistributedIterator` is: the seed state it started from, and global batches
-    handed out since (counted by the iterator as it hands them out).
+    """Where a `DistributedIterator` is: the seed state it started from, and the global batches
+    handed out since (from ``batches``, a restore's)."""
 
-    Args:
-      dataset: the `DistributedDataset` whose position this is (the restore target's dataset
-        for a restored iterator).
-      batches: the global batches handed out before this iterator was made (a restore's).
-    """
-
-    def __init__(self, dataset, batches: int = 0):
+    def __init__(self, dataset: Any, batches: int = 0):
         self.dataset = dataset
         numpy = _numpy_source(dataset)
         self._seeds = None if numpy is None else [s.state() for s in numpy.iteration_seeds]
@@ -146,19 +127,15 @@ def iterator_state(iterator: Any) -> dict:
     """The position of ``iterator`` as JSON, for `iterator_from_state`.
 
     Args:
-      iterator: a `DistributedIterator` of a numpy dataset (``iter(dist_dataset)``), or of an
-        unbuffered tf.data iterator (module doc).
+      iterator: a `DistributedIterator` of a numpy dataset, or of an unbuffered tf.data or
+        grain iterator.
 
     Returns:
-      ``{"format", "pipeline", "seeds", "batches"}``: the pipeline's description (checked on
-      restore), each shuffle's ``[seed, seed2, iterators made]`` when the iterator was made,
-      and the global batches it has handed out; for tf.data or grain ``{"format", "tf.data"}``
-      (tf.data's checkpoint files) or ``{"format", "grain"}`` (``get_state()``).
+      ``{"format", "pipeline", "seeds", "batches"}`` (each shuffle's ``[seed, seed2,
+      iterators made]``); for tf.data or grain, ``{"format", "tf.data" | "grain"}``.
 
     Raises:
-      InvalidArgumentError: ``iterator`` cannot be positioned (a Python iterable, a tf.data
-        dataset or prefetched tf.data iterator, a per-worker pipeline), naming what to use
-        instead.
+      InvalidArgumentError: ``iterator`` cannot be positioned, naming what to use instead.
 
     Example:
       >>> import numpy as np, jdist
@@ -176,14 +153,11 @@ def iterator_state(iterator: Any) -> dict:
 
 
 def iterator_from_state(dataset: Any, state: dict) -> Any:
-    """A `DistributedIterator` over ``dataset`` at the position ``state`` (`iterator_state`).
-
-    ``dataset`` may belong to a strategy with another replica count than the saving one: the
-    iterator hands out the same global batches, split for this strategy. Its shuffles continue
-    from the saved seed state, so later ``iter(dataset)`` epochs get the orders they would have.
+    """A `DistributedIterator` over ``dataset`` at the position ``state`` (`iterator_state`), on
+    any replica count; later epochs get the shuffle orders they would have had.
 
     Args:
-      dataset: a `DistributedDataset` of the same numpy pipeline (same rows and ops).
+      dataset: a `DistributedDataset` of the same pipeline (same rows and ops).
       state: what `iterator_state` returned.
 
     Returns:

@@ -1,17 +1,8 @@
 """TF's distribution-aware loss scaling: ``tf.nn.compute_average_loss`` and
-``tf.nn.scale_regularization_loss``, which every tf.distribute custom training loop calls.
+``tf.nn.scale_regularization_loss``, number for number (``docs/semantics.md``, "Loss scaling").
 
-Each replica scales its own loss so that the all-reduce SUM of the replicas' gradients is the
-gradient of the global average. The rules are TF's (``docs/semantics.md``, "Loss scaling"):
-
-* ``compute_average_loss`` sums the per-example losses (weighted by ``sample_weight`` in float32,
-  then cast back) and divides by ``global_batch_size``, or when it is None by *this replica's*
-  batch size times the number of replicas: on a partial batch each replica then divides by a
-  different number, as in TF. A zero divisor gives zero (``div_no_nan``).
-* ``scale_regularization_loss`` divides the sum of the regularization losses by the number of
-  replicas.
-
-The sum is `collectives.local_sum` and the division `collectives.finish` (TF's ``truediv``),
+Each replica scales its own loss so that the all-reduce SUM of the gradients is the gradient of
+the global average. The sum and division are `collectives.local_sum` and `collectives.finish`,
 the rules of every other reduction.
 """
 
@@ -32,29 +23,22 @@ from jdist._src.values import DistributedValues
 
 def compute_average_loss(per_example_loss: ArrayLike, sample_weight: Optional[ArrayLike] = None,
                          global_batch_size: Optional[Union[int, ArrayLike]] = None) -> jax.Array:
-    """Scales per-example losses by ``sample_weight`` and averages them over the global batch:
-    ``tf.nn.compute_average_loss``, number for number.
-
-    Call it in the replica function and all-reduce the gradients with SUM: their sum over the
-    replicas is the gradient of the loss averaged over the global batch.
+    """Scales per-example losses by ``sample_weight`` and averages them over the global batch
+    (``tf.nn.compute_average_loss``); all-reduce the gradients with SUM.
 
     Args:
       per_example_loss: this replica's losses, rank 1 or more (the batch along axis 0).
-      sample_weight: optional weights, a scalar or an array broadcastable to the losses after
-        TF's adjustment (a last axis of size 1 is dropped, or one added, when the ranks differ
-        by one). Losses and weights are multiplied in float32 and cast back, as in TF.
-      global_batch_size: a non-negative integer scalar; None (TF's default) divides by this
-        replica's batch size times ``num_replicas_in_sync``, which needs a replica context.
+      sample_weight: optional weights broadcastable to the losses after TF's adjustment (ranks
+        one apart: a last axis of size 1 dropped or added), multiplied in float32.
+      global_batch_size: a non-negative integer scalar; None (TF's default): this replica's
+        batch size times ``num_replicas_in_sync`` (needs a replica context).
 
     Returns:
-      A scalar of the losses' dtype (for integer losses, float64 for 32- and 64-bit ones with
-      ``jax_enable_x64``, float32 for smaller ones or without it): the weighted sum over ``global_batch_size``, or 0 when
-      that is 0.
+      A scalar in TF's division dtype: the weighted sum over ``global_batch_size``, 0 if that is 0.
 
     Raises:
       InvalidArgumentError: ``per_example_loss`` is a scalar, or ``global_batch_size`` is not a
-        non-negative integer scalar (a traced negative one gives NaN: its value is known only
-        on the devices).
+        non-negative integer scalar (a traced negative one gives NaN).
       ShapeMismatchError: ``sample_weight`` does not broadcast to the losses.
       WrongContextError: ``global_batch_size`` is None in a cross-replica context.
 
@@ -88,15 +72,11 @@ def compute_average_loss(per_example_loss: ArrayLike, sample_weight: Optional[Ar
 
 
 def scale_regularization_loss(regularization_loss: ArrayLike) -> jax.Array:
-    """The sum of ``regularization_loss`` divided by the number of replicas:
-    ``tf.nn.scale_regularization_loss``.
-
-    Each replica adds it to its `compute_average_loss`, so the all-reduce SUM of the gradients
-    counts the regularization once.
+    """The sum of ``regularization_loss`` over the number of replicas
+    (``tf.nn.scale_regularization_loss``): the SUM of the gradients counts it once.
 
     Args:
-      regularization_loss: a scalar or an array of regularization losses (summed), or a list
-        of them as TF packs it (``model.losses``: scalars of one dtype).
+      regularization_loss: a scalar, an array (summed), or a list as TF packs it (``model.losses``).
 
     Returns:
       A scalar: the sum over ``num_replicas_in_sync``, in TF's division dtype.
@@ -138,8 +118,7 @@ _NUMBERS = (bool, int, float, complex)
 
 
 def _packed(values):
-    """A list holding tensors as TF converts it (auto-packing): the elements stacked, Python
-    numbers in the tensors' dtype; tensors of different dtypes or shapes raise, as in TF."""
+    """A list holding tensors as TF auto-packs it: stacked, Python numbers in their dtype."""
     parts = [v if isinstance(v, _NUMBERS) else _tensor(v) for v in values]
     dtypes = {p.dtype for p in parts if not isinstance(p, _NUMBERS)}
     if len(dtypes) > 1:
@@ -156,8 +135,7 @@ def _packed(values):
 
 
 def _weighted(loss, weight):
-    """TF's ``scale_losses_by_sample_weight``: both in float32, ranks one apart adjusted on the
-    last axis, multiplied, and cast back to the losses' dtype."""
+    """TF's ``scale_losses_by_sample_weight``: multiplied in float32, cast back."""
     if weight.ndim == loss.ndim + 1:
         if weight.shape[-1] != 1:
             raise errors.ShapeMismatchError(

@@ -1,22 +1,13 @@
-"""Saving a checkpoint when the job is told to stop (``tf.distribute.experimental``'s
-``PreemptionCheckpointHandler`` and ``TerminationConfig``, issue 48).
+"""Saving a checkpoint when the job is told to stop (TF's ``PreemptionCheckpointHandler`` and
+``TerminationConfig``).
 
-A scheduler that preempts a job sends SIGTERM and kills it a grace period later. The handler
-turns the signal into a flag; at the next step boundary (the next `PreemptionCheckpointHandler.run`
-or `save_checkpoint_if_preempted`) it saves one checkpoint, the state and the data iterator's
-position, through the `CheckpointManager`, waits for the write, and exits with a code the
-launcher or scheduler reads as "restart me". The signal handler itself only sets the flag: a
-save from inside it could run mid-step, with the state half updated.
-
-Under ``MultiWorkerMirroredStrategy`` the signal reaches one worker, and every worker must stop
-at the same step. Every ``check_every`` step boundaries each worker adds one tiny collective
-program to its stream: the maximum over every replica of the workers' flags
-(``MultiWorkerExtended._any_worker``), read back on the host. It cannot deadlock: it waits on
-nothing but a collective, which every worker launches at the same point of the same sequence of
-programs (the same count of boundaries), however many steps apart their Python loops are; no
-worker blocks on the coordination service's key-value store, which a peer still steps behind
-would never answer in time. A worker that dies instead is the watchdog's (`watchdog`). Every
-worker reads the same maximum, so all save (the chief writes) and exit at the same boundary.
+The signal handler only sets a flag: a save from inside it could run mid-step, with the state
+half updated. At the next step boundary the handler saves the state and iterator position,
+waits for the write and exits with a "restart me" code. With several workers, every
+``check_every`` boundaries each adds one tiny collective (the maximum of the workers' flags,
+``MultiWorkerExtended._any_worker``): every worker launches it at the same point of the same
+program sequence, so it cannot deadlock, and all stop at the same boundary. No worker waits on
+the coordination service's key-value store, which a peer steps behind would not answer in time.
 """
 
 import contextlib
@@ -39,22 +30,16 @@ class TerminationConfig:
     (``tf.distribute.experimental.TerminationConfig``).
 
     Args:
-      termination_watcher_fn: a function of no arguments returning True once the job is to
-        stop, asked at every step boundary (a platform's maintenance notice); signals are
-        watched besides.
+      termination_watcher_fn: returns True once the job is to stop, asked at every step
+        boundary (besides the signals).
       exit_fn: called after the checkpoint is saved, instead of ``sys.exit(exit_code)``.
-      grace_period: seconds the platform leaves between the signal and the kill; the handler
-        saves at the next step boundary, which must come within it (kept for TF's interface).
-      save_fn: called instead of the handler's save (it then saves nothing itself).
-      exit_code: the exit status without ``exit_fn`` (jdist's addition; TF's is 42).
-      signals: the signals that mean "stop" (jdist's addition): SIGTERM by default.
-      check_every: with several workers, how many step boundaries apart they agree on whether
-        to stop (jdist's addition): a signal is acted on at the next multiple, so
-        ``check_every`` steps must fit in the grace period. Each agreement is one collective
-        of a scalar read back on the host: 0.35-0.45 ms on 2 CPU workers over loopback, as
-        much as a tiny step's own all-reduce. Default 1 on CPU, where the dispatch guard
-        waits for every step anyway; 10 elsewhere, where a read back stalls the
-        asynchronous dispatch.
+      grace_period: kept for TF's interface (the next boundary must come within it).
+      save_fn: called instead of the handler's save.
+      exit_code: the exit status without ``exit_fn`` (jdist's; TF's is 42).
+      signals: the signals that mean "stop" (jdist's): SIGTERM by default.
+      check_every: with several workers, how many boundaries apart they agree on stopping
+        (jdist's; each agreement is a collective read back on the host). Default 1 on CPU,
+        where the dispatch guard waits for every step anyway; 10 elsewhere.
 
     Example:
       >>> import signal
@@ -79,12 +64,8 @@ class TerminationConfig:
 
 
 def _agreement(strategy, check_every):
-    """How the workers agree to stop, and how many boundaries apart: ``(None, 1)`` on one
-    process, where this process's flag decides alone.
-
-    Raises:
-      InvalidArgumentError: several processes, but a strategy that does not span them.
-    """
+    """``(any_worker, every)``: how the workers agree to stop, how many boundaries apart;
+    ``(None, 1)`` on one process. Raises for several processes under a one-process strategy."""
     extended = strategy.extended
     if getattr(extended, "num_workers", 1) > 1:
         default = 1 if extended._guard.enabled else 10  # pylint: disable=protected-access
@@ -107,22 +88,15 @@ class PreemptionCheckpointHandler:
     """Saves one checkpoint and exits when the process is told to stop
     (``tf.distribute.experimental.PreemptionCheckpointHandler``).
 
-    From construction on, the configured signals (SIGTERM by default) set a flag instead of
-    ending the process. At the next step boundary the handler saves the state and the data
-    iterator's position as checkpoint `total_run_calls` and exits with the configured code; a
-    restarted program restores them with ``manager.restore(state, iterator=dist_dataset)``
-    and continues at that step. jdist's state is values, not variables, so the handler takes
-    what to save from the step's arguments: `run` saves its function's first argument (the
-    state before the step) and the position of a `DistributedIterator` argument.
-
-    Under ``MultiWorkerMirroredStrategy`` a signal to any one worker stops every worker at the
-    same boundary (every ``termination_config.check_every``-th; see the module doc): the chief
-    writes the checkpoint (``should_checkpoint``), and every worker exits with the code.
-    Every worker must make the same sequence of `run` and `save_checkpoint_if_preempted` calls.
+    From construction on, the configured signals set a flag. At the next step boundary the
+    handler saves checkpoint `total_run_calls` and exits. jdist's state is values, not
+    variables, so `run` saves its function's first argument (the state before the step) and
+    the position of a `DistributedIterator` argument. Under ``MultiWorkerMirroredStrategy`` a
+    signal to any worker stops all at the same boundary; every worker must make the same
+    sequence of `run` and `save_checkpoint_if_preempted` calls.
 
     Args:
-      cluster_resolver: kept for TF's interface (None is fine): the manager's strategy's
-        cluster is used.
+      cluster_resolver: kept for TF's interface (None is fine).
       checkpoint_or_checkpoint_manager: a `jdist.checkpoint.CheckpointManager`.
       checkpoint_dir: kept for TF's interface; the manager's directory is used.
       termination_config: a `TerminationConfig`; default: SIGTERM, exit code 42.
@@ -173,13 +147,11 @@ class PreemptionCheckpointHandler:
 
     @property
     def total_run_calls(self) -> int:
-        """The number of `run` calls, counting those before the restart (the latest
-        checkpoint's step when the handler was made)."""
+        """The number of `run` calls, counting those before the restart."""
         return self._total_run_calls
 
     def _preempted(self) -> bool:
-        """Whether to save and exit at this boundary: this process was told to stop, or, with
-        several workers, any of them was (asked every ``check_every`` boundaries only)."""
+        """Whether this process, or with several workers any of them, was told to stop."""
         due, self._boundaries = self._boundaries % self._every == 0, self._boundaries + 1
         if not due:
             return False
@@ -188,17 +160,8 @@ class PreemptionCheckpointHandler:
         return told if self._any_worker is None else self._any_worker(told)
 
     def run(self, distributed_train_function: Callable, *args, **kwargs) -> Any:
-        """``distributed_train_function(*args, **kwargs)``, after saving and exiting if the
-        process was told to stop (TF's order: the check comes before the step).
-
-        Args:
-          distributed_train_function: one training step; its first argument is the state.
-          *args: its arguments; ``args[0]`` is saved, with the position of the first
-            `DistributedIterator` among them (if any).
-          **kwargs: its keyword arguments.
-
-        Returns:
-          The function's result.
+        """``distributed_train_function(*args, **kwargs)``, after saving ``args[0]`` (and the
+        first `DistributedIterator` argument's position) and exiting if told to stop.
         """
         self.save_checkpoint_if_preempted(args[0] if args else None,
                                           iterator=_first_iterator(args, kwargs))
@@ -207,13 +170,8 @@ class PreemptionCheckpointHandler:
         return result
 
     def save_checkpoint_if_preempted(self, state: Any, iterator: Optional[Any] = None) -> None:
-        """At a step boundary: if the process was told to stop, saves ``state`` and the
-        position of ``iterator`` as checkpoint `total_run_calls`, waits for the write and exits.
-
-        Args:
-          state: the training state now (after `total_run_calls` steps).
-          iterator: the `DistributedIterator` the steps read, or None.
-        """
+        """At a step boundary: if told to stop, saves ``state`` and ``iterator``'s position as
+        checkpoint `total_run_calls`, waits for the write and exits."""
         if not self._preempted():
             return
         if self._config.save_fn is not None:
@@ -230,8 +188,7 @@ class PreemptionCheckpointHandler:
 
     @contextlib.contextmanager
     def watch_preemption_scope(self) -> Iterator[None]:
-        """A scope for the training loop (TF's); the handler watches from construction to
-        `close`, so the scope only closes it on the way out."""
+        """A scope for the training loop (TF's): it closes the handler on the way out."""
         try:
             yield
         finally:

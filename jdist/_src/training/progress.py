@@ -1,14 +1,9 @@
 """Progress and logging on the chief only: a tqdm bar over a distributed dataset, print/log helpers.
 
-In a multi-worker run every process executes the same Python loop; printing from each would
-repeat every line once per worker, so only the chief prints (``strategy.extended.should_checkpoint``
-when the strategy has it, as in TF, else True). Nothing here communicates: values are converted to
-text from this process's own copy (`to_host`), and a `PerReplica` value, which would need a
-reduce, is refused on every process alike. So no collective can end up inside a chief-only
-branch, where the other workers would never join it.
-
-Inside ``strategy.run`` the helpers print at run time through ``jax.debug.callback`` from
-replica 0 only, so a value is printed once per step, not once per replica.
+Every worker runs the same loop, so only the chief prints (``should_checkpoint``). Nothing here
+communicates (values are read from this process's copy; `PerReplica`, which would need a
+reduce, is refused on every process alike): no collective ends up in a chief-only branch.
+Inside ``strategy.run`` they print through ``jax.debug.callback`` from replica 0 only.
 """
 
 import io
@@ -33,13 +28,8 @@ PLAIN_SECONDS = 30.0  # Off a terminal, the number of steps unknown: one line pe
 
 
 def is_chief(strategy: Optional[Any] = None) -> bool:
-    """Whether this process is the one that prints and writes checkpoints.
-
-    Args:
-      strategy: the strategy; default: the current one.
-
-    Returns:
-      ``strategy.extended.should_checkpoint`` if the strategy defines it, else True (one process).
+    """Whether this process prints and writes checkpoints: ``strategy.extended.should_checkpoint``
+    (``strategy`` default: the current one).
 
     Example:
       >>> import jdist
@@ -51,7 +41,7 @@ def is_chief(strategy: Optional[Any] = None) -> bool:
 
 
 def _host_value(value):
-    """A printable host value; refuses PerReplica (it would need a collective to combine)."""
+    """A printable host value; refuses PerReplica (combining it would need a collective)."""
     if isinstance(value, DistributedValues) and not isinstance(value, Mirrored):
         raise errors.UnsupportedValueError(
             f"cannot print a {type(value).__name__} value: its replicas differ. Reduce it first "
@@ -72,7 +62,7 @@ def _emit(write, values, strategy):
         replica_id = context.get_replica_context().replica_id_in_sync_group
         jax.debug.callback(callback, replica_id, *values)
         return
-    host_values = [_host_value(v) for v in values]  # On every process: errors are the same.
+    host_values = [_host_value(v) for v in values]  # On every process: the same errors.
     if is_chief(strategy):
         write(host_values)
 
@@ -103,14 +93,8 @@ def print_once(*values: Any, sep: str = " ", file: Optional[TextIO] = None,
 
 def log_once(msg: str, *args: Any, level: int = logging.INFO,
              logger: Optional[logging.Logger] = None, strategy: Optional[Any] = None) -> None:
-    """``logger.log(level, msg, *args)`` once for the whole job (see `print_once`).
-
-    Args:
-      msg: the ``%``-format message.
-      *args: its arguments; `Mirrored` values and arrays are read from one local copy.
-      level: the logging level.
-      logger: the logger; default ``logging.getLogger("jdist")``.
-      strategy: the strategy deciding who is chief; default: the current one.
+    """``logger.log(level, msg, *args)`` once for the whole job (see `print_once`); ``logger``
+    default: ``logging.getLogger("jdist")``.
 
     Example:
       >>> import logging, jdist
@@ -146,16 +130,11 @@ def _is_terminal(file):
 
 
 class ProgressBar:
-    """A tqdm progress bar over a (distributed) dataset, drawn by the chief only.
+    """A tqdm progress bar over a (distributed) dataset, drawn by the chief only (``progress`` extra).
 
-    Iterating it yields the dataset's elements. It shows the steps done, steps/s, examples/s
-    (when ``examples_per_step`` is given) and the loss last passed to `set_loss`, read from the
-    device at most once per refresh (``mininterval``), so it does not stall the step pipeline.
-    While the first step compiles, a one-line notice says so. Needs tqdm (the ``progress`` extra).
-
-    On a terminal the bar is redrawn in place. Elsewhere (a log file, CI), where every redraw
-    would be appended to one line after a carriage return, it prints plain lines instead: one
-    per tenth of the steps and one at the last (one per 30 s when their number is unknown).
+    Iterating it yields the dataset's elements. It shows steps/s, examples/s and the loss last
+    given to `set_loss`, read from the device at most once per ``mininterval`` so the steps do
+    not stall. Off a terminal (a log file, CI) it prints plain lines, one per tenth of the steps.
 
     Args:
       dataset: what to iterate, usually ``strategy.experimental_distribute_dataset(...)``.
@@ -227,8 +206,8 @@ class ProgressBar:
         self._bar.set_postfix(fields, refresh=False)
 
     def _plain_line(self, last):
-        """Off a terminal: prints the bar as a line at each tenth of the steps, or every
-        `PLAIN_SECONDS` when their number is unknown, and (``last``) at the end."""
+        """Off a terminal: prints the bar at each tenth of the steps (or every `PLAIN_SECONDS`)
+        and at the end (``last``)."""
         n, total, now = self._bar.n, self._bar.total, time.monotonic()
         if n == self._line_step:
             return

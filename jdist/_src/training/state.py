@@ -1,19 +1,8 @@
 """Training state that crosses between jdist and plain JAX: Mirrored pytrees, host copies, keys.
 
-`Strategy.run` returns the values that are equal on every replica (updated parameters, optimizer
-state) as `Mirrored` leaves. Libraries of the JAX ecosystem (``flax.serialization``, orbax,
-``jax.device_get``, optax, ``lax.scan`` carries) expect plain arrays, so this module converts in
-both directions without copying:
-
-* `unwrap_mirrored`: every `Mirrored` leaf becomes its replicated ``jax.Array``
-  (``NamedSharding(mesh, P())``: one full copy on each replica's device, no stacked axis);
-* `mirror`: every leaf becomes a `Mirrored` value placed the same way on a strategy's devices;
-* `to_host`: NumPy copies read from one device's copy, never gathered through one device;
-* `replica_key`: a PRNG key folded with the replica id, different on every replica and
-  reproducible from the key (a key passed to ``run`` as it is stays identical on every replica).
-
-A `PerReplica` leaf has no single value, so every function here rejects it with
-`UnsupportedValueError` rather than pick one replica's component.
+``strategy.run`` returns replica-equal values as `Mirrored` leaves; the JAX ecosystem (flax
+serialization, orbax, optax, ``lax.scan`` carries) wants plain arrays. These functions convert
+both ways without copying. A `PerReplica` leaf has no single value, so each refuses it.
 """
 
 import functools
@@ -42,7 +31,7 @@ def _reject_per_replica(leaf, caller):
 
 
 def _map_leaves(fn, tree, caller):
-    """``fn`` over the leaves of ``tree`` (Mirrored values count as leaves; PerReplica is an error)."""
+    """``fn`` over the leaves of ``tree`` (Mirrored ones included; PerReplica raises)."""
     def visit(leaf):
         if isinstance(leaf, DistributedValues) and not isinstance(leaf, Mirrored):
             _reject_per_replica(leaf, caller)
@@ -51,14 +40,11 @@ def _map_leaves(fn, tree, caller):
 
 
 def unwrap_mirrored(tree: Any) -> Any:
-    """Replaces every `Mirrored` leaf of ``tree`` by its replicated ``jax.Array`` (no copy).
-
-    Use it on the state ``strategy.run`` returns before handing it to code that expects plain
-    arrays: ``flax.serialization.to_bytes``, ``jax.device_get``, orbax, a ``lax.scan`` carry.
-    Other leaves are returned as they are.
+    """Replaces every `Mirrored` leaf of ``tree`` by its replicated ``jax.Array`` (no copy), for
+    code that expects plain arrays (flax serialization, orbax, a ``lax.scan`` carry).
 
     Args:
-      tree: a pytree whose leaves are `Mirrored` values, arrays or Python scalars.
+      tree: a pytree of `Mirrored` values, arrays or Python scalars.
 
     Returns:
       The same structure with plain arrays in place of the `Mirrored` leaves.
@@ -83,9 +69,6 @@ def replicated_sharding(strategy: Optional[Any] = None) -> NamedSharding:
     Args:
       strategy: the strategy; default: the current one (`get_strategy`).
 
-    Returns:
-      ``NamedSharding(mesh, PartitionSpec())`` over the strategy's replica mesh.
-
     Example:
       >>> import jdist
       >>> sharding = jdist.replicated_sharding(jdist.MirroredStrategy(["cpu:0", "cpu:1"]))
@@ -104,25 +87,18 @@ def _replicated_sharding(devices):
 
 @functools.lru_cache(maxsize=None)
 def _mirrored_treedef(num_replicas):
-    # A Mirrored value is a pytree node with one child, its replicated array: unflattening this
-    # structure wraps an already placed array without checking N copies for equality.
+    # Unflattening wraps a placed array without checking N copies for equality.
     return jax.tree_util.tree_structure(Mirrored([np.int8(0)] * num_replicas))
 
 
 def mirror(tree: Any, strategy: Optional[Any] = None) -> Any:
-    """Places every leaf of ``tree`` as `Mirrored` state on ``strategy``'s replicas.
-
-    Each leaf becomes one replicated array (``replicated_sharding``: a full copy on every
-    replica's device, no stacked copies) wrapped as `Mirrored`: what ``strategy.run`` returns for
-    values equal on every replica, so it feeds ``run`` and a ``lax.scan`` carry over ``run``
-    directly. Leaves already placed that way are not copied.
+    """Places every leaf of ``tree`` as `Mirrored` state on ``strategy``'s replicas: one
+    replicated array each (`replicated_sharding`), as ``run`` returns it; placed leaves are
+    not copied.
 
     Args:
       tree: a pytree of arrays, Python scalars or `Mirrored` values (parameters, optimizer state).
       strategy: the strategy to place on; default: the current one (`get_strategy`).
-
-    Returns:
-      The same structure with `Mirrored` leaves.
 
     Raises:
       UnsupportedValueError: a leaf is a `PerReplica` value.
@@ -163,9 +139,6 @@ def to_host(tree: Any) -> Any:
     Args:
       tree: a pytree of `Mirrored` values, replicated arrays, NumPy arrays or scalars.
 
-    Returns:
-      The same structure with NumPy arrays as leaves.
-
     Raises:
       UnsupportedValueError: a leaf is a `PerReplica` value or an array that is not fully
         replicated (no single device holds its whole value).
@@ -180,19 +153,11 @@ def to_host(tree: Any) -> Any:
 
 
 def replica_key(key: jax.Array) -> jax.Array:
-    """A PRNG key for this replica: ``key`` folded with the replica id (``jax.random.fold_in``).
-
-    Inside ``strategy.run`` every replica gets a different key, and the same replica gets the
-    same key whenever ``key`` is the same, so runs are reproducible. Replica 0's key does not
-    depend on the number of replicas. For a key identical on every replica (dropout masks that
-    must agree, a shared noise sample), use ``key`` itself: a key passed to ``run`` reaches every
-    replica as it is.
+    """A PRNG key for this replica: ``key`` folded with the replica id (``jax.random.fold_in``),
+    reproducible and different per replica. For a key equal on every replica, use ``key``.
 
     Args:
       key: a PRNG key (``jax.random.key`` or a raw ``PRNGKey``).
-
-    Returns:
-      ``jax.random.fold_in(key, replica_id_in_sync_group)``.
 
     Raises:
       WrongContextError: called in a cross-replica context (there is no current replica).
