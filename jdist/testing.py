@@ -43,12 +43,6 @@ def mirrored_reducing_to_one_device(num_replicas: int) -> jdist.MirroredStrategy
     """`mirrored` with ``cross_device_ops=ReductionToOneDevice()`` (which, as TF's, takes every
     dtype and a negative gather axis), shared per count.
 
-    Args:
-      num_replicas: how many devices (from ``jax.local_devices()``) to replicate over.
-
-    Returns:
-      The strategy.
-
     Example:
       >>> s = jdist.testing.mirrored_reducing_to_one_device(2)
       >>> type(s.extended._cross_device_ops).__name__
@@ -135,11 +129,9 @@ _ALL_REDUCE_PATTERNS = (
 def count_all_reduces(hlo_text: str) -> int:
     """Counts the all-reduce operations in HLO text.
 
-    Reads lowered StableHLO (``jax.jit(f).lower(...).as_text()``) or compiled HLO
-    (``.compile().as_text()``), where the compiler may have merged several into one.
-
     Args:
-      hlo_text: the program text.
+      hlo_text: lowered StableHLO (``jax.jit(f).lower(...).as_text()``) or compiled HLO
+        (``.compile().as_text()``, where the compiler may have merged several into one).
 
     Returns:
       The number of all-reduce operations.

@@ -14,11 +14,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from jdist._src import errors
-from jdist._src import host_values
+from jdist._src import errors, host_values
 from jdist._src.base import reduce_wing
-from jdist._src.reduce_op import ReduceOp
-from jdist._src.reduce_op import check_reducible
+from jdist._src.reduce_op import ReduceOp, check_reducible
 
 
 @dataclasses.dataclass(frozen=True)

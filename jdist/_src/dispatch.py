@@ -15,16 +15,8 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 from jax.extend import core
 
-from jdist._src import context
-from jdist._src import errors
-from jdist._src import host_values
-from jdist._src import jax_internals
-from jdist._src.values import ARRAYS
-from jdist._src.values import Mirrored
-from jdist._src.values import PerReplica
-from jdist._src.values import SCALARS
-from jdist._src.values import is_distributed
-from jdist._src.values import is_step_output
+from jdist._src import context, errors, host_values, jax_internals
+from jdist._src.values import ARRAYS, Mirrored, PerReplica, SCALARS, is_distributed, is_step_output
 
 
 class DispatchGuard:
@@ -142,17 +134,6 @@ def check_traced_run(guard: DispatchGuard) -> None:
 
     Args:
       guard: the `DispatchGuard` of the strategy whose ``run`` is called.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, jdist
-      >>> s = jdist.MirroredStrategy(jax.devices()[:2])
-      >>> try:  # Not a traceback: its last line is a note from JAX on some Pythons.
-      ...   jax.jit(lambda w: s.run(lambda w: w + 1.0, args=(w,)))(jnp.float32(0))
-      ... except jdist.errors.UnguardedTraceError as e:
-      ...   print(e)
-      strategy.run was traced inside jax.jit, ... with jdist.function instead of jax.jit ...
-      >>> float(jdist.function(lambda w: s.run(lambda w: w + 1.0, args=(w,)))(jnp.float32(0)))
-      1.0
     """
     if not guard.enabled or _function_trace.depth or not under_a_trace():
         return
@@ -223,9 +204,6 @@ def function(fun: Optional[Callable[..., Any]] = None, **jit_kwargs: Any) -> Any
       ...   return w
       >>> float(two_steps(jnp.float32(0.0)))
       4.0
-      >>> total = jdist.function(lambda x: s.reduce("sum", s.run(jnp.sum, args=(x,)), axis=None))
-      >>> float(total(jdist.PerReplica([jnp.ones(2), jnp.ones(1)])))  # Rows 2 and 1: as Python.
-      3.0
     """
     if fun is None:
         return lambda f: function(f, **jit_kwargs)

@@ -15,8 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
-from jdist._src import errors
-from jdist._src import jax_internals
+from jdist._src import errors, jax_internals
 
 # The dtype kinds a PerReplica may hold: its components must all be of one (TF's rule).
 _KINDS = (("bool", np.bool_), ("signed integer", np.signedinteger),
@@ -24,21 +23,9 @@ _KINDS = (("bool", np.bool_), ("signed integer", np.signedinteger),
           ("complex", np.complexfloating), ("PRNG key", jax.dtypes.prng_key))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # jnp.issubdtype costs microseconds, read per value.
 def dtype_kind(dtype: Any) -> Optional[str]:
     """The kind of ``dtype`` ("bool", "signed integer", ...); None where no device holds it."""
-    try:
-        return _known_dtype_kind(dtype)
-    except TypeError:  # An unhashable dtype-like.
-        return _dtype_kind(dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _known_dtype_kind(dtype):
-    return _dtype_kind(dtype)  # Cached: jnp.issubdtype costs microseconds, read per value.
-
-
-def _dtype_kind(dtype):
     return next((name for name, category in _KINDS if jax.numpy.issubdtype(dtype, category)),
                 None)
 

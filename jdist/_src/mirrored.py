@@ -13,15 +13,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jdist._src import devices as devices_lib
-from jdist._src import dispatch
-from jdist._src import errors
-from jdist._src.base import REPLICA_AXIS
-from jdist._src.base import reduce_wing
-from jdist._src.base import run_wing
+from jdist._src import dispatch, errors
+from jdist._src.base import REPLICA_AXIS, reduce_wing, run_wing
 from jdist._src.strategy import Strategy
 from jdist._src.strategy_extended import StrategyExtended
-from jdist._src.values import ARRAYS
-from jdist._src.values import PerReplica
+from jdist._src.values import ARRAYS, PerReplica
 
 
 class MirroredExtended(StrategyExtended):

@@ -6,8 +6,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdist._src import errors
-from jdist._src import host_values
+from jdist._src import errors, host_values
 
 
 class ReduceOp(enum.Enum):

@@ -13,29 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdist._src.base import Axis, PyTree, ReduceOpLike, input_wing, reduce_wing
-from jdist._src import context
-from jdist._src import dispatch
-from jdist._src import errors
-from jdist._src.host_values import check_host_numbers
-from jdist._src.host_values import check_placeable
-from jdist._src.host_values import python_numbers_as_tf
-from jdist._src.reduce_op import ReduceOp
-from jdist._src.reduce_op import check_reducible
+from jdist._src import context, dispatch, errors
+from jdist._src.host_values import check_host_numbers, check_placeable, python_numbers_as_tf
+from jdist._src.reduce_op import ReduceOp, check_reducible
 from jdist._src.strategy_extended import StrategyExtended
-from jdist._src.values import DistributedValues
-from jdist._src.values import Mirrored
-from jdist._src.values import PerReplica
-from jdist._src.values import check_replica_count
-from jdist._src.values import is_distributed
-from jdist._src.values import is_python_number
-from jdist._src.values import local_results
+from jdist._src.values import (DistributedValues, Mirrored, PerReplica, check_replica_count,
+                               is_distributed, is_python_number, local_results)
 
 
 class Strategy:
     """A set of devices and how a computation is replicated over them (``tf.distribute.Strategy``).
 
-    Use a concrete strategy (`MirroredStrategy`, `OneDeviceStrategy`), or `get_strategy` for the
-    current one. The methods follow TF2's meaning (``docs/api.md``).
+    Use a concrete strategy (`MirroredStrategy`, `OneDeviceStrategy`), or `get_strategy`.
     """
 
     def __init__(self, extended: Any) -> None:
@@ -61,10 +50,9 @@ class Strategy:
 
         Example:
           >>> import jdist
-          >>> s = jdist.OneDeviceStrategy("cpu:0")
-          >>> with s.scope():
-          ...   print(jdist.get_strategy() is s, jdist.in_cross_replica_context())
-          True True
+          >>> with jdist.OneDeviceStrategy("cpu:0").scope():
+          ...   print(jdist.in_cross_replica_context())
+          True
         """
         return context.cross_replica_scope(self)
 
@@ -79,7 +67,7 @@ class Strategy:
           fn: the replica function. It may call `get_replica_context` for collectives.
           args: a tuple or list of positional arguments.
           kwargs: a dict of keyword arguments.
-          options: accepted for TF compatibility (``tf.distribute.RunOptions``); unused.
+          options: TF's ``tf.distribute.RunOptions``; unused.
 
         Returns:
           ``fn``'s output nest, with `Mirrored` leaves for values equal on every replica and
@@ -99,13 +87,11 @@ class Strategy:
             raise errors.InvalidArgumentError(
                 f"run() expects args to be a tuple or list, got {type(args).__name__}; "
                 "write args=(value,) for a single argument.")
-        if kwargs is None:
-            kwargs = {}
-        elif not isinstance(kwargs, dict):
+        if kwargs is not None and not isinstance(kwargs, dict):
             raise errors.InvalidArgumentError(f"run() expects kwargs to be a dict, got "
                                               f"{type(kwargs).__name__}.")
         context.require_run_allowed(self)
-        return self._extended._run(fn, tuple(args), kwargs)
+        return self._extended._run(fn, tuple(args), kwargs or {})
 
     experimental_run_v2 = run
 
@@ -207,8 +193,6 @@ class Strategy:
 
         Example:
           >>> import jdist
-          >>> jdist.get_strategy().experimental_local_results(3.0)
-          (3.0,)
           >>> jdist.MirroredStrategy(["cpu:0", "cpu:1"]).experimental_local_results({"a": 1})
           ({'a': 1}, {'a': 1})
         """
@@ -243,12 +227,12 @@ class Strategy:
           default strategy, the value itself, as in TF).
 
         Example:
-          >>> import numpy as np, jdist
-          >>> s = jdist.get_strategy()
+          >>> import jdist
+          >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
           >>> v = s.experimental_distribute_values_from_function(
-          ...     lambda ctx: np.arange(2, dtype=np.float32) + ctx.replica_id_in_sync_group)
-          >>> v.tolist()
-          [0.0, 1.0]
+          ...     lambda ctx: ctx.replica_id_in_sync_group)
+          >>> [int(x) for x in v.values]
+          [0, 1]
         """
         n = self.num_replicas_in_sync
         per_replica = [value_fn(context.ValueContext(i, n))

@@ -13,28 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdist._src import context
+from jdist._src import context, errors
 from jdist._src import devices as devices_lib
-from jdist._src import errors
-from jdist._src.base import Axis
-from jdist._src.base import Destinations
-from jdist._src.base import PyTree
-from jdist._src.base import ReduceOpLike
-from jdist._src.base import ReplicaCollectives
-from jdist._src.base import Target
-from jdist._src.base import reduce_wing
-from jdist._src.reduce_op import ReduceOp
-from jdist._src.reduce_op import check_reducible
-from jdist._src.values import DistributedValues
-from jdist._src.values import SCALARS
-from jdist._src.values import Mirrored
-from jdist._src.values import PerReplica
-from jdist._src.values import check_replica_count
-from jdist._src.values import is_distributed
+from jdist._src.base import (Axis, Destinations, PyTree, ReduceOpLike, ReplicaCollectives, Target,
+                             reduce_wing)
+from jdist._src.reduce_op import ReduceOp, check_reducible
+from jdist._src.values import (DistributedValues, SCALARS, Mirrored, PerReplica,
+                               check_replica_count, is_distributed, is_python_number,
+                               is_step_output, local_results)
 from jdist._src.host_values import check_placeable
-from jdist._src.values import is_python_number
-from jdist._src.values import is_step_output
-from jdist._src.values import local_results
 
 
 # The dtypes TF's collective all-reduce and all-gather ops take (their "T" attribute).
@@ -242,8 +229,7 @@ class StrategyExtended:
         Example:
           >>> import jax, numpy as np, jdist
           >>> s = jdist.MirroredStrategy(jax.devices()[:2])
-          >>> v = s.experimental_distribute_values_from_function(
-          ...     lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1))
+          >>> v = jdist.PerReplica([np.float32(1), np.float32(2)])
           >>> float(s.extended.reduce_to("sum", v, "cpu:1"))
           3.0
           >>> s.extended.reduce_to("mean", 0.1, "cpu:1")  # TF's one value, as it is.
@@ -278,8 +264,7 @@ class StrategyExtended:
         Example:
           >>> import jax, numpy as np, jdist
           >>> s = jdist.MirroredStrategy(jax.devices()[:2])
-          >>> v = s.experimental_distribute_values_from_function(
-          ...     lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1))
+          >>> v = jdist.PerReplica([np.float32(1), np.float32(2)])
           >>> _, on_device = s.extended.batch_reduce_to("mean", [(v, v), (v, "cpu:0")])
           >>> [float(x) for x in s.experimental_local_results(on_device)]
           [1.5, 1.5]
@@ -434,19 +419,18 @@ class _OneReplica(ReplicaCollectives):
         self._strategy = strategy
         self._num_replicas = num_replicas
 
-    def _require_one(self, what):
+    def _require_one(self, what, value):
         if self._num_replicas != 1:
             raise errors.WrongContextError(
                 f"{what} was called on a replica context that is not inside strategy.run; call "
                 "it from the replica function.")
+        return value
 
     def all_reduce(self, op, value, options=None):
-        self._require_one("all_reduce")
-        return value
+        return self._require_one("all_reduce", value)
 
     def all_gather(self, value, axis):
-        self._require_one("all_gather")
-        return value
+        return self._require_one("all_gather", value)
 
     def merge_call(self, merge_fn, args, kwargs):
         with context.cross_replica_scope(self._strategy, in_merge=True):

@@ -15,10 +15,8 @@ import jax
 import numpy as np
 
 from jdist._src import errors
-from jdist._src.host_values import check_arrays
-from jdist._src.host_values import check_host_numbers
-from jdist._src.host_values import python_numbers_as_tf
-from jdist._src.host_values import dtype_kind
+from jdist._src.host_values import (check_arrays, check_host_numbers, python_numbers_as_tf,
+                                    dtype_kind)
 
 
 ARRAYS = (jax.Array, np.ndarray, np.generic)  # What jdist takes as an array leaf.
@@ -91,27 +89,22 @@ class PerReplica(DistributedValues):
         self._stacked = stacked
         self._components = components
         self._lengths = None if lengths is None else tuple(int(n) for n in lengths)
+        return self
 
     @classmethod
     def _from_stacked(cls, stacked, lengths=None):
         """Wraps ``stacked`` (replica axis first) without copying; ``lengths`` marks real rows."""
-        self = object.__new__(cls)
-        self._init(stacked, None, lengths)
-        return self
+        return object.__new__(cls)._init(stacked, None, lengths)
 
     @classmethod
     def _from_components(cls, components):
         """One value per replica: stacked when their shapes agree, else kept ragged."""
-        self = object.__new__(cls)
-        self._init(*_stack_or_keep(list(components)), None)
-        return self
+        return object.__new__(cls)._init(*_stack_or_keep(list(components)), None)
 
     @classmethod
     def _from_ragged(cls, components):
         """A ragged value as given, unchecked (other workers' replicas: `jax.ShapeDtypeStruct`)."""
-        self = object.__new__(cls)
-        self._init(None, tuple(components), None)
-        return self
+        return object.__new__(cls)._init(None, tuple(components), None)
 
     @property
     def ragged(self) -> bool:
@@ -258,31 +251,6 @@ class Mirrored(DistributedValues):
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self._value, dtype=dtype)
 
-    def __float__(self):
-        return float(self._value)
-
-    def __int__(self):
-        return int(self._value)
-
-    def __bool__(self):
-        return bool(self._value)
-
-    def __getitem__(self, index):
-        return self._value[index]
-
-    def __neg__(self):
-        return -self._value
-
-    def __abs__(self):
-        return abs(self._value)
-
-    # Without these Python iterates through __getitem__, which never ends (JAX clamps indices).
-    def __iter__(self):
-        return iter(self._value)
-
-    def __len__(self):
-        return len(self._value)
-
     @property
     def shape(self) -> tuple:
         """The common value's shape."""
@@ -294,19 +262,21 @@ class Mirrored(DistributedValues):
         return self._value.dtype
 
 
-def _mirrored_binary(name):
-    def method(self, other):
-        if isinstance(other, Mirrored):
-            other = other._value
-        return getattr(self._value, name)(other)
+def _delegate(name):
+    def method(self, *other):
+        return getattr(self._value, name)(*(o._value if isinstance(o, Mirrored) else o
+                                            for o in other))
     method.__name__ = name
     return method
 
 
+# __iter__ and __len__ too: else Python iterates through __getitem__, which JAX never ends.
 for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
               "__rtruediv__", "__floordiv__", "__rfloordiv__", "__pow__", "__rpow__", "__mod__",
-              "__rmod__", "__matmul__", "__rmatmul__", "__lt__", "__le__", "__gt__", "__ge__"):
-    setattr(Mirrored, _name, _mirrored_binary(_name))
+              "__rmod__", "__matmul__", "__rmatmul__", "__lt__", "__le__", "__gt__", "__ge__",
+              "__float__", "__int__", "__bool__", "__getitem__", "__neg__", "__abs__", "__iter__",
+              "__len__"):
+    setattr(Mirrored, _name, _delegate(_name))
 
 
 def is_python_number(value: Any) -> bool:
@@ -407,13 +377,10 @@ def _flatten_per_replica(v):
 
 def _unflatten_per_replica(aux, children):
     kind, lengths, shape = aux
-    self = object.__new__(PerReplica)
     if kind == "ragged":
-        self._init(None, tuple(children), None)
-    else:
-        _check_not_sliced(shape, children[0])
-        self._init(children[0], None, lengths)
-    return self
+        return PerReplica._from_ragged(children)
+    _check_not_sliced(shape, children[0])
+    return PerReplica._from_stacked(children[0], lengths)
 
 
 jax.tree_util.register_pytree_node(PerReplica, _flatten_per_replica, _unflatten_per_replica)
