@@ -18,8 +18,7 @@ import numpy as np
 
 import jdist
 
-#: The replica counts jdist's own tests cover (on 8 simulated CPU devices).
-REPLICA_COUNTS = (1, 2, 3, 4, 8)
+REPLICA_COUNTS = (1, 2, 3, 4, 8)  #: The replica counts jdist's tests cover (8 CPU devices).
 #: The dataset tests add 5 replicas, where TF's split leaves trailing replicas short or empty.
 DATASET_REPLICA_COUNTS = (1, 2, 3, 4, 5, 8)
 

@@ -27,7 +27,6 @@ class _Frame:
 
 
 class _State(threading.local):
-
     def __init__(self):
         self.frames = []
 
@@ -135,13 +134,9 @@ def experimental_set_strategy(strategy: Any) -> None:
 
     Example:
       >>> import jdist
-      >>> s = jdist.OneDeviceStrategy("cpu:0")
-      >>> jdist.experimental_set_strategy(s)
-      >>> jdist.get_strategy() is s
-      True
-      >>> jdist.experimental_set_strategy(None)
-      >>> jdist.has_strategy()
-      False
+      >>> jdist.experimental_set_strategy(jdist.OneDeviceStrategy("cpu:0"))
+      >>> jdist.has_strategy(), jdist.experimental_set_strategy(None), jdist.has_strategy()
+      (True, None, False)
     """
     global _global_strategy
     if any(frame.strategy is not _default() for frame in _state.frames):

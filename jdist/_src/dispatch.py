@@ -107,7 +107,6 @@ def _wait(arrays):
 
 class _FunctionTrace(threading.local):
     """How many `function` calls are under way on this thread, and how many run as Python."""
-
     def __init__(self):
         self.depth = 0
         self.as_python = 0

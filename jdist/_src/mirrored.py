@@ -120,9 +120,8 @@ class MirroredStrategy(Strategy):
 
     Example:
       >>> import jdist
-      >>> s = jdist.MirroredStrategy(["cpu:0"])
-      >>> s.num_replicas_in_sync
-      1
+      >>> jdist.MirroredStrategy(["cpu:0", "cpu:1"]).num_replicas_in_sync
+      2
     """
 
     def __init__(self, devices: Optional[Sequence[Union[str, jax.Device]]] = None,
