@@ -29,8 +29,8 @@ class ReduceOp(enum.Enum):
         """Returns the `ReduceOp` for ``op``: a `ReduceOp` or its name in any case.
 
         Args:
-            op: a `ReduceOp`, or (when ``allow_strings``) a string such as ``"sum"`` or ``"Mean"``.
-            allow_strings: whether names are accepted (CrossDeviceOps accept only the enum, like TF).
+            op: a `ReduceOp`, or (when ``allow_strings``) its name, such as ``"sum"``.
+            allow_strings: whether names are accepted (CrossDeviceOps take only the enum, as TF).
 
         Returns:
             The matching `ReduceOp`.
