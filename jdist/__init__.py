@@ -19,102 +19,42 @@ from jdist import errors
 from jdist import experimental
 from jdist import nn
 from jdist._src.input.auto_shard import AutoShardPolicy
-from jdist._src.multi_worker.cluster_resolver import ClusterResolver
-from jdist._src.multi_worker.cluster_resolver import ClusterSpec
-from jdist._src.multi_worker.cluster_resolver import SimpleClusterResolver
-from jdist._src.multi_worker.cluster_resolver import TFConfigClusterResolver
-from jdist._src.context import experimental_set_strategy
-from jdist._src.context import get_replica_context
-from jdist._src.context import get_strategy
-from jdist._src.context import has_strategy
-from jdist._src.context import in_cross_replica_context
-from jdist._src.context import ReplicaContext
-from jdist._src.context import ValueContext
-from jdist._src.reduce.cross_device_ops import CrossDeviceOps
-from jdist._src.reduce.cross_device_ops import HierarchicalCopyAllReduce
-from jdist._src.reduce.cross_device_ops import NcclAllReduce
-from jdist._src.reduce.cross_device_ops import ReductionToOneDevice
+from jdist._src.multi_worker.cluster_resolver import (ClusterResolver, ClusterSpec,
+                                                      SimpleClusterResolver,
+                                                      TFConfigClusterResolver)
+from jdist._src.context import (experimental_set_strategy, get_replica_context, get_strategy,
+                                has_strategy, in_cross_replica_context, ReplicaContext,
+                                ValueContext)
+from jdist._src.reduce.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce,
+                                                NcclAllReduce, ReductionToOneDevice)
 from jdist._src.dispatch import function
-from jdist._src.input.datasets import DistributedDataset
-from jdist._src.input.datasets import DistributedIterator
-from jdist._src.input.options import InputContext
-from jdist._src.input.options import InputOptions
-from jdist._src.input.options import InputReplicationMode
-from jdist._src.input.datasets import Optional
-from jdist._src.mirrored import MirroredStrategy
-from jdist._src.mirrored import OneDeviceStrategy
+from jdist._src.input.datasets import DistributedDataset, DistributedIterator, Optional
+from jdist._src.input.options import InputContext, InputOptions, InputReplicationMode
+from jdist._src.mirrored import MirroredStrategy, OneDeviceStrategy
 from jdist._src.multi_worker.strategy import MultiWorkerMirroredStrategy
 from jdist._src.input.numpy_dataset import NumpyDataset
-from jdist._src.reduce.packing import CommunicationImplementation
-from jdist._src.reduce.packing import CommunicationOptions
-from jdist._src.training.progress import ProgressBar
-from jdist._src.training.progress import is_chief
-from jdist._src.training.progress import log_once
-from jdist._src.training.progress import print_once
+from jdist._src.reduce.packing import CommunicationImplementation, CommunicationOptions
+from jdist._src.training.progress import ProgressBar, is_chief, log_once, print_once
 from jdist._src.reduce_op import ReduceOp
-from jdist._src.training.state import mirror
-from jdist._src.training.state import replica_key
-from jdist._src.training.state import replicated_sharding
-from jdist._src.training.state import to_host
-from jdist._src.training.state import unwrap_mirrored
+from jdist._src.training.state import (mirror, replica_key, replicated_sharding, to_host,
+                                       unwrap_mirrored)
 from jdist._src.multi_worker.slurm import SlurmClusterResolver
 from jdist._src.strategy import Strategy
 from jdist._src.strategy_extended import StrategyExtended
-from jdist._src.values import DistributedValues
-from jdist._src.values import Mirrored
-from jdist._src.values import PerReplica
+from jdist._src.values import DistributedValues, Mirrored, PerReplica
 
 __version__ = "0.1.0"
 
 __all__ = (
-    "AutoShardPolicy",
-    "ClusterResolver",
-    "ClusterSpec",
-    "CommunicationImplementation",
-    "CommunicationOptions",
-    "CrossDeviceOps",
-    "DistributedDataset",
-    "DistributedIterator",
-    "DistributedValues",
-    "HierarchicalCopyAllReduce",
-    "InputContext",
-    "InputOptions",
-    "InputReplicationMode",
-    "Mirrored",
-    "MirroredStrategy",
-    "MultiWorkerMirroredStrategy",
-    "NcclAllReduce",
-    "NumpyDataset",
-    "OneDeviceStrategy",
-    "Optional",
-    "PerReplica",
-    "ProgressBar",
-    "ReduceOp",
-    "ReductionToOneDevice",
-    "ReplicaContext",
-    "SimpleClusterResolver",
-    "SlurmClusterResolver",
-    "Strategy",
-    "StrategyExtended",
-    "TFConfigClusterResolver",
-    "ValueContext",
-    "checkpoint",
-    "cluster_resolver",
-    "errors",
-    "experimental",
-    "experimental_set_strategy",
-    "function",
-    "get_replica_context",
-    "get_strategy",
-    "has_strategy",
-    "in_cross_replica_context",
-    "is_chief",
-    "log_once",
-    "mirror",
-    "nn",
-    "print_once",
-    "replica_key",
-    "replicated_sharding",
-    "to_host",
-    "unwrap_mirrored",
+    "AutoShardPolicy", "ClusterResolver", "ClusterSpec", "CommunicationImplementation",
+    "CommunicationOptions", "CrossDeviceOps", "DistributedDataset", "DistributedIterator",
+    "DistributedValues", "HierarchicalCopyAllReduce", "InputContext", "InputOptions",
+    "InputReplicationMode", "Mirrored", "MirroredStrategy", "MultiWorkerMirroredStrategy",
+    "NcclAllReduce", "NumpyDataset", "OneDeviceStrategy", "Optional", "PerReplica", "ProgressBar",
+    "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "SimpleClusterResolver",
+    "SlurmClusterResolver", "Strategy", "StrategyExtended", "TFConfigClusterResolver",
+    "ValueContext", "checkpoint", "cluster_resolver", "errors", "experimental",
+    "experimental_set_strategy", "function", "get_replica_context", "get_strategy", "has_strategy",
+    "in_cross_replica_context", "is_chief", "log_once", "mirror", "nn", "print_once", "replica_key",
+    "replicated_sharding", "to_host", "unwrap_mirrored",
 )

@@ -10,6 +10,7 @@ Example:
 import contextlib
 import functools
 import re
+from typing import Any, Iterator, List, Sequence
 
 import jax
 import jax.monitoring
@@ -17,17 +18,15 @@ import numpy as np
 
 import jdist
 
-#: The replica counts jdist's own tests cover (on 8 simulated CPU devices).
-REPLICA_COUNTS = (1, 2, 3, 4, 8)
+REPLICA_COUNTS = (1, 2, 3, 4, 8)  #: The replica counts jdist's tests cover (8 CPU devices).
 #: The dataset tests add 5 replicas, where TF's split leaves trailing replicas short or empty.
 DATASET_REPLICA_COUNTS = (1, 2, 3, 4, 5, 8)
 
 
 @functools.lru_cache(maxsize=None)
-def mirrored(num_replicas):
-    """A `MirroredStrategy` over the first ``num_replicas`` local devices, shared per count.
-
-    Sharing one strategy per count lets tests reuse its compiled programs.
+def mirrored(num_replicas: int) -> jdist.MirroredStrategy:
+    """A `MirroredStrategy` over the first ``num_replicas`` local devices, shared per count (so
+    tests reuse its compiled programs).
 
     Args:
       num_replicas: how many devices (from ``jax.local_devices()``) to replicate over.
@@ -39,20 +38,11 @@ def mirrored(num_replicas):
 
 
 @functools.lru_cache(maxsize=None)
-def mirrored_reducing_to_one_device(num_replicas):
-    """`mirrored` with ``cross_device_ops=ReductionToOneDevice()``, shared per count.
-
-    TF's strategy with those ops reduces and gathers every dtype and takes a negative gather
-    axis, where its default ops on several devices (``CollectiveAllReduce``) raise.
-
-    Args:
-      num_replicas: how many devices (from ``jax.local_devices()``) to replicate over.
-
-    Returns:
-      The strategy.
+def mirrored_reducing_to_one_device(num_replicas: int) -> jdist.MirroredStrategy:
+    """`mirrored` with ``cross_device_ops=ReductionToOneDevice()`` (which, as TF's, takes every
+    dtype and a negative gather axis), shared per count.
 
     Example:
-      >>> import jdist.testing
       >>> s = jdist.testing.mirrored_reducing_to_one_device(2)
       >>> type(s.extended._cross_device_ops).__name__
       'ReductionToOneDevice'
@@ -61,7 +51,7 @@ def mirrored_reducing_to_one_device(num_replicas):
                                   cross_device_ops=jdist.ReductionToOneDevice())
 
 
-def per_replica(strategy, components):
+def per_replica(strategy: jdist.Strategy, components: Sequence[Any]) -> Any:
     """A `PerReplica` with one given component per replica (uneven leading sizes allowed).
 
     Args:
@@ -78,13 +68,16 @@ def per_replica(strategy, components):
         lambda ctx: components[ctx.replica_id_in_sync_group])
 
 
-def assert_local_results(strategy, value, expected, rtol=1e-6, atol=1e-6):
+def assert_local_results(strategy: jdist.Strategy, value: Any, expected: Sequence[Any],
+                         rtol: float = 1e-6, atol: float = 1e-6) -> None:
     """Asserts that each replica's component of ``value`` equals ``expected[i]`` (NumPy close).
 
     Args:
       strategy: the strategy that holds ``value``.
       value: a distributed value (or a plain value on one replica).
       expected: a list with one expected array (or nest) per replica.
+      rtol: relative tolerance.
+      atol: absolute tolerance.
     """
     results = strategy.experimental_local_results(value)
     assert len(results) == len(expected), (len(results), len(expected))
@@ -95,30 +88,30 @@ def assert_local_results(strategy, value, expected, rtol=1e-6, atol=1e-6):
                 err_msg=f"replica {i}"), got, want)
 
 
-#: The event JAX records once per XLA compilation (``jax._src.dispatch.BACKEND_COMPILE_EVENT``).
+#: The event JAX records once per XLA compilation.
 _XLA_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 @contextlib.contextmanager
-def count_compiles():
+def count_compiles() -> Iterator[List[float]]:
     """Counts the XLA compilations made inside the ``with`` block (through ``jax.monitoring``).
 
     Yields:
       A list that gains one entry (the compile's duration in seconds) per XLA compilation.
 
     Example:
-      >>> import jax, numpy as np, jdist.testing
+      >>> import jax
       >>> f = jax.jit(lambda x: x * 3.0)
       >>> with jdist.testing.count_compiles() as compiles:
       ...   _ = [f(np.float32(i)) for i in range(3)]
       >>> len(compiles)
       1
     """
-    compiles = []
+    compiles: List[float] = []
 
-    def listener(event, duration, **_):
+    def listener(event: str, duration_secs: float, **_: Any) -> None:
         if event == _XLA_COMPILE_EVENT:
-            compiles.append(duration)
+            compiles.append(duration_secs)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         yield compiles
@@ -135,12 +128,9 @@ _ALL_REDUCE_PATTERNS = (
 def count_all_reduces(hlo_text: str) -> int:
     """Counts the all-reduce operations in HLO text.
 
-    Reads either the lowered StableHLO (``jax.jit(f).lower(...).as_text()``) or the compiled HLO
-    (``.compile().as_text()``). The compiler may merge several all-reduces into one variadic
-    all-reduce, so the compiled count can be smaller than the lowered one.
-
     Args:
-      hlo_text: the program text.
+      hlo_text: lowered StableHLO (``jax.jit(f).lower(...).as_text()``) or compiled HLO
+        (``.compile().as_text()``, where the compiler may have merged several into one).
 
     Returns:
       The number of all-reduce operations.

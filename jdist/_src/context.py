@@ -1,32 +1,22 @@
 """Which strategy is current, and whether code runs in a replica or the cross-replica context.
 
-tf.distribute code is written against two contexts:
-
-* the **cross-replica context** (inside ``with strategy.scope()``, or inside a ``merge_fn``), where
-  distributed values are seen whole and ``strategy.reduce`` / ``strategy.gather`` combine them;
-* the **replica context** (inside the function given to ``strategy.run``), where code sees one
-  replica's values and communicates through `ReplicaContext` (``all_reduce``, ``merge_call``).
-
-Outside both there is a *default* strategy with one replica, whose replica context is always
-available, so library code can be written once for both distributed and plain use.
-
-The state is a per-thread stack of frames (TF keeps it per thread too); `experimental_set_strategy`
-sets a process-wide fallback under it.
+The cross-replica context is a ``strategy.scope()`` or a ``merge_fn``; the replica context is
+the function given to ``strategy.run`` (`ReplicaContext`). Outside both, the default strategy's
+one replica context is current. The state is a per-thread stack of frames, as in TF;
+`experimental_set_strategy` sets a process-wide fallback under it.
 """
 
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jdist._src import errors
-from jdist._src import host_values
+from jdist._src import errors, host_values
 from jdist._src.base import reduce_wing
-from jdist._src.reduce_op import ReduceOp
-from jdist._src.reduce_op import check_reducible
+from jdist._src.reduce_op import ReduceOp, check_reducible
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,21 +27,19 @@ class _Frame:
 
 
 class _State(threading.local):
-
     def __init__(self):
         self.frames = []
 
 
 _state = _State()
 _global_strategy = None  # Set by experimental_set_strategy.
-_default_strategy = None  # Created lazily by the strategy module (avoids an import cycle).
+_default_strategy = None  # Made lazily by the factory `strategy` registers (an import cycle).
 _default_strategy_factory = None
 _default_replica_context = None  # The default strategy's one replica context (a singleton).
 
 
-def register_default_strategy_factory(factory):
-    """Sets what makes the default strategy (`strategy` registers it: it imports this module,
-    so this module cannot import it)."""
+def register_default_strategy_factory(factory: Callable[[], Any]) -> None:
+    """Sets what makes the default strategy (the `strategy` module, which imports this one)."""
     global _default_strategy_factory
     _default_strategy_factory = factory
 
@@ -79,7 +67,7 @@ def _default_context():
     return _default_replica_context
 
 
-def get_strategy():
+def get_strategy() -> Any:
     """Returns the current strategy: the one whose scope or ``run`` encloses this call.
 
     Returns:
@@ -94,7 +82,7 @@ def get_strategy():
     return _default() if top is None else top.strategy
 
 
-def has_strategy():
+def has_strategy() -> bool:
     """Returns whether a non-default strategy is current.
 
     Example:
@@ -106,7 +94,7 @@ def has_strategy():
     return top is not None and top.strategy is not _default()
 
 
-def in_cross_replica_context():
+def in_cross_replica_context() -> bool:
     """Returns whether code runs in a cross-replica context (a scope, or a ``merge_fn``).
 
     Example:
@@ -118,7 +106,7 @@ def in_cross_replica_context():
     return top is not None and top.replica_context is None
 
 
-def get_replica_context():
+def get_replica_context() -> Optional["ReplicaContext"]:
     """Returns the current `ReplicaContext`, or None in a cross-replica context.
 
     Outside any strategy this is the default strategy's replica context (one replica, id 0).
@@ -135,7 +123,7 @@ def get_replica_context():
     return top.replica_context
 
 
-def experimental_set_strategy(strategy):
+def experimental_set_strategy(strategy: Any) -> None:
     """Makes ``strategy`` current for the whole process, as if inside ``strategy.scope()``.
 
     Args:
@@ -146,13 +134,9 @@ def experimental_set_strategy(strategy):
 
     Example:
       >>> import jdist
-      >>> s = jdist.OneDeviceStrategy("cpu:0")
-      >>> jdist.experimental_set_strategy(s)
-      >>> jdist.get_strategy() is s
-      True
-      >>> jdist.experimental_set_strategy(None)
-      >>> jdist.has_strategy()
-      False
+      >>> jdist.experimental_set_strategy(jdist.OneDeviceStrategy("cpu:0"))
+      >>> jdist.has_strategy(), jdist.experimental_set_strategy(None), jdist.has_strategy()
+      (True, None, False)
     """
     global _global_strategy
     if any(frame.strategy is not _default() for frame in _state.frames):
@@ -163,13 +147,9 @@ def experimental_set_strategy(strategy):
 
 
 @contextlib.contextmanager
-def cross_replica_scope(strategy, *, in_merge=False):
-    """Enters ``strategy``'s cross-replica context (what ``strategy.scope()`` does).
-
-    The default strategy's scope is not a cross-replica context (TF): its replica context stays
-    current. ``in_merge`` marks the entry made by ``merge_call`` from inside a replica function,
-    which the scope checks must let through.
-    """
+def cross_replica_scope(strategy: Any, *, in_merge: bool = False) -> Iterator[Any]:
+    """Enters ``strategy``'s cross-replica context (``strategy.scope()``; ``in_merge``:
+    ``merge_call``'s, from a replica function). The default strategy's keeps its replica context."""
     if strategy is _default() and not in_merge:
         if has_strategy():
             raise errors.MixedStrategyError(
@@ -194,7 +174,7 @@ def cross_replica_scope(strategy, *, in_merge=False):
 
 
 @contextlib.contextmanager
-def replica_scope(replica_context):
+def replica_scope(replica_context: "ReplicaContext") -> Iterator["ReplicaContext"]:
     """Enters a replica context (what ``strategy.run`` does around the replica function)."""
     _state.frames.append(_Frame(replica_context.strategy, replica_context))
     try:
@@ -203,36 +183,27 @@ def replica_scope(replica_context):
         _state.frames.pop()
 
 
-def in_replica_function():
+def in_replica_function() -> bool:
     """Whether code runs inside a replica function of a non-default strategy (``run``)."""
     frames = _state.frames
     return bool(frames) and frames[-1].replica_context is not None and (
         frames[-1].strategy is not _default_strategy)
 
 
-def in_merge():
+def in_merge() -> bool:
     """Whether code runs in a ``merge_fn`` (the cross-replica context ``merge_call`` enters)."""
     frames = _state.frames
     return bool(frames) and frames[-1].merge
 
 
-def in_replica_trace():
-    """Whether a replica function of a non-default strategy is being traced on this thread.
-
-    True inside ``strategy.run``'s replica function and inside a ``merge_fn`` it calls: code
-    there becomes part of a program jdist compiles and launches itself.
-    """
+def in_replica_trace() -> bool:
+    """Whether a replica function jdist compiles (or a ``merge_fn`` it calls) is being traced."""
     return any(frame.replica_context is not None and frame.replica_context._binding is not None
                for frame in _state.frames)
 
 
-def require_not_mixed(strategy, what):
-    """Raises `MixedStrategyError` when another (non-default) strategy is current (TF's rule).
-
-    Args:
-      strategy: the strategy whose method ``what`` is called.
-      what: the method's name, for the message.
-    """
+def require_not_mixed(strategy: Any, what: str) -> None:
+    """Raises `MixedStrategyError` when another (non-default) strategy is current (TF's rule)."""
     top = _top()
     if top is not None and top.strategy is not strategy and top.strategy is not _default():
         raise errors.MixedStrategyError(
@@ -241,9 +212,9 @@ def require_not_mixed(strategy, what):
             "the current strategy (jdist.get_strategy()).")
 
 
-def require_run_allowed(strategy):
-    """Raises unless ``strategy.run`` may be called here: `MixedStrategyError` in another
-    strategy's scope, `WrongContextError` inside a replica function (nested ``run``)."""
+def require_run_allowed(strategy: Any) -> None:
+    """Raises unless ``strategy.run`` may be called here (not in another strategy's scope, not
+    nested in a replica function)."""
     if not _state.frames and _global_strategy is None:
         return  # Outside every scope, where a training loop usually calls run.
     require_not_mixed(strategy, "run")
@@ -253,9 +224,9 @@ def require_run_allowed(strategy):
             "Call the inner function directly, or use get_replica_context().merge_call.")
 
 
-def require_cross_replica(strategy, what):
-    """Raises `WrongContextError` unless ``what`` of ``strategy`` may run here: not in another
-    strategy's scope (`MixedStrategyError`), not in a replica function."""
+def require_cross_replica(strategy: Any, what: str) -> None:
+    """Raises unless ``what`` of ``strategy`` may run here: not in another strategy's scope, not
+    in a replica function."""
     require_not_mixed(strategy, what)
     if in_replica_function():
         alternative = "get_replica_context().all_gather" if "gather" in what else (
@@ -271,17 +242,14 @@ class _Binding:
     axis_name: str
     replica_id: Any  # A traced int32.
     active: bool = True
-    # While one replica of an uneven step is traced (`jdist._src.uneven.plan`): its merge_call and
-    # all_gather become steps of their own, run across replicas between the traced pieces.
-    exact: Any = None
+    exact: Any = None  # While one replica of an uneven step is traced (`uneven.plan`).
 
 
 class ReplicaContext:
     """The strategy API inside a replica function (``tf.distribute.ReplicaContext``).
 
-    Obtain it with `get_replica_context` inside the function given to ``strategy.run``. There the
-    function is traced once as an SPMD program, so ``replica_id_in_sync_group`` is a traced int32
-    scalar and the collectives lower to ``lax.psum`` / ``lax.all_gather`` over the replica axis.
+    Obtain it with `get_replica_context` inside the function given to ``strategy.run``, which is
+    traced once as an SPMD program: ``replica_id_in_sync_group`` is a traced int32 scalar.
 
     Args:
       strategy: the strategy this replica belongs to.
@@ -297,36 +265,33 @@ class ReplicaContext:
       1.0
     """
 
-    def __init__(self, strategy, replica_id_in_sync_group, *, _binding=None):
+    def __init__(self, strategy: Any, replica_id_in_sync_group: Any, *,
+                 _binding: Optional[_Binding] = None) -> None:
         self._strategy = strategy
         self._replica_id = replica_id_in_sync_group
         self._binding = _binding
-        # The collectives over the replica axis (`base.ReplicaCollectives`), from the strategy.
         self._collectives = strategy.extended._replica_collectives(_binding)
 
     @property
-    def strategy(self):
+    def strategy(self) -> Any:
         """The `Strategy` this replica belongs to."""
         return self._strategy
 
     @property
-    def num_replicas_in_sync(self):
+    def num_replicas_in_sync(self) -> int:
         """The number of replicas over which values are aggregated (a Python int)."""
         return self._strategy.num_replicas_in_sync
 
     @property
-    def replica_id_in_sync_group(self):
+    def replica_id_in_sync_group(self) -> Any:
         """This replica's index in ``[0, num_replicas_in_sync)``; traced inside ``strategy.run``."""
         self._check_active("replica_id_in_sync_group")
         return self._replica_id
 
     @property
-    def devices(self):
-        """The devices this replica runs on, as a tuple of TF-style strings (``"/cpu:0"``).
-
-        Inside a traced replica function every replica shares one program, so this is the tuple
-        of all the strategy's devices' names when the replica id is traced.
-        """
+    def devices(self) -> tuple:
+        """The devices this replica runs on, as TF-style names (``"/cpu:0"``); every device's
+        when the replica id is traced (all replicas share one program)."""
         names = self._strategy.extended.device_names
         if isinstance(self._replica_id, int):
             return (names[self._replica_id],)
@@ -358,23 +323,25 @@ class ReplicaContext:
             f"{self._strategy!r} was called where {current.strategy!r} is current; use "
             "get_replica_context() where the call is made.")
 
-    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Optional[Any] = None) -> Any:
+    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any,
+                   options: Optional[Any] = None) -> Any:
         """All-reduces a nest of arrays across replicas; every replica gets the result.
 
         Args:
           reduce_op: a `ReduceOp` or its name (``"sum"``, ``"mean"``).
           value: a nest of arrays with the same structure and shapes on every replica.
-          options: a `CommunicationOptions` or None; ``bytes_per_pack`` > 0 packs the nest's
-            leaves into buckets of about that size, one all-reduce per bucket.
+          options: a `CommunicationOptions` or None (``bytes_per_pack`` packs the leaves).
 
         Returns:
-          The nest with each leaf replaced by its sum or mean over replicas. On one replica,
-          the nest itself, dtypes included (TF's: a MEAN of integers stays integer there).
+          The nest with each leaf replaced by its sum or mean over replicas (on one replica,
+          the nest itself, dtypes included, as in TF).
 
-        Example (with two replicas):
-          replica 0 ``{'a': 1., 'b': [40., 1.]}`` and replica 1 ``{'a': 3., 'b': [2., 98.]}``
-          give ``{'a': 4., 'b': [42., 99.]}`` for SUM and ``{'a': 2., 'b': [21., 49.5]}`` for
-          MEAN. A nest is one batch, as in TF (`StrategyExtended._check_batch_reduce`).
+        Example:
+          >>> import jax.numpy as jnp, jdist
+          >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
+          >>> v = jdist.PerReplica([jnp.float32(1.0), jnp.float32(3.0)])
+          >>> float(s.run(lambda x: jdist.get_replica_context().all_reduce("mean", x), (v,)))
+          2.0
         """
         self._require_current("all_reduce")
         op = ReduceOp.from_any(reduce_op)
@@ -392,8 +359,7 @@ class ReplicaContext:
         Args:
           value: a nest of arrays.
           axis: the axis to concatenate along (negative counts from the end).
-          options: a `CommunicationOptions` or None, as in TF; checked, without effect (an
-            all-gather sends each value whole: there is nothing to pack).
+          options: a `CommunicationOptions` or None (checked; nothing to pack).
 
         Returns:
           The nest of gathered arrays.
@@ -408,12 +374,9 @@ class ReplicaContext:
                    kwargs: Optional[dict] = None) -> Any:
         """Runs ``merge_fn(strategy, *args, **kwargs)`` once in the cross-replica context.
 
-        Per-replica arguments reach ``merge_fn`` as `PerReplica` values (values equal on every
-        replica as `Mirrored`); what it returns reaches every replica, with `PerReplica` results
-        unpacked so each replica gets its own component.
-
-        Inside a traced replica function the merge function is traced once and computed by every
-        device on the gathered arguments (SPMD); for pure merge functions this gives TF's numbers.
+        Per-replica arguments reach ``merge_fn`` as `PerReplica` values; `PerReplica` results are
+        unpacked so each replica gets its own component. In a traced replica function
+        ``merge_fn`` is traced once and computed by every device on the gathered arguments.
 
         Args:
           merge_fn: a function ``(strategy, *args, **kwargs) -> nest``.
@@ -433,11 +396,11 @@ class ReplicaContext:
         kwargs = {} if kwargs is None else kwargs
         return self._collectives.merge_call(merge_fn, args, kwargs)
 
-    def __enter__(self):
+    def __enter__(self) -> "ReplicaContext":
         self._scope = replica_scope(self)
         return self._scope.__enter__()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> Any:
         return self._scope.__exit__(*exc)
 
     def __repr__(self):

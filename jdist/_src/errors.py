@@ -1,8 +1,7 @@
 """Typed errors raised by jdist.
 
-Every error subclasses both :class:`JdistError` (catch anything jdist raises) and the builtin
-TensorFlow raises for the same situation (``ValueError``, ``TypeError``, ``RuntimeError``), so code
-ported from tf.distribute that catches the builtin keeps working.
+Every error subclasses both :class:`JdistError` and the builtin TensorFlow raises for the same
+situation, so code ported from tf.distribute that catches the builtin keeps working.
 """
 
 
@@ -19,8 +18,7 @@ class ShapeMismatchError(InvalidArgumentError):
 
 
 class X64RequiredError(InvalidArgumentError):
-    """An int64 host number does not fit the int32 that JAX without ``jax_enable_x64`` holds it
-    in (JAX would wrap it); the message names 64-bit mode and the other ways out."""
+    """An int64 host number does not fit the int32 JAX without ``jax_enable_x64`` holds it in."""
 
 
 class UnknownDeviceError(InvalidArgumentError):
@@ -40,13 +38,8 @@ class MixedStrategyError(WrongContextError):
 
 
 class UnguardedTraceError(WrongContextError):
-    """``strategy.run`` was traced into a program jdist's CPU dispatch guard cannot pace.
-
-    A plain ``jax.jit`` (or ``lax.scan``, ``jax.grad``, ...) around ``strategy.run`` on several
-    simulated CPU devices builds a collective program that JAX launches by itself; launched back
-    to back, such programs deadlock the CPU runtime. Use ``jdist.function`` instead of
-    ``jax.jit`` for the outermost compiled function.
-    """
+    """``strategy.run`` was traced into a program jdist's CPU dispatch guard cannot pace (a plain
+    ``jax.jit`` on several CPU devices); use ``jdist.function`` for the outermost function."""
 
 
 class CrossReplicaArithmeticError(JdistError, TypeError):
@@ -58,22 +51,17 @@ class UnsupportedValueError(JdistError, TypeError):
 
 
 class NoGradientError(JdistError, ValueError):
-    """A gradient came back through a ``merge_call`` result on a strategy whose ``merge_fn`` TF
-    runs outside the replica's gradient tape (``MirroredStrategy``,
-    ``MultiWorkerMirroredStrategy``): TF's ``tape.gradient`` gives None there, which
-    ``jax.grad`` cannot; the message names the ways out (``lax.stop_gradient`` for TF's
-    numbers, ``all_reduce`` to differentiate)."""
+    """A gradient came back through a ``merge_call`` result where TF runs ``merge_fn`` outside
+    the gradient tape (``MirroredStrategy``): TF's gradient is None there."""
 
 
 class UnevenValuesError(JdistError, RuntimeError):
     """Per-replica values of different shapes reached a place where jdist cannot compute TF's
-    numbers exactly (a traced loop, a collective inside ``lax.scan``); the message names the
-    ways out: run that batch outside the jit, ``drop_remainder=True``, or padded batches."""
+    numbers exactly (a traced loop, a collective inside ``lax.scan``)."""
 
 
 class UnsupportedJaxError(JdistError, ImportError):
-    """The installed JAX is not a release jdist is tested on (raised when jdist is imported);
-    the message names the tested releases and how to try another anyway."""
+    """The installed JAX is not a release jdist is tested on (raised when jdist is imported)."""
 
 
 class MissingDependencyError(JdistError, ImportError):
@@ -81,11 +69,8 @@ class MissingDependencyError(JdistError, ImportError):
 
 
 class UnavailableError(JdistError, RuntimeError):
-    """A peer worker died or stopped reaching collectives (TF's ``UnavailableError``).
-
-    The multi-worker watchdog prints it and ends the process with exit status 14 when the main
-    thread is blocked in a collective; `MultiWorkerMirroredStrategy` documents the timeout.
-    """
+    """A peer worker died or stopped reaching collectives (TF's ``UnavailableError``); the
+    multi-worker watchdog prints it and exits with status 14."""
 
 
 class ClusterMismatchError(JdistError, RuntimeError):
@@ -93,5 +78,5 @@ class ClusterMismatchError(JdistError, RuntimeError):
 
 
 class X64CastWarning(UserWarning):
-    """Without ``jax_enable_x64``, jdist holds float64 host values as float32, as ``jax.jit``
-    does, and says so once per dtype and process (TF computes with them in float64)."""
+    """jdist holds float64 host values as float32 without ``jax_enable_x64``, as ``jax.jit`` does
+    (said once per dtype and process)."""

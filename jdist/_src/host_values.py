@@ -1,9 +1,8 @@
-"""What a device can hold, and host numbers it would hold as other numbers.
+"""What a device can hold, host numbers it would hold as other numbers, and fast placement.
 
-Every value jdist places on devices (batches, per-replica values, ``run`` arguments) passes
-here first: `is_placeable` says whether a device can hold it at all (JAX has no strings or
-objects), `check_host_numbers` whether JAX without 64-bit mode would silently hold its numbers
-as others. Both raise typed errors at the call that placed the value.
+Every value jdist places on devices passes here first, so that a string or an object
+(`is_placeable`) or a 64-bit number JAX would narrow (`check_host_numbers`) raises a typed
+error at the call that placed it. The placement helpers let JAX's CPU client alias host memory.
 """
 
 import functools
@@ -11,36 +10,22 @@ import os
 import sys
 import types
 import warnings
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import jax
 import numpy as np
 
-from jdist._src import errors
-from jdist._src import jax_internals
+from jdist._src import errors, jax_internals
 
-# The dtype kinds a PerReplica may hold: its components must all be of one of them (TF's rule).
+# The dtype kinds a PerReplica may hold: its components must all be of one (TF's rule).
 _KINDS = (("bool", np.bool_), ("signed integer", np.signedinteger),
           ("unsigned integer", np.unsignedinteger), ("floating-point", np.floating),
           ("complex", np.complexfloating), ("PRNG key", jax.dtypes.prng_key))
 
 
-@functools.lru_cache(maxsize=None)
-def dtype_kind(dtype):
-    """The kind of ``dtype`` a per-replica value may hold ("bool", "signed integer", ...), or
-    None for a dtype no device holds (strings, objects)."""
-    try:
-        return _known_dtype_kind(dtype)
-    except TypeError:  # An unhashable dtype-like.
-        return _dtype_kind(dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _known_dtype_kind(dtype):
-    return _dtype_kind(dtype)  # Cached: jnp.issubdtype costs microseconds, read per value.
-
-
-def _dtype_kind(dtype):
+@functools.lru_cache(maxsize=None)  # jnp.issubdtype costs microseconds, read per value.
+def dtype_kind(dtype: Any) -> Optional[str]:
+    """The kind of ``dtype`` ("bool", "signed integer", ...); None where no device holds it."""
     return next((name for name, category in _KINDS if jax.numpy.issubdtype(dtype, category)),
                 None)
 
@@ -48,9 +33,9 @@ def _dtype_kind(dtype):
 _NUMPY = (np.ndarray, np.generic)  # Host values: what JAX converts to its own dtypes.
 
 
-def held_narrower(value) -> "np.dtype | None":
-    """The dtype JAX holds the NumPy ``value`` in where it is narrower than the value's own
-    (64-bit numbers without x64), else None: the one place that rule is read."""
+def held_narrower(value: Any) -> "np.dtype | None":
+    """The dtype JAX holds the NumPy ``value`` in where narrower than its own (64-bit without
+    x64), else None."""
     if not isinstance(value, _NUMPY) or value.dtype.kind not in "iufc":
         return None
     held = jax.dtypes.canonicalize_dtype(value.dtype)
@@ -60,9 +45,9 @@ def held_narrower(value) -> "np.dtype | None":
 ALIGNMENT = 64  # Bytes: host memory at such an address is what XLA's CPU buffers can alias.
 
 
-def aligned_empty(shape, dtype) -> np.ndarray:
-    """An uninitialised host array at an address `ALIGNMENT` divides: JAX's CPU client places
-    it without a copy (its device buffers use this memory), where an unaligned one is copied.
+def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """An uninitialised host array at an `ALIGNMENT`-aligned address, which JAX's CPU client
+    places without a copy.
 
     Example:
       >>> aligned_empty((3, 5), np.float32).ctypes.data % ALIGNMENT
@@ -76,8 +61,8 @@ def aligned_empty(shape, dtype) -> np.ndarray:
 
 
 def owned_copy(array: np.ndarray) -> np.ndarray:
-    """A read-only copy of ``array`` that later writes to ``array`` leave as it is (what TF's
-    ``from_tensor_slices`` keeps), aligned to `ALIGNMENT` where its dtype allows.
+    """A read-only, aligned copy of ``array`` that later writes to it leave as it is (TF's
+    ``from_tensor_slices`` keeps one).
 
     Example:
       >>> x = np.ones(3); kept = owned_copy(x); x[:] = 7
@@ -92,9 +77,8 @@ def owned_copy(array: np.ndarray) -> np.ndarray:
     return read_only(copy)
 
 
-def read_only(array):
-    """``array`` made read-only, where it is a NumPy array (device buffers or a batch's view
-    may alias its memory: nothing may write to it); any other value as it is.
+def read_only(array: Any) -> Any:
+    """``array`` made read-only where it is a NumPy array (device buffers may alias it).
 
     Example:
       >>> read_only(np.ones(2)).flags.writeable, read_only(3)
@@ -106,9 +90,8 @@ def read_only(array):
 
 
 def held_copy(array: np.ndarray) -> np.ndarray:
-    """``array`` in the dtype JAX holds it in (int64 as int32, float64 as float32 without x64),
-    in aligned memory, so JAX's CPU client places it without another copy; ``array`` itself
-    where JAX holds it as it is. Its numbers must fit that dtype (`check_host_numbers`).
+    """``array`` in the dtype JAX holds it in, in aligned memory (placed without another copy);
+    ``array`` itself where JAX holds it as it is.
 
     Example:
       >>> held_copy(np.arange(3)).dtype, held_copy(np.ones(2, np.float32)).dtype
@@ -122,9 +105,8 @@ def held_copy(array: np.ndarray) -> np.ndarray:
 
 
 def placed_as_is(array: np.ndarray) -> bool:
-    """Whether JAX's CPU client uses ``array``'s own memory as its device buffers, and nothing
-    can write to it while they do: C-contiguous, aligned, read-only, in a dtype JAX holds as it
-    is (an owned dataset's consecutive rows, `numpy_dataset`).
+    """Whether JAX's CPU client can use ``array``'s own memory as its device buffers with
+    nothing writing to it: C-contiguous, aligned, read-only, in a dtype JAX holds as it is.
 
     Example:
       >>> x = aligned_empty((4, 2), np.float32); x.flags.writeable = False
@@ -136,14 +118,9 @@ def placed_as_is(array: np.ndarray) -> bool:
 
 
 def aliased(arrays: np.ndarray, sharding: jax.sharding.Sharding) -> Iterator[jax.Array]:
-    """Each of ``arrays`` (a stack of them: its first axis) on ``sharding``'s one CPU device,
-    placed as the result is iterated, held in the array's own memory where JAX's CPU client
-    can alias it (C-contiguous, `ALIGNMENT`-aligned; else it copies). Nothing may write to
-    that memory while they live.
-
-    JAX's public ``jax.device_put`` of a host array costs 36-75 us here, its Python work per
-    call; this is the batched placement it calls underneath (`jax_internals`), at under 10 us
-    an array.
+    """Each of ``arrays`` (along its first axis) on ``sharding``'s one CPU device, placed as
+    iterated, in its own memory where JAX's CPU client can alias it (nothing may write to it).
+    The batched placement under ``jax.device_put``, without its Python cost per call.
 
     Example:
       >>> x = aligned_empty((4, 16), np.float32); x[:] = 1; x.flags.writeable = False
@@ -156,11 +133,9 @@ def aliased(arrays: np.ndarray, sharding: jax.sharding.Sharding) -> Iterator[jax
     return (_placed(array, sharding, [device]) for array in arrays)
 
 
-def placed_replicated(arrays, sharding: jax.sharding.Sharding) -> list:
-    """Each of ``arrays`` (host arrays in dtypes JAX holds as they are) whole on every device
-    of ``sharding`` (replicated), held in the array's own memory where JAX's CPU client can
-    alias it, as `aliased` places its arrays: 20 us an array on 8 CPU devices here, against 65
-    for ``jax.device_put``.
+def placed_replicated(arrays: Sequence[np.ndarray], sharding: jax.sharding.Sharding) -> list:
+    """Each of ``arrays`` (in dtypes JAX holds as they are) whole on every device of
+    ``sharding``, aliasing host memory as `aliased` does.
 
     Example:
       >>> x = aligned_empty((2, 16), np.float32); x[:] = 1; x.flags.writeable = False
@@ -174,12 +149,9 @@ def placed_replicated(arrays, sharding: jax.sharding.Sharding) -> list:
     return [_placed(array, sharding, devices) for array in arrays]
 
 
-def placed_split(arrays, sharding: jax.sharding.Sharding) -> list:
-    """Each of ``arrays`` (host arrays in dtypes JAX holds as they are) split along its first
-    axis into equal parts, one per device of ``sharding`` in its order (whole on a single
-    device), each device's buffer its part's own memory where JAX's CPU client can alias it
-    (every part `ALIGNMENT`-aligned), as `aliased` places its arrays: about 3.4 us a buffer
-    on CPU devices here.
+def placed_split(arrays: Sequence[np.ndarray], sharding: jax.sharding.Sharding) -> list:
+    """Each of ``arrays`` split along its first axis into equal parts, one per device of
+    ``sharding`` in its order, aliasing host memory as `aliased` does.
 
     Example:
       >>> x = aligned_empty((2, 16), np.float32); x[:] = 1; x.flags.writeable = False
@@ -199,40 +171,24 @@ def placed_split(arrays, sharding: jax.sharding.Sharding) -> list:
 
 
 def _placed(array, sharding, devices, parts=None):
-    """``array`` on ``devices`` (``sharding``'s): whole on each, or each device's one of
-    ``parts``, by the batched placement ``jax.device_put`` calls underneath
-    (`jax_internals`). Host arrays only: JAX's Python wrapper of that call
-    (`pxla.batched_device_put`) first looks for device arrays among them, 8-15 us for 8
-    parts here, which this skips."""
+    """``array`` whole on each of ``devices``, or each device's one of ``parts``, by the batched
+    placement under ``jax.device_put`` (host arrays only: skips its search for device arrays)."""
     aval = jax.core.ShapedArray(array.shape, array.dtype)
     return jax_internals.batched_device_put(aval, sharding, parts or [array] * len(devices),
                                             devices, True)
 
 
-def check_host_numbers(value) -> None:
-    """Holds host numbers to JAX's dtypes, as ``jax.jit`` holds them, loudly where that changes
-    them.
+def check_host_numbers(value: Any) -> None:
+    """Checks host numbers JAX without ``jax_enable_x64`` holds in 32 bits.
 
-    Without ``jax_enable_x64`` JAX holds 64-bit host values in 32 bits:
-
-    - float64 and complex128 values are held (and computed with) as float32 and complex64, as
-      ``jax.jit`` holds them: jdist warns once per dtype and process (`X64CastWarning`),
-      naming ``jax_enable_x64`` (TF's 64-bit numbers) and the cast that silences it.
-    - int64 values are held as int32; one that does not fit raises `X64RequiredError`, since
-      JAX would keep only its low bits (``jnp.asarray(np.array([2**40]))`` is ``[0]``).
-
-    Every host array jdist places (batches, per-replica components, ``run`` arguments, values to
-    reduce) passes here.
+    float64 and complex128 values warn once per dtype (`X64CastWarning`); an int64 value that
+    int32 cannot hold raises `X64RequiredError` (JAX would keep only its low bits).
 
     Args:
       value: anything; only NumPy arrays and scalars of 64-bit dtypes are looked at.
 
     Example:
-      >>> import numpy as np, warnings
       >>> check_host_numbers(np.arange(3))  # int64 values that fit in 32 bits: int32.
-      >>> with warnings.catch_warnings():
-      ...   warnings.simplefilter("ignore")
-      ...   check_host_numbers(np.ones(2))  # float64: held as float32, with a warning.
       >>> check_host_numbers(np.array([2**40]))  # doctest: +IGNORE_EXCEPTION_DETAIL
       Traceback (most recent call last):
       jdist.errors.X64RequiredError: a host value of dtype int64 ...
@@ -277,12 +233,9 @@ def _caller_level() -> int:
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../jdist
 
 
-def check_host_leaves(leaves, types=None) -> None:
-    """`check_host_numbers` of each of a call's flattened ``leaves`` (``types``: the set of
-    their types, where the caller has it), for calls that must check on every call because
-    nothing else sees the host values (``jdist.function``'s arguments). Where no leaf is a
-    NumPy value (arrays already on devices, the usual case) the cost is a look at the set of
-    leaf types.
+def check_host_leaves(leaves: Sequence[Any], types: Optional[set] = None) -> None:
+    """`check_host_numbers` of each of ``leaves`` (``types``: their types, where known), cheap
+    where none is a NumPy value (``jdist.function`` checks its arguments on every call).
 
     Example:
       >>> check_host_leaves([np.ones(2, np.float32), 3])
@@ -299,10 +252,9 @@ def check_host_leaves(leaves, types=None) -> None:
             check_host_numbers(leaf)
 
 
-def python_numbers_as_tf(value) -> np.ndarray:
-    """Python numbers (or nested lists of them) typed as TF's ``convert_to_tensor`` types them,
-    whatever JAX's mode: floats float32, ints int32 (int64 beyond its range, which
-    `check_host_numbers` then refuses without x64).
+def python_numbers_as_tf(value: Any) -> np.ndarray:
+    """Python numbers (or nested lists of them) typed as TF's ``convert_to_tensor`` types them:
+    floats float32, ints int32 (int64 beyond its range).
 
     Example:
       >>> python_numbers_as_tf([1, 2]).dtype, python_numbers_as_tf(0.5).dtype
@@ -317,9 +269,9 @@ def python_numbers_as_tf(value) -> np.ndarray:
     return array
 
 
-def check_arrays(value, what: str) -> None:
+def check_arrays(value: Any, what: str) -> None:
     """Raises `UnsupportedValueError` when a leaf of the nest ``value`` is something no device
-    holds (a string, an object), before JAX raises its own untyped error.
+    holds (a string, an object).
 
     Example:
       >>> check_arrays({"a": np.ones(2), "b": 3}, "all_gather")
@@ -328,7 +280,7 @@ def check_arrays(value, what: str) -> None:
         check_array(leaf, what)
 
 
-def check_array(leaf, what: str) -> None:
+def check_array(leaf: Any, what: str) -> None:
     """`check_arrays` of one leaf (for callers that walk the leaves anyway)."""
     if not is_placeable(leaf):
         raise errors.UnsupportedValueError(
@@ -336,10 +288,9 @@ def check_array(leaf, what: str) -> None:
             "a numeric or bool dtype only (JAX has no strings or objects).")
 
 
-def check_placeable(values) -> None:
-    """Raises `UnsupportedValueError` unless every one of ``values`` (one per replica) is an
-    array or a number of a numeric or bool dtype: what a device can hold (TF also holds
-    strings, which JAX cannot).
+def check_placeable(values: Sequence[Any]) -> None:
+    """Raises `UnsupportedValueError` unless every one of ``values`` (one per replica) is
+    something a device can hold (`is_placeable`).
 
     Example:
       >>> check_placeable([1.0, np.ones(2)])
@@ -354,9 +305,9 @@ def check_placeable(values) -> None:
             "or encode them as numbers in the input pipeline.")
 
 
-def is_placeable(value) -> bool:
-    """Whether a device can hold ``value``: a JAX array (typed PRNG keys too), a number, or an
-    array of a numeric or bool dtype (a NumPy array, or another library's tensor)."""
+def is_placeable(value: Any) -> bool:
+    """Whether a device can hold ``value``: a JAX array, a number, or an array of a numeric or
+    bool dtype (NumPy's, or another library's tensor)."""
     if isinstance(value, jax.Array):
         return True
     dtype = getattr(value, "dtype", None)

@@ -1,12 +1,12 @@
 """`ReduceOp`: how values from different replicas are combined."""
 
 import enum
+from typing import Any
 
 import jax
 import numpy as np
 
-from jdist._src import errors
-from jdist._src import host_values
+from jdist._src import errors, host_values
 
 
 class ReduceOp(enum.Enum):
@@ -25,12 +25,12 @@ class ReduceOp(enum.Enum):
     MEAN = "MEAN"
 
     @staticmethod
-    def from_any(op, *, allow_strings=True):
+    def from_any(op: Any, *, allow_strings: bool = True) -> "ReduceOp":
         """Returns the `ReduceOp` for ``op``: a `ReduceOp` or its name in any case.
 
         Args:
-            op: a `ReduceOp`, or (when ``allow_strings``) a string such as ``"sum"`` or ``"Mean"``.
-            allow_strings: whether names are accepted (CrossDeviceOps accept only the enum, like TF).
+            op: a `ReduceOp`, or (when ``allow_strings``) its name, such as ``"sum"``.
+            allow_strings: whether names are accepted (CrossDeviceOps take only the enum, as TF).
 
         Returns:
             The matching `ReduceOp`.
@@ -46,22 +46,10 @@ class ReduceOp(enum.Enum):
         raise errors.InvalidArgumentError(f"{op!r} is not a valid ReduceOp; use {hint}.")
 
 
-def check_reducible(op, value, adds: bool = True, places: bool = True) -> None:
-    """Raises `UnsupportedValueError` when ``value`` (a nest) holds bools, which TF cannot reduce,
-    or values no device holds (strings, objects: `host_values.is_placeable`); host values
-    pass `host_values.check_host_numbers` (JAX's dtypes).
-
-    TF adds the replicas' values (``add_n``), which has no bool kernel, so both SUM and MEAN of
-    bool values raise there; every other dtype is summed in its own dtype (a MEAN of integers
-    then divides in a float dtype, `collectives.mean_dtype`). Where TF adds nothing (one
-    replica's value handed back as it is), bools pass.
-
-    Args:
-        op: the `ReduceOp`, for the message.
-        value: a nest of arrays, Python scalars or distributed values.
-        adds: whether the reduction adds values (False: one replica, no axis).
-        places: whether the call places ``value`` on devices (False: it hands a plain value
-          back as it is, as TF's MEAN of one does).
+def check_reducible(op: ReduceOp, value: Any, adds: bool = True, places: bool = True) -> None:
+    """Raises `UnsupportedValueError` when the nest ``value`` holds values TF cannot reduce:
+    bools where it adds them (``add_n`` has no bool kernel), PRNG keys, or values no device
+    holds; host values placed (``places``) pass `host_values.check_host_numbers`.
 
     Example:
         >>> import numpy as np
@@ -71,7 +59,7 @@ def check_reducible(op, value, adds: bool = True, places: bool = True) -> None:
         ...
         jdist._src.errors.UnsupportedValueError: ReduceOp.SUM of bool values ...
     """
-    for leaf in jax.tree_util.tree_leaves(value):  # One walk of the nest: reduce is per step.
+    for leaf in jax.tree_util.tree_leaves(value):
         if isinstance(leaf, jax.Array):  # On a device: only its dtype can be refused.
             kind = host_values.dtype_kind(leaf.dtype)
         else:

@@ -1,11 +1,8 @@
-"""`Strategy`: the cross-replica API every strategy shares (its lower half, `StrategyExtended`,
-is in `jdist._src.strategy_extended`).
+"""`Strategy`: the cross-replica API every strategy shares, and the default strategy.
 
-This module holds the rules: what ``reduce``, ``gather``, ``run`` and
-``experimental_local_results`` compute for each kind of value, and which context allows them,
-and the default strategy (one replica, what `get_strategy` returns outside any scope). How
-values move between devices is the concern of the concrete strategy's `StrategyExtended`
-(`jdist._src.mirrored`).
+This module holds the rules (what ``reduce``, ``gather``, ``run`` compute for each kind of
+value, and which context allows them); how values move between devices is the concern of the
+concrete strategy's `StrategyExtended` (`jdist._src.mirrored`).
 """
 
 import collections.abc
@@ -16,32 +13,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdist._src.base import Axis, PyTree, ReduceOpLike, input_wing, reduce_wing
-from jdist._src import context
-from jdist._src import dispatch
-from jdist._src import errors
-from jdist._src.host_values import check_host_numbers
-from jdist._src.host_values import check_placeable
-from jdist._src.host_values import python_numbers_as_tf
-from jdist._src.reduce_op import ReduceOp
-from jdist._src.reduce_op import check_reducible
+from jdist._src import context, dispatch, errors
+from jdist._src.host_values import check_host_numbers, check_placeable, python_numbers_as_tf
+from jdist._src.reduce_op import ReduceOp, check_reducible
 from jdist._src.strategy_extended import StrategyExtended
-from jdist._src.values import DistributedValues
-from jdist._src.values import Mirrored
-from jdist._src.values import PerReplica
-from jdist._src.values import check_replica_count
-from jdist._src.values import is_distributed
-from jdist._src.values import is_python_number
-from jdist._src.values import local_results
+from jdist._src.values import (DistributedValues, Mirrored, PerReplica, check_replica_count,
+                               is_distributed, is_python_number, local_results)
 
 
 class Strategy:
     """A set of devices and how a computation is replicated over them (``tf.distribute.Strategy``).
 
-    Use a concrete strategy (`MirroredStrategy`, `OneDeviceStrategy`), or `get_strategy` for the
-    current one. The methods follow TF2's meaning (``docs/api.md``).
+    Use a concrete strategy (`MirroredStrategy`, `OneDeviceStrategy`), or `get_strategy`.
     """
 
-    def __init__(self, extended):
+    def __init__(self, extended: Any) -> None:
         self._extended = extended
 
     @property
@@ -64,10 +50,9 @@ class Strategy:
 
         Example:
           >>> import jdist
-          >>> s = jdist.OneDeviceStrategy("cpu:0")
-          >>> with s.scope():
-          ...   print(jdist.get_strategy() is s, jdist.in_cross_replica_context())
-          True True
+          >>> with jdist.OneDeviceStrategy("cpu:0").scope():
+          ...   print(jdist.in_cross_replica_context())
+          True
         """
         return context.cross_replica_scope(self)
 
@@ -76,19 +61,17 @@ class Strategy:
         """Runs ``fn`` on every replica and returns the per-replica results.
 
         ``fn`` is compiled once per argument signature into one SPMD program over the replicas
-        (see ``docs/design.md``) and sees per-replica shapes. `DistributedValues` arguments are
-        unpacked per replica; other arrays and numbers reach every replica as they are; other
-        hashable objects are compiled in as constants.
+        and sees per-replica shapes; `DistributedValues` arguments are unpacked per replica.
 
         Args:
           fn: the replica function. It may call `get_replica_context` for collectives.
           args: a tuple or list of positional arguments.
           kwargs: a dict of keyword arguments.
-          options: accepted for TF compatibility (``tf.distribute.RunOptions``); unused.
+          options: TF's ``tf.distribute.RunOptions``; unused.
 
         Returns:
-          ``fn``'s output nest, with `Mirrored` leaves for values equal on every replica (e.g.
-          all-reduce results) and `PerReplica` leaves otherwise; plain arrays on one replica.
+          ``fn``'s output nest, with `Mirrored` leaves for values equal on every replica and
+          `PerReplica` leaves otherwise; plain arrays on one replica.
 
         Example:
           >>> import jax.numpy as jnp, jdist
@@ -104,13 +87,11 @@ class Strategy:
             raise errors.InvalidArgumentError(
                 f"run() expects args to be a tuple or list, got {type(args).__name__}; "
                 "write args=(value,) for a single argument.")
-        if kwargs is None:
-            kwargs = {}
-        elif not isinstance(kwargs, dict):
+        if kwargs is not None and not isinstance(kwargs, dict):
             raise errors.InvalidArgumentError(f"run() expects kwargs to be a dict, got "
                                               f"{type(kwargs).__name__}.")
         context.require_run_allowed(self)
-        return self._extended._run(fn, tuple(args), kwargs)
+        return self._extended._run(fn, tuple(args), kwargs or {})
 
     experimental_run_v2 = run
 
@@ -120,10 +101,9 @@ class Strategy:
         Args:
           reduce_op: ``ReduceOp.SUM`` / ``ReduceOp.MEAN`` or their names in any case.
           value: a `PerReplica` or `Mirrored` value, a nest of them (only with ``axis=None``),
-            or a plain array (with an axis, also a list of Python numbers, one tensor in TF).
+            or a plain array.
           axis: None to combine replicas element-wise; an int or tuple of ints to reduce inside
-            each replica along those axes first. MEAN then divides by the total number of
-            elements along ``axis`` over all replicas, padding excluded.
+            each replica along those axes first (MEAN divides by the total count, no padding).
 
         Returns:
           The reduced array (a nest for a nest).
@@ -139,11 +119,8 @@ class Strategy:
         if axis is not None and _is_number_list(value):  # TF sums it as one tensor.
             value = _number_list_as_tf(op, value)
         across = self.num_replicas_in_sync > 1 or axis is not None
-        # Across workers a plain value is the worker's one replica value (TF's collective ops),
-        # checked as such, with every worker's numbers.
-        value = self._extended._as_worker_values(value)
+        value = self._extended._as_worker_values(value)  # Across workers: each worker's value.
         for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
-            # TF adds no plain value without an axis: MEAN hands it back, SUM refuses it.
             distributed = is_distributed(leaf)
             check_reducible(op, leaf, adds=across if distributed else axis is not None,
                             places=distributed or axis is not None)
@@ -159,15 +136,20 @@ class Strategy:
     def gather(self, value: PyTree, axis: int) -> PyTree:
         """Concatenates the replicas' values along ``axis`` (cross-replica context).
 
-        Sizes along ``axis`` may differ between replicas (a partial batch); only real rows are
-        returned. A plain array comes back unchanged.
+        Sizes along ``axis`` may differ between replicas; only real rows are returned.
 
         Args:
           value: a `DistributedValues`, a plain array, or a nest of them.
           axis: the per-replica axis to concatenate along.
 
         Returns:
-          The gathered array (a nest for a nest).
+          The gathered array (a nest for a nest); a plain array comes back unchanged.
+
+        Example:
+          >>> import numpy as np, jdist
+          >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
+          >>> s.gather(jdist.PerReplica([np.float32([1.0]), np.float32([2.0, 3.0])]), 0).tolist()
+          [1.0, 2.0, 3.0]
         """
         context.require_cross_replica(self, "strategy.gather")
         self._extended._check_gather(value, axis, "strategy.gather")
@@ -205,16 +187,12 @@ class Strategy:
             plain value.
 
         Returns:
-          A tuple with one entry per local replica. A nest gives one copy of itself per
-          replica of this worker (``num_replicas_in_sync`` on one worker) with each
-          distributed leaf replaced by that replica's component (plain leaves are repeated),
-          as TF does; a plain value gives a 1-tuple. Components are read from their own
-          devices, without a gather.
+          A tuple with one entry per local replica: for a nest, a copy of it per replica with
+          each distributed leaf replaced by that replica's component; a plain value gives a
+          1-tuple.
 
         Example:
           >>> import jdist
-          >>> jdist.get_strategy().experimental_local_results(3.0)
-          (3.0,)
           >>> jdist.MirroredStrategy(["cpu:0", "cpu:1"]).experimental_local_results({"a": 1})
           ({'a': 1}, {'a': 1})
         """
@@ -231,7 +209,7 @@ class Strategy:
                 f"{self.num_replicas_in_sync}; use the strategy that produced them.")
         per_leaf = [local_results(x) if isinstance(x, DistributedValues) else None
                     for x in leaves]
-        return tuple(  # One per replica of this worker, as TF's (its `worker_devices`).
+        return tuple(  # One per replica of this worker.
             jax.tree_util.tree_unflatten(tree, [x if r is None else r[i]
                                                 for x, r in zip(leaves, per_leaf)])
             for i in range(len(self._extended._local_replica_ids())))
@@ -241,25 +219,22 @@ class Strategy:
         """Builds per-replica values by calling ``value_fn`` once per replica, in order.
 
         Args:
-          value_fn: a function of a `ValueContext` returning a nest of arrays. Components may
-            differ in their leading size (an uneven batch): they are padded to the largest and
-            carry their true lengths, so ``reduce(..., axis=0)`` and ``gather`` stay exact.
+          value_fn: a function of a `ValueContext` returning a nest of arrays (their shapes may
+            differ between replicas).
 
         Returns:
-          The nest with `PerReplica` leaves (on one replica: a `PerReplica` of one on
-          `MirroredStrategy`, the value itself on `OneDeviceStrategy`, as in TF). Python
-          numbers are held as they are: local results give them back.
+          The nest with `PerReplica` leaves (on one replica of `OneDeviceStrategy` or the
+          default strategy, the value itself, as in TF).
 
         Example:
-          >>> import numpy as np, jdist
-          >>> s = jdist.get_strategy()
+          >>> import jdist
+          >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
           >>> v = s.experimental_distribute_values_from_function(
-          ...     lambda ctx: np.arange(2, dtype=np.float32) + ctx.replica_id_in_sync_group)
-          >>> v.tolist()
-          [0.0, 1.0]
+          ...     lambda ctx: ctx.replica_id_in_sync_group)
+          >>> [int(x) for x in v.values]
+          [0, 1]
         """
         n = self.num_replicas_in_sync
-        # Only this process's replicas (all of them but under MultiWorkerMirroredStrategy).
         per_replica = [value_fn(context.ValueContext(i, n))
                        for i in self._extended._local_replica_ids()]
         trees: list = [jax.tree_util.tree_structure(v) for v in per_replica]
@@ -269,7 +244,7 @@ class Strategy:
                 f"{trees[0]} vs {next(t for t in trees if t != trees[0])}.")
         for leaf in jax.tree_util.tree_leaves(per_replica):
             check_host_numbers(leaf)  # Before any transfer: JAX would wrap 64-bit integers.
-        if n == 1:  # As TF's strategy holds one replica's value (`_one_replica_value`).
+        if n == 1:
             return jax.tree_util.tree_map(self._extended._one_replica_value, per_replica[0])
         if dispatch.under_a_staging_trace():
             raise errors.WrongContextError(
@@ -279,23 +254,20 @@ class Strategy:
         columns = [list(c) for c in zip(*(jax.tree_util.tree_leaves(v) for v in per_replica))]
         for column in columns:
             check_placeable(column)
-        leaves = [self._extended._distribute_components(  # Python numbers as TF's tensors
-            [python_numbers_as_tf(x) if is_python_number(x) else x for x in c])  # (3: int32).
-            for c in columns]
+        leaves = [self._extended._distribute_components(  # Python numbers as TF types them.
+            [python_numbers_as_tf(x) if is_python_number(x) else x for x in c]) for c in columns]
         return jax.tree_util.tree_unflatten(trees[0], leaves)
 
-    # ----- Distributed input: thin delegations to jdist._src.input.datasets (see that module). -----
+    # Distributed input: delegations to the input wing (jdist._src.input.datasets).
     def experimental_distribute_dataset(self, dataset: Any, options: Optional[Any] = None) -> Any:
         """Distributes a dataset of GLOBAL batches over the replicas.
 
         Each global batch of ``B`` rows is cut into consecutive chunks of ``ceil(B / N)`` rows,
-        one per replica (trailing replicas get fewer or none); partial chunks are padded to one
-        size and carry their true lengths (``docs/design.md``), so steps compile once.
+        one per replica (trailing replicas get fewer or none), as TF does.
 
         Args:
-          dataset: a ``tf.data.Dataset``, a dataset from `experimental_make_numpy_dataset`, a
-            re-iterable of batches (a list, a loader yielding NumPy pytrees), a function of no
-            arguments returning a fresh iterable, or a one-shot iterator (read once).
+          dataset: a ``tf.data.Dataset``, a `NumpyDataset`, a re-iterable of batches, a function
+            of no arguments returning a fresh iterable, or a one-shot iterator.
           options: an `InputOptions`.
 
         Returns:
@@ -315,10 +287,9 @@ class Strategy:
         """Calls ``dataset_fn(InputContext)`` per input pipeline; deals its PER-REPLICA batches.
 
         Args:
-          dataset_fn: a function of an `InputContext` returning a dataset (as accepted by
-            `experimental_distribute_dataset`) of per-replica batches.
-          options: an `InputOptions` (``experimental_replication_mode`` picks one pipeline per
-            worker, the default, or one per replica).
+          dataset_fn: a function of an `InputContext` returning a dataset of per-replica
+            batches (as `experimental_distribute_dataset` takes).
+          options: an `InputOptions`.
 
         Returns:
           A `DistributedDataset`; replicas left without data at the end get empty batches.
@@ -333,7 +304,14 @@ class Strategy:
 
     def experimental_make_numpy_dataset(self, numpy_input: PyTree,
                                         session: Optional[Any] = None) -> Any:
-        """An unbatched dataset of the rows of ``numpy_input`` (a nest of arrays); ``session`` is ignored.
+        """An unbatched dataset of the rows of ``numpy_input`` (a nest of arrays).
+
+        Args:
+          numpy_input: a nest of arrays with one leading axis.
+          session: ignored (TF1's).
+
+        Returns:
+          A `NumpyDataset`.
 
         Example:
           >>> import numpy as np, jdist
@@ -343,10 +321,7 @@ class Strategy:
         """
         return input_wing().make_numpy_dataset(numpy_input)
 
-    # ----- End of distributed input delegations. -----
-
-    def __deepcopy__(self, memo):
-        # A strategy owns devices and compiled programs: copies share it, as in TF.
+    def __deepcopy__(self, memo):  # It owns devices and programs: copies share it, as in TF.
         return self
 
     def __repr__(self):
@@ -380,7 +355,6 @@ def _number_list_as_tf(op, numbers):
 
 
 def _is_number_list(value) -> bool:
-    """Whether ``value`` is a list or tuple of Python numbers (nested ones too), which TF's
-    ``reduce`` along an axis converts to one tensor."""
+    """Whether ``value`` is a (nested) list or tuple of Python numbers (TF: one tensor)."""
     return isinstance(value, (list, tuple)) and all(
         isinstance(leaf, (bool, int, float)) for leaf in jax.tree_util.tree_leaves(value))

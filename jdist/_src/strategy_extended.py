@@ -1,11 +1,10 @@
 """`StrategyExtended`: the lower-level API every strategy shares (``strategy.extended``).
 
 ``reduce_to`` / ``batch_reduce_to`` / ``broadcast_to`` resolve their destinations once, at the
-API boundary, into a `destinations.Target` (the reduce wing, `base.ReduceWing`) and hand values
-and targets to the strategy's
-`CrossDeviceOps`, which never calls back; the default strategy has none and reduces and places
-values itself. How values move between devices is the concern of the concrete strategy's
-subclass (`jdist._src.mirrored`, `jdist._src.multi_worker.strategy`).
+API boundary, into a `Target` and hand values and targets to the strategy's `CrossDeviceOps`,
+which never calls back; the default strategy has none and reduces and places values itself.
+This class is also the default (one-replica, eager) strategy's; subclasses
+(`jdist._src.mirrored`, `jdist._src.multi_worker.strategy`) override the underscored hooks.
 """
 
 from typing import Any, List, Optional, Sequence, Tuple
@@ -14,28 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdist._src import context
+from jdist._src import context, errors
 from jdist._src import devices as devices_lib
-from jdist._src import errors
-from jdist._src.base import Axis
-from jdist._src.base import Destinations
-from jdist._src.base import PyTree
-from jdist._src.base import ReduceOpLike
-from jdist._src.base import ReplicaCollectives
-from jdist._src.base import Target
-from jdist._src.base import reduce_wing
-from jdist._src.reduce_op import ReduceOp
-from jdist._src.reduce_op import check_reducible
-from jdist._src.values import DistributedValues
-from jdist._src.values import SCALARS
-from jdist._src.values import Mirrored
-from jdist._src.values import PerReplica
-from jdist._src.values import check_replica_count
-from jdist._src.values import is_distributed
+from jdist._src.base import (Axis, Destinations, PyTree, ReduceOpLike, ReplicaCollectives, Target,
+                             reduce_wing)
+from jdist._src.reduce_op import ReduceOp, check_reducible
+from jdist._src.values import (DistributedValues, SCALARS, Mirrored, PerReplica,
+                               check_replica_count, is_distributed, is_python_number,
+                               is_step_output, local_results)
 from jdist._src.host_values import check_placeable
-from jdist._src.values import is_python_number
-from jdist._src.values import is_step_output
-from jdist._src.values import local_results
 
 
 # The dtypes TF's collective all-reduce and all-gather ops take (their "T" attribute).
@@ -52,46 +38,37 @@ class StrategyExtended:
       devices: the jax devices of the replicas, one per replica, in replica order.
     """
 
-    # How values are combined across devices; None: the default strategy combines them itself.
-    _cross_device_ops: Optional[Any] = None  # A `CrossDeviceOps`.
-    # Whether TF's strategy uses its default CollectiveAllReduce (several devices, no ops
-    # given): batch_reduce_to then puts every result on every replica device.
+    _cross_device_ops: Optional[Any] = None  # A `CrossDeviceOps`; None: combined here.
+    # TF's default CollectiveAllReduce is in use (several devices, no ops given).
     _tf_collective_ops: bool = False
-    # Whether TF's strategy picks its cross-device ops value by value (`_check_batch_reduce`).
-    _ops_per_value: bool = False
-    # Whether a one-replica strategy's values from a value function are `PerReplica`s of
-    # one (TF's MirroredStrategy), or handed back as they are (the default, OneDevice).
+    _ops_per_value: bool = False  # TF picks cross-device ops value by value (MirroredStrategy).
+    # One replica's value-function values are `PerReplica`s of one (TF's MirroredStrategy).
     _one_replica_values_wrapped: bool = False
     #: The ``jax.sharding.Mesh`` of the replicas; None for the default strategy (no mesh).
     mesh: Optional[jax.sharding.Mesh] = None
-    #: Whether this process writes checkpoints / summaries (TF): true on one worker; a
-    #: multi-worker strategy says so on its chief only.
+    #: Whether this process writes checkpoints / summaries (a multi-worker chief only).
     should_checkpoint: bool = True
     should_save_summary: bool = True
-    #: TF's: every worker initialises its own copy (TF's multi-worker strategy too, so
-    #: ``should_init``, jdist's name for it, is true on every worker as well).
+    #: Every worker initialises its own copy, as in TF.
     experimental_should_init: bool = True
     should_init: bool = True
-    #: TF's: whether every worker runs its own copy of the program (several workers).
+    #: Whether every worker runs its own copy of the program (several workers).
     experimental_between_graph: bool = False
 
-    def __init__(self, container_strategy: Any, devices: Sequence[jax.Device]):
+    def __init__(self, container_strategy: Any, devices: Sequence[jax.Device]) -> None:
         self._container_strategy_ref = container_strategy
         self._devices = tuple(devices)
         self._device_names = tuple(devices_lib.name(d) for d in self._devices)
-        # "Mirrored on the strategy's devices"; the default strategy places such results itself.
         self._mirrored_target = Target(len(self._devices), True, self._devices, None)
 
     @property
     def replica_devices(self) -> Tuple[jax.Device, ...]:
-        """Every replica's device, in replica order, on every worker (a tuple of
-        ``jax.Device``; jdist's name: TF has no list across workers)."""
+        """Every replica's device, in replica order, on every worker (jdist's; not TF's)."""
         return self._devices
 
     @property
     def worker_devices(self) -> Tuple[jax.Device, ...]:
-        """The devices of this worker's replicas, as in TF (every replica's on one worker;
-        ``len(worker_devices) * num_workers == num_replicas_in_sync``)."""
+        """The devices of this worker's replicas, as in TF."""
         return tuple(self._devices[i] for i in self._local_replica_ids())
 
     @property
@@ -101,8 +78,7 @@ class StrategyExtended:
 
     @property
     def device_names(self) -> Tuple[str, ...]:
-        """The TF-style names of `replica_devices` (``"/cpu:0"``; with the job and task under
-        several workers)."""
+        """The TF-style names of `replica_devices` (``"/cpu:0"``)."""
         return self._device_names
 
     @property
@@ -123,25 +99,15 @@ class StrategyExtended:
         return (1, 0)
 
     def _input_placer(self, strategy: Any, options: Any) -> Optional[Any]:
-        """The `input_batches.Placer` for this strategy's datasets; None: the default one (a
-        multi-worker strategy places only its own replicas' rows)."""
+        """The `input_batches.Placer` for this strategy's datasets; None: the default one."""
         del strategy, options
         return None
 
     def _replica_collectives(self, binding: Optional[Any]) -> ReplicaCollectives:
-        """The collectives a `ReplicaContext` of this strategy calls.
-
-        Args:
-          binding: what the context knows while its replica function is traced, or None
-            outside a trace (the default strategy, a context entered by hand).
-
-        Returns:
-          A `base.ReplicaCollectives`. Outside a trace there is one replica: its all-reduce
-          is the value itself, dtype included, and several replicas are an error.
-        """
+        """The collectives a `ReplicaContext` calls; ``binding`` is None outside a traced replica
+        function, where there is one replica (several are an error)."""
         return _OneReplica(self._container_strategy_ref, self._num_replicas)
 
-    # Cross-replica primitives of the default (one-replica, eager) strategy.
     def _run(self, fn, args, kwargs):
         args, kwargs = jax.tree_util.tree_map(lambda v: local_results(v)[0], (args, kwargs),
                                               is_leaf=is_distributed)
@@ -155,35 +121,22 @@ class StrategyExtended:
         return reduce_wing().stacked_reduce(op, stacked, axes, valid)
 
     def _as_worker_value(self, value: Any) -> Any:
-        """``value`` as TF's strategy takes a non-distributed value that the cross-replica
-        context reduces or gathers: here the same value on every replica, as it is (under
-        `MultiWorkerMirroredStrategy` across workers, this worker's value)."""
+        """A plain value to reduce or gather, as TF takes it: here as it is (across workers, this
+        worker's replica value)."""
         return value
 
     def _as_worker_values(self, value: PyTree) -> PyTree:
-        """`_as_worker_value` of each leaf of the nest ``value``; one worker's: the nest itself
-        (no walk of it on every reduce)."""
+        """`_as_worker_value` of each leaf of the nest ``value`` (one worker: no walk)."""
         return value
 
     def _check_collective_dtypes(self, value: PyTree, what: str, gathers: bool = False,
                                 reduces_one: bool = False) -> None:
-        """Raises where TF hands a value to its ``CollectiveAllReduce``, whose ops take only
-        some dtypes (their ``T`` attribute): float16, bfloat16 (not to gather), float32, float64,
-        int32 and int64. Which values it hands them is the strategy's (`_by_collective_ops`).
-
-        Args:
-          value: a nest of arrays, numbers or `DistributedValues`.
-          what: the call, for the message.
-          gathers: whether ``what`` gathers (else it reduces).
-          reduces_one: whether ``what`` reduces one value to its destinations (``reduce``,
-            ``reduce_to``), which TF's ``MirroredStrategy`` does not give those ops on CPUs.
-
-        Raises:
-          InvalidArgumentError: a leaf of another dtype that TF gives its collective ops.
-        """
+        """Raises where TF hands a value to its ``CollectiveAllReduce`` (`_by_collective_ops`),
+        whose ops take only the dtypes of `_COLLECTIVE_REDUCE_DTYPES` / `_GATHER_`.
+        ``reduces_one``: ``reduce`` / ``reduce_to`` of one value (not those ops on CPUs)."""
         allowed = _COLLECTIVE_GATHER_DTYPES if gathers else _COLLECTIVE_REDUCE_DTYPES
-        for leaf in jax.tree_util.tree_leaves(value):  # Values flatten to arrays of their dtype.
-            dtype = getattr(leaf, "dtype", None)  # (A set lookup first: reduce runs every step.)
+        for leaf in jax.tree_util.tree_leaves(value):
+            dtype = getattr(leaf, "dtype", None)  # A set lookup first: reduce runs every step.
             if (dtype is None or dtype in allowed or isinstance(leaf, SCALARS)
                     or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)  # Not TF's: no rule.
                     or not self._by_collective_ops(np.dtype(dtype), reduces_one)):
@@ -198,23 +151,8 @@ class StrategyExtended:
                 " takes every dtype, as in TF.")
 
     def _check_gather(self, value: PyTree, axis: int, what: str) -> None:
-        """Raises where TF's own gather of ``value`` fails: on a dtype its collective ops refuse
-        (`_check_collective_dtypes`) or on a negative ``axis``.
-
-        TF's ``CollectiveAllReduce`` moves the gathered axis first with ``range(axis)``, which
-        fails on a negative axis; ``ReductionToOneDevice`` concatenates, which takes one. Which
-        of the two gathers a value is the strategy's (`_by_collective_ops`), by its dtype (JAX's:
-        int32 for int64 host numbers without x64).
-
-        Args:
-          value: what ``what`` gathers (a nest of arrays or `DistributedValues`).
-          axis: the axis it was given.
-          what: the call, for the message (``"strategy.gather"``, ``"all_gather"``).
-
-        Raises:
-          InvalidArgumentError: TF gathers a leaf of ``value`` with its collective ops, and its
-            dtype is one they refuse or ``axis`` is negative.
-        """
+        """Raises where TF's own gather of ``value`` fails: a dtype its collective ops refuse, or
+        a negative ``axis`` (``CollectiveAllReduce`` moves it first with ``range(axis)``)."""
         self._check_collective_dtypes(value, what, gathers=True)
         if not _negative(axis):
             return
@@ -230,25 +168,11 @@ class StrategyExtended:
                     "value.")
 
     def _check_batch_reduce(self, values: Sequence, what: str) -> None:
-        """Raises where TF's ``batch_reduce_to`` of ``values`` fails before reducing them, as
-        ``all_reduce`` of a nest does (TF all-reduces a nest's leaves in one batch).
-
-        TF's ``MirroredStrategy`` picks its cross-device ops value by value (`_ops_per_value`),
-        and for an int32 value a new ``ReductionToOneDevice``, not the others' ops: a batch of
-        two or more values with one int32 value among them is refused. (It picks by dtype,
-        which a Python number has not: TF raises there too. jdist reduces one, as TF reduces
-        the same number as a tensor, ``x.shape[0]`` being JAX's ``tf.shape(x)[0]``.)
-
-        Args:
-          values: the values reduced in one batch (a nest's leaves, or the pairs' values).
-          what: the call, for the message.
-
-        Raises:
-          InvalidArgumentError: an int32 value among two or more values.
-        """
+        """Raises where TF's ``batch_reduce_to`` (or ``all_reduce`` of a nest) refuses a batch:
+        ``MirroredStrategy`` reduces an int32 value with ops of its own, so a batch of two or
+        more values with an int32 one among them fails (`_ops_per_value`)."""
         if not self._ops_per_value:
             return
-        # A DistributedValues flattens to arrays of its dtype: no per-replica copy is made.
         ones = [x for x in jax.tree_util.tree_leaves(values) if not isinstance(x, SCALARS)]
         if len(ones) < 2 or not any(np.dtype(x.dtype) == np.int32 for x in ones):
             return
@@ -259,9 +183,8 @@ class StrategyExtended:
             "Reduce each int32 value in a call of its own, or cast it to float32.")
 
     def _by_collective_ops(self, dtype: np.dtype, reduces_one: bool = False) -> bool:
-        """Whether TF reduces or gathers a value of ``dtype`` with ``CollectiveAllReduce``
-        (``reduces_one``: in a ``reduce`` / ``reduce_to`` of one value): not with one device and
-        no cross-device ops (the default strategy, `OneDeviceStrategy`)."""
+        """Whether TF reduces or gathers a value of ``dtype`` with ``CollectiveAllReduce``: not
+        with one device (the default strategy, `OneDeviceStrategy`)."""
         return False
 
     def _gather_per_replica(self, value, axis):
@@ -270,35 +193,24 @@ class StrategyExtended:
     def _distribute_components(self, components):
         return PerReplica._from_stacked(np.stack([np.asarray(c) for c in components]))
 
-    def _replicate(self, value):
-        return jnp.asarray(value)
-
     def _place_one_replica_value(self, value):
-        """A value of a one-replica strategy's ``experimental_distribute_values_from_function``,
-        where its replica's programs take it; the default strategy has no devices of its own."""
+        """A one-replica value-function value where `run` takes it (here: no devices, as it is)."""
         return value
 
     def _one_replica_value(self, host):
-        """A value a one-replica strategy's value function returned, as TF's strategy holds it:
-        its mirrored strategies wrap it in a `PerReplica` of one; its one-device and default
-        strategies hand it back as it is (an array placed where `run` takes it)."""
+        """A one-replica value-function value as TF holds it: a `PerReplica` of one
+        (`_one_replica_values_wrapped`), else the value placed where `run` takes it."""
         if self._one_replica_values_wrapped:
-            check_placeable([host])  # What a device cannot hold raises, as on several.
+            check_placeable([host])
             return self._distribute_components([host])
         if is_python_number(host):
             return host
         return self._place_one_replica_value(host)
 
     def _combinable(self, value: PerReplica) -> PerReplica:
-        """``value`` as ``reduce`` and ``gather`` combine it (one process holds every replica:
-        as it is; `MultiWorkerExtended` pads a ragged value other workers hold)."""
+        """``value`` as ``reduce`` and ``gather`` combine it (multi-worker pads ragged ones)."""
         return value
 
-    def _wait_all(self):
-        """Waits for the programs this strategy dispatched (the default strategy runs replica
-        functions directly: it has none in flight)."""
-
-    # Public cross-replica API.
     def reduce_to(self, reduce_op: ReduceOpLike, value: Any, destinations: Destinations,
                   options: Optional[Any] = None) -> Any:
         """Reduces ``value`` across replicas and places the result on ``destinations``.
@@ -307,20 +219,17 @@ class StrategyExtended:
           reduce_op: a `ReduceOp` or its name.
           value: a `DistributedValues` or an array (an array counts as a one-replica value).
           destinations: a `DistributedValues` (the result is `Mirrored` on the strategy's
-            devices), or a device (name or ``jax.Device``; the result is an array on that
-            device), or a ``jax.Array`` (an array on its devices).
+            devices), a device (name or ``jax.Device``) or a ``jax.Array`` (its devices).
           options: a `CommunicationOptions` for the strategy's cross-device ops, or None.
 
         Returns:
-          A `Mirrored` value or an array, as ``destinations`` says. As in TF, a MEAN of a
-          `Mirrored` value or of a non-distributed one is that value as it is, wherever the
-          destinations are (`reduce_plain`).
+          A `Mirrored` value or an array, as ``destinations`` says (as in TF, a MEAN of a
+          `Mirrored` or non-distributed value is that value as it is).
 
         Example:
           >>> import jax, numpy as np, jdist
           >>> s = jdist.MirroredStrategy(jax.devices()[:2])
-          >>> v = s.experimental_distribute_values_from_function(
-          ...     lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1))
+          >>> v = jdist.PerReplica([np.float32(1), np.float32(2)])
           >>> float(s.extended.reduce_to("sum", v, "cpu:1"))
           3.0
           >>> s.extended.reduce_to("mean", 0.1, "cpu:1")  # TF's one value, as it is.
@@ -328,7 +237,7 @@ class StrategyExtended:
         """
         context.require_cross_replica(self._container_strategy_ref, "extended.reduce_to")
         op = ReduceOp.from_any(reduce_op)
-        value = self._as_worker_value(value)  # Checked with every worker's numbers.
+        value = self._as_worker_value(value)
         if not is_distributed(value):  # Before the destinations are read, as in TF.
             return reduce_plain(op, value, self._num_replicas)
         check_reducible(op, value, adds=self._num_replicas > 1)
@@ -341,10 +250,8 @@ class StrategyExtended:
                         options: Optional[Any] = None) -> List[Any]:
         """`reduce_to` for a sequence of ``(value, destinations)`` pairs; returns a list.
 
-        The per-replica values are reduced as one batch by the strategy's cross-device ops
-        (packed into a few collectives as they and ``options`` say). With the default
-        cross-device ops (``cross_device_ops=None``) on several replicas, every result is
-        `Mirrored` on all replica devices, a device destination included, as in TF.
+        The values are reduced as one batch by the strategy's cross-device ops. With the default
+        ops on several replicas every result is `Mirrored` on all replica devices, as in TF.
 
         Args:
           reduce_op: a `ReduceOp` or its name.
@@ -357,8 +264,7 @@ class StrategyExtended:
         Example:
           >>> import jax, numpy as np, jdist
           >>> s = jdist.MirroredStrategy(jax.devices()[:2])
-          >>> v = s.experimental_distribute_values_from_function(
-          ...     lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1))
+          >>> v = jdist.PerReplica([np.float32(1), np.float32(2)])
           >>> _, on_device = s.extended.batch_reduce_to("mean", [(v, v), (v, "cpu:0")])
           >>> [float(x) for x in s.experimental_local_results(on_device)]
           [1.5, 1.5]
@@ -367,7 +273,7 @@ class StrategyExtended:
         op = ReduceOp.from_any(reduce_op)
         pairs = reduce_wing().check_pairs(value_destination_pairs)
         reduce_wing().as_options(options)  # Checked on one replica too, which reduces nothing.
-        pairs = [(self._as_worker_value(value), d) for value, d in pairs]  # Every worker's.
+        pairs = [(self._as_worker_value(value), d) for value, d in pairs]
         check_reducible(op, [value for value, _ in pairs], adds=self._num_replicas > 1)
         self._check_collective_dtypes([value for value, _ in pairs], "extended.batch_reduce_to")
         self._check_batch_reduce([value for value, _ in pairs], "extended.batch_reduce_to")
@@ -377,10 +283,8 @@ class StrategyExtended:
                 self._mirrored_target if self._by_collective_ops(_dtype_of(v)) else t
                 for (v, _), t in zip(pairs, targets)]
         ops = self._cross_device_ops
-        # TF hands every pair to its cross-device ops' batch_reduce, whose SUM takes a plain
-        # value as a one-replica value and adds a Mirrored one's copies (reduce_to raises for
-        # both); its MEAN of them is reduce_to's, the value itself. A merge_call view is traced.
-        # One replica's values are handed back as they are (TF adds nothing): reduce_to's.
+        # TF's batch_reduce SUMs plain and Mirrored values too (reduce_to raises); their MEAN
+        # is reduce_to's, as are one replica's values and traced merge_call views.
         batch = [] if ops is None or self._num_replicas == 1 else [
             i for i, (v, _) in enumerate(pairs)
             if not isinstance(getattr(v, "stacked", v), jax.core.Tracer)
@@ -409,9 +313,8 @@ class StrategyExtended:
         return self._place(tensor, self._target(destinations))
 
     def _target(self, destinations):
-        """``destinations`` resolved: a `DistributedValues` stands for the strategy's devices, as
-        does a traced array (a merge function's value on one replica): it lives on the devices of
-        the program that traces it, the strategy's."""
+        """``destinations`` resolved; a `DistributedValues` or a traced array (a merge function's
+        value) stands for the strategy's devices."""
         if isinstance(destinations, (DistributedValues, jax.core.Tracer)):
             return self._mirrored_target
         return reduce_wing().resolve_destinations(destinations)
@@ -420,7 +323,7 @@ class StrategyExtended:
         ops = self._cross_device_ops
         if ops is None or not isinstance(value, PerReplica):
             return self._place(self._reduce_value(op, value, None), target)
-        self._check_components(value)
+        check_replica_count(value, self._num_replicas, "reduce")
         return ops.reduce(op, value, target, options)
 
     def _place(self, result, target):
@@ -430,11 +333,8 @@ class StrategyExtended:
         if self._cross_device_ops is not None:
             return self._cross_device_ops.broadcast(result, target)
         if target.mirrored:
-            return Mirrored._from_value(self._replicate(result), self._num_replicas)
+            return Mirrored._from_value(jnp.asarray(result), self._num_replicas)
         return reduce_wing().place(result, target)
-
-    def _check_components(self, value):
-        check_replica_count(value, self._num_replicas, "reduce")
 
     def _reduce_value(self, op: ReduceOp, value: PyTree, axis: Axis):
         """The reduce rules of ``docs/semantics.md`` for one value (not a nest)."""
@@ -444,7 +344,7 @@ class StrategyExtended:
         if n == 1 and axis is None and not isinstance(value, PerReplica):
             op = ReduceOp.SUM  # TF returns one replica's plain value as it is (an int MEAN
         if isinstance(value, PerReplica):  # stays int); a PerReplica of one it divides.
-            self._check_components(value)
+            check_replica_count(value, self._num_replicas, "reduce")
             if n == 1 and axis is None and op is ReduceOp.SUM and not value.ragged:
                 return value.stacked[0]  # TF's add_n of one value: the value (a bool too).
             value = self._combinable(value)
@@ -476,10 +376,8 @@ class StrategyExtended:
 
 
 def reduce_plain(op: ReduceOp, value: Any, num_replicas: int) -> Any:
-    """``reduce`` (no axis) or ``reduce_to`` of a value that is not distributed (an array, a
-    Python number, None): one value, not one per replica, so its MEAN is the value and its SUM
-    is the value on one replica and raises on several, as TF's
-    ``reduce_non_distributed_value`` (without its special cases for zeros).
+    """``reduce`` (no axis) or ``reduce_to`` of a non-distributed value: its MEAN is the value,
+    its SUM is the value on one replica and raises on several (TF's).
 
     Example:
       >>> reduce_plain(ReduceOp.MEAN, 0.5, 3), reduce_plain(ReduceOp.SUM, 0.5, 1)
@@ -496,10 +394,8 @@ def reduce_plain(op: ReduceOp, value: Any, num_replicas: int) -> Any:
 
 
 def _check_broadcast_destinations(destinations):
-    """Raises where TF's ``broadcast_to`` refuses an array as its destinations: it tests their
-    truth (``if not destinations``), which an array of several elements has not, and a zero
-    or an empty array fails (``reduce_to`` and ``batch_reduce_to`` take any array, as jdist
-    does)."""
+    """Raises where TF's ``broadcast_to`` refuses an array as its destinations (it tests their
+    truth, which fails for several elements, a zero or an empty array)."""
     if isinstance(destinations, DistributedValues) or not hasattr(destinations, "size"):
         return
     traced = isinstance(destinations, jax.core.Tracer)  # One element: its truth is unknown.
@@ -523,19 +419,18 @@ class _OneReplica(ReplicaCollectives):
         self._strategy = strategy
         self._num_replicas = num_replicas
 
-    def _require_one(self, what):
+    def _require_one(self, what, value):
         if self._num_replicas != 1:
             raise errors.WrongContextError(
                 f"{what} was called on a replica context that is not inside strategy.run; call "
                 "it from the replica function.")
+        return value
 
     def all_reduce(self, op, value, options=None):
-        self._require_one("all_reduce")
-        return value  # `ReplicaContext.all_reduce` hands back one replica's value before this.
+        return self._require_one("all_reduce", value)
 
     def all_gather(self, value, axis):
-        self._require_one("all_gather")
-        return value
+        return self._require_one("all_gather", value)
 
     def merge_call(self, merge_fn, args, kwargs):
         with context.cross_replica_scope(self._strategy, in_merge=True):

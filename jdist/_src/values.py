@@ -2,13 +2,8 @@
 
 * `PerReplica` wraps one array of shape ``(num_replicas, *per_replica_shape)`` sharded over the
   replica axis, so replica ``i``'s value is the block device ``i`` already holds (no copy).
-  When the replicas' values have different shapes (the last partial batch of a dataset, ragged
-  values from ``experimental_distribute_values_from_function``) it holds them as they are, one
-  array per replica on that replica's device (*ragged*), as TF does. (Across workers, a ragged
-  value is combined by ``reduce`` / ``gather`` as a padded block with the true ``lengths`` of
-  each replica's rows: `uneven_multi_worker.as_padded`, internal to those two calls.)
-* `Mirrored` wraps one replicated array of the per-replica shape: every replica holds the same
-  value.
+  Replicas of different shapes (a partial batch) are held one array per replica (*ragged*).
+* `Mirrored` wraps one replicated array: every replica holds the same value.
 
 Both are pytree nodes, so they pass through ``jax.jit``, ``jax.tree_util`` and ``lax.scan``.
 """
@@ -20,18 +15,12 @@ import jax
 import numpy as np
 
 from jdist._src import errors
-from jdist._src.host_values import check_arrays
-from jdist._src.host_values import check_host_numbers
-from jdist._src.host_values import python_numbers_as_tf
-from jdist._src.host_values import dtype_kind
+from jdist._src.host_values import (check_arrays, check_host_numbers, python_numbers_as_tf,
+                                    dtype_kind)
 
 
 ARRAYS = (jax.Array, np.ndarray, np.generic)  # What jdist takes as an array leaf.
 SCALARS = (bool, int, float, complex)  # Python numbers (NumPy's are arrays).
-
-
-def _is_array(x):
-    return isinstance(x, ARRAYS)
 
 
 class DistributedValues:
@@ -42,8 +31,7 @@ class DistributedValues:
     """
 
     __slots__ = ()
-    # Makes NumPy hand binary operators back to us, so `np_array + per_replica` raises our error.
-    __array_ufunc__ = None
+    __array_ufunc__ = None  # NumPy hands binary operators back: `np_array + v` raises ours.
 
     @property
     def values(self) -> tuple:
@@ -54,7 +42,7 @@ class DistributedValues:
         raise errors.UnsupportedValueError(f"{type(self).__name__} has no per-replica components.")
 
     @property
-    def num_replicas(self):
+    def num_replicas(self) -> int:
         """How many replicas this value has a component for."""
         return len(self._local_results())
 
@@ -64,21 +52,15 @@ class PerReplica(DistributedValues):
 
     Values of one shape are held as one array ``stacked`` of shape
     ``(num_replicas, *per_replica_shape)``; values of different shapes (*ragged*) as one array
-    per replica. Arithmetic on it in the cross-replica context is an error, as in TF: combine it
-    with ``strategy.reduce`` or ``strategy.gather``, or pass it to ``strategy.run``.
+    per replica. Arithmetic on it in the cross-replica context is an error, as in TF.
 
     Args:
-      values: a sequence with one array or number per replica, all of one dtype kind (bool,
-        signed or unsigned integer, floating-point, complex), as TF requires. Arrays that already
-        sit on distinct devices are assembled into one sharded array without copying; host
-        arrays are stacked (float32 and float64 in JAX's dtype, float32 unless
-        ``jax_enable_x64`` is on). Values of different shapes are kept as they are (ragged).
+      values: a sequence with one array or number per replica, all of one dtype kind. Arrays
+        already on distinct devices are assembled without copying; host arrays are stacked.
 
     Raises:
-      UnsupportedValueError: a value is not an array or a number (a dict, a string, None, a
-        list of arrays).
-      InvalidArgumentError: the values mix dtype kinds (float and int), or dtypes of one kind
-        that JAX keeps apart (int8 and int16; float32 and float64 with ``jax_enable_x64``).
+      UnsupportedValueError: a value is not an array or a number.
+      InvalidArgumentError: the values mix dtype kinds, or dtypes of one kind JAX keeps apart.
 
     Example:
       >>> import numpy as np, jdist
@@ -91,7 +73,6 @@ class PerReplica(DistributedValues):
       dtype('float32')
     """
 
-    # `_components`: the per-replica arrays of a ragged value (then `_stacked` is None).
     __slots__ = ("_stacked", "_lengths", "_components")
 
     def __init__(self, values: Sequence[Any]) -> None:
@@ -108,28 +89,22 @@ class PerReplica(DistributedValues):
         self._stacked = stacked
         self._components = components
         self._lengths = None if lengths is None else tuple(int(n) for n in lengths)
+        return self
 
     @classmethod
     def _from_stacked(cls, stacked, lengths=None):
         """Wraps ``stacked`` (replica axis first) without copying; ``lengths`` marks real rows."""
-        self = object.__new__(cls)
-        self._init(stacked, None, lengths)
-        return self
+        return object.__new__(cls)._init(stacked, None, lengths)
 
     @classmethod
     def _from_components(cls, components):
         """One value per replica: stacked when their shapes agree, else kept ragged."""
-        self = object.__new__(cls)
-        self._init(*_stack_or_keep(list(components)), None)
-        return self
+        return object.__new__(cls)._init(*_stack_or_keep(list(components)), None)
 
     @classmethod
     def _from_ragged(cls, components):
-        """A ragged value from one entry per replica, as they are (no checks, no placement):
-        this process's arrays, and `jax.ShapeDtypeStruct` s for other workers' replicas."""
-        self = object.__new__(cls)
-        self._init(None, tuple(components), None)
-        return self
+        """A ragged value as given, unchecked (other workers' replicas: `jax.ShapeDtypeStruct`)."""
+        return object.__new__(cls)._init(None, tuple(components), None)
 
     @property
     def ragged(self) -> bool:
@@ -141,8 +116,7 @@ class PerReplica(DistributedValues):
         """The array of shape ``(num_replicas, *per_replica_shape)`` holding every component.
 
         Raises:
-          ShapeMismatchError: the value is ragged (its replicas' shapes differ), so there is no
-            single array; use ``values``, ``strategy.gather`` or ``strategy.reduce(..., axis=)``.
+          ShapeMismatchError: the value is ragged (its replicas' shapes differ).
         """
         if self._components is not None:
             raise errors.ShapeMismatchError(
@@ -153,7 +127,7 @@ class PerReplica(DistributedValues):
         return self._stacked
 
     @property
-    def num_replicas(self):
+    def num_replicas(self) -> int:
         if self._components is not None:
             return len(self._components)
         return self._stacked.shape[0]
@@ -161,7 +135,7 @@ class PerReplica(DistributedValues):
     def _local_results(self):
         if self._components is not None:  # Multi-worker: other workers' replicas are specs.
             return tuple(c for c in self._components if not isinstance(c, jax.ShapeDtypeStruct))
-        if _spans_processes(self._stacked):  # Multi-worker (issue 10): this process's replicas.
+        if _spans_processes(self._stacked):  # Multi-worker: this process's replicas.
             return tuple(_component(self._stacked, i, self._lengths) for i in
                          sorted(s.index[0].start for s in self._stacked.addressable_shards))
         return tuple(_component(self._stacked, i, self._lengths) for i in range(self.num_replicas))
@@ -195,15 +169,13 @@ class PerReplica(DistributedValues):
             "is the replicas. Index each replica's value inside strategy.run. " + STEPS_RECIPE)
 
 
-_UNSET = object()  # `Mirrored`'s marker for "no value given" (a node's value may be None).
+_UNSET = object()  # "No value given" (a pytree node's value may be None).
 
 
 class Mirrored(DistributedValues):
     """A value that is the same on every replica (``tf.distribute.Mirrored``).
 
-    Held as one replicated array of the per-replica shape. Since every replica agrees, it can be
-    used like an array in the cross-replica context: arithmetic, ``np.asarray`` and jax.numpy
-    functions see the common value.
+    Held as one replicated array; it can be used like that array in the cross-replica context.
 
     Args:
       values: a sequence with one (equal) array per replica, or a single array.
@@ -215,7 +187,6 @@ class Mirrored(DistributedValues):
       4.0
     """
 
-    # A pytree node (registered below): the value is its one child, `_Copies` its metadata.
     __slots__ = ("_value", "_copies")
     _copies: "_Copies"
 
@@ -258,7 +229,7 @@ class Mirrored(DistributedValues):
         return self._value
 
     @property
-    def num_replicas(self):
+    def num_replicas(self) -> int:
         return self._copies.num_replicas
 
     def _local_results(self):
@@ -266,8 +237,7 @@ class Mirrored(DistributedValues):
         shards = None if isinstance(value, jax.core.Tracer) else getattr(
             value, "addressable_shards", None)
         if shards is not None and (len(shards) == self._copies.num_replicas
-                                   or _spans_processes(value)):  # Multi-worker (issue 10).
-            # Each device already holds the whole value: hand out those copies, no transfer.
+                                   or _spans_processes(value)):  # Each device's copy.
             return tuple(shard.data for shard in shards)
         return (value,) * self._copies.num_replicas
 
@@ -281,67 +251,41 @@ class Mirrored(DistributedValues):
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self._value, dtype=dtype)
 
-    def __float__(self):
-        return float(self._value)
-
-    def __int__(self):
-        return int(self._value)
-
-    def __bool__(self):
-        return bool(self._value)
-
-    def __getitem__(self, index):
-        return self._value[index]
-
-    def __neg__(self):
-        return -self._value
-
-    def __abs__(self):
-        return abs(self._value)
-
-    # Iteration is the array's: without these, Python would iterate through __getitem__ until
-    # an IndexError, which a JAX array never raises (it clamps indices), so it never ended.
-    def __iter__(self):
-        return iter(self._value)
-
-    def __len__(self):
-        return len(self._value)
-
     @property
-    def shape(self):
+    def shape(self) -> tuple:
+        """The common value's shape."""
         return self._value.shape
 
     @property
-    def dtype(self):
+    def dtype(self) -> Any:
+        """The common value's dtype."""
         return self._value.dtype
 
 
-def _mirrored_binary(name):
-    def method(self, other):
-        if isinstance(other, Mirrored):
-            other = other._value
-        return getattr(self._value, name)(other)
+def _delegate(name):
+    def method(self, *other):
+        return getattr(self._value, name)(*(o._value if isinstance(o, Mirrored) else o
+                                            for o in other))
     method.__name__ = name
     return method
 
 
+# __iter__ and __len__ too: else Python iterates through __getitem__, which JAX never ends.
 for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
               "__rtruediv__", "__floordiv__", "__rfloordiv__", "__pow__", "__rpow__", "__mod__",
-              "__rmod__", "__matmul__", "__rmatmul__", "__lt__", "__le__", "__gt__", "__ge__"):
-    setattr(Mirrored, _name, _mirrored_binary(_name))
+              "__rmod__", "__matmul__", "__rmatmul__", "__lt__", "__le__", "__gt__", "__ge__",
+              "__float__", "__int__", "__bool__", "__getitem__", "__neg__", "__abs__", "__iter__",
+              "__len__"):
+    setattr(Mirrored, _name, _delegate(_name))
 
 
-def is_python_number(value) -> bool:
+def is_python_number(value: Any) -> bool:
     """Whether ``value`` is a Python number (a bool, int, float or complex; NumPy's are arrays)."""
     return type(value) in SCALARS
 
 
 def _stack_or_keep(values):
-    """``(stacked, None)`` for values of one shape; ``(None, components)`` for ragged ones.
-
-    The values are validated first (`_components`); dtypes of one kind must agree once JAX
-    canonicalises them (int32 and int64 do, unless ``jax_enable_x64`` is on).
-    """
+    """``(stacked, None)`` for values of one shape; ``(None, components)`` for ragged ones."""
     arrays = _components(values)
     dtypes = {jax.dtypes.canonicalize_dtype(a.dtype, allow_extended_dtype=True) for a in arrays}
     if len(dtypes) > 1:
@@ -364,13 +308,7 @@ def _kind(array, index):
 
 
 def _components(values):
-    """The replicas' values as arrays, checked: arrays or numbers, all of one dtype kind.
-
-    Raises:
-      UnsupportedValueError: a value is not an array or a Python/NumPy number (a dict, a string,
-        None, a list), or has a non-numeric dtype.
-      InvalidArgumentError: the values mix dtype kinds (e.g. float and int).
-    """
+    """The replicas' values as arrays, checked: arrays or numbers, all of one dtype kind."""
     arrays = []
     for i, v in enumerate(values):
         if isinstance(v, jax.Array):  # Tracers too (values built inside a traced merge_fn).
@@ -405,13 +343,12 @@ def _stack(arrays):
             (len(arrays), *arrays[0].shape), sharding, [a[None] for a in arrays])
     if jax.dtypes.issubdtype(arrays[0].dtype, jax.dtypes.extended):
         return jax.numpy.stack(arrays)  # Typed PRNG keys have no NumPy form.
-    # In the dtype JAX holds them in (float64 as float32 without x64), as it would place each.
     return np.stack([np.asarray(a) for a in arrays],
                     dtype=jax.dtypes.canonicalize_dtype(arrays[0].dtype))
 
 
 def _spans_processes(array):
-    """Whether ``array`` has shards in other processes (multi-worker, issue 10)."""
+    """Whether ``array`` has shards in other processes (multi-worker)."""
     return (isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer)
             and not array.is_fully_addressable)
 
@@ -420,7 +357,7 @@ def _component(stacked, index, lengths):
     """Replica ``index``'s component of ``stacked``, read from its own device when sharded."""
     shards = None if isinstance(stacked, jax.core.Tracer) else getattr(
         stacked, "addressable_shards", None)
-    if shards is not None and _spans_processes(stacked):  # Multi-worker (issue 10).
+    if shards is not None and _spans_processes(stacked):
         block = next(s.data for s in shards if s.index[0].start == index)
     elif shards is not None and len(shards) == stacked.shape[0]:
         block = shards[index].data  # Already on the replica's device: no gather.
@@ -440,13 +377,10 @@ def _flatten_per_replica(v):
 
 def _unflatten_per_replica(aux, children):
     kind, lengths, shape = aux
-    self = object.__new__(PerReplica)
     if kind == "ragged":
-        self._init(None, tuple(children), None)
-    else:
-        _check_not_sliced(shape, children[0])
-        self._init(children[0], None, lengths)
-    return self
+        return PerReplica._from_ragged(children)
+    _check_not_sliced(shape, children[0])
+    return PerReplica._from_stacked(children[0], lengths)
 
 
 jax.tree_util.register_pytree_node(PerReplica, _flatten_per_replica, _unflatten_per_replica)
@@ -459,10 +393,8 @@ STEPS_RECIPE = (
 
 
 def _check_not_sliced(shape, stacked):
-    """Raises where JAX rebuilds a `PerReplica` from an array of another shape than the one it
-    flattened to: ``lax.scan``, ``vmap`` or a ``tree_map`` sliced its stacked array, whose
-    first axis is the replicas, not steps (a scan over a ``(K, b)`` batch per replica would
-    scan the replicas: transposed data when K equals the replica count)."""
+    """Raises where JAX rebuilds a `PerReplica` from an array of another shape: ``lax.scan`` or
+    ``vmap`` sliced its stacked array, whose first axis is the replicas, not steps."""
     new_shape = getattr(stacked, "shape", None)  # JAX also unflattens with non-array leaves.
     if new_shape is not None and shape is not None and tuple(new_shape) != shape:
         raise errors.InvalidArgumentError(
@@ -472,10 +404,8 @@ def _check_not_sliced(shape, stacked):
 
 
 class _Copies(NamedTuple):
-    """A `Mirrored` value's pytree metadata: how many replicas hold a copy, and whether ``run``
-    returned it (`is_step_output`). One object per pair (`copies_of`), so JAX's comparison of
-    two calls' metadata is an identity check; measured, the field costs 0.03 us per `Mirrored`
-    argument of a jitted call."""
+    """A `Mirrored` value's pytree metadata; one object per pair (`copies_of`), so JAX compares
+    two calls' metadata by identity."""
     num_replicas: int
     step_output: bool
 
@@ -484,23 +414,16 @@ copies_of = functools.lru_cache(maxsize=None)(_Copies)
 jax.tree_util.register_dataclass(Mirrored, data_fields=["_value"], meta_fields=["_copies"])
 
 
-def is_step_output(value) -> bool:
-    """Whether ``value`` is a `Mirrored` that ``run`` returned: a value every replica computed
-    alike, which TF's ``run`` returns as a `PerReplica` of equal values (its ``reduce`` adds
-    the copies; a MEAN divides that sum by N, which is not the value in the last bits). Every
-    other `Mirrored` is TF's ``Mirrored`` (``reduce_to`` results, mirrored variables), whose
-    MEAN is itself."""
+def is_step_output(value: Any) -> bool:
+    """Whether ``value`` is a `Mirrored` that ``run`` returned (TF's `PerReplica` of equal values,
+    whose MEAN sums then divides); any other `Mirrored` is TF's, whose MEAN is itself."""
     return isinstance(value, Mirrored) and value._copies.step_output
 
 
-def wrap_at(leaves, mirrored_at, num_replicas, per_replica_at=()):
-    """Wraps ``leaves`` in place: a `Mirrored` of ``leaves[i]`` for each ``i`` in
-    ``mirrored_at`` (a step output, `is_step_output`), a `PerReplica` of the stacked array
-    ``leaves[i]`` for each ``i`` in ``per_replica_at``.
-
-    The wrapping loop of `run`'s outputs, one Python frame for all of them: it runs on every
-    step.
-    """
+def wrap_at(leaves: list, mirrored_at: Sequence[int], num_replicas: int,
+            per_replica_at: Sequence[int] = ()) -> None:
+    """Wraps ``leaves`` in place: step-output `Mirrored` at ``mirrored_at``, `PerReplica` at
+    ``per_replica_at`` (`run`'s outputs, on every step: one Python frame for all of them)."""
     new, copies = object.__new__, copies_of(num_replicas, True)
     for i in mirrored_at:
         m = new(Mirrored)
@@ -511,9 +434,7 @@ def wrap_at(leaves, mirrored_at, num_replicas, per_replica_at=()):
 
 
 def check_replica_count(value: DistributedValues, num_replicas: int, what: str) -> None:
-    """Raises where a distributed value made by a strategy of another replica count reaches
-    ``what`` of a strategy of ``num_replicas``: TF's ``run`` raises ``IndexError`` there and
-    its ``reduce`` combines the value's own copies, so no number of this strategy is right.
+    """Raises where a value made by a strategy of another replica count reaches ``what``.
 
     Example:
       >>> check_replica_count(Mirrored([np.float32(1)] * 2), 3, "strategy.reduce")
@@ -529,27 +450,23 @@ def check_replica_count(value: DistributedValues, num_replicas: int, what: str) 
             "through this strategy's run, or jdist.mirror(value.value, strategy) for state).")
 
 
-def is_distributed(x):
+def is_distributed(x: Any) -> bool:
     """Whether ``x`` is a `DistributedValues` (used as ``is_leaf`` when flattening nests)."""
     return isinstance(x, DistributedValues)
 
 
-def ragged_components(value):
-    """Every replica's entry of a ragged `PerReplica`, in replica order.
-
-    On one process these are the arrays themselves. Under `MultiWorkerMirroredStrategy` each
-    process holds only its own replicas' arrays; another worker's replica is a
-    ``jax.ShapeDtypeStruct`` (its shape and dtype, which every worker knows and agreed on).
-    """
+def ragged_components(value: PerReplica) -> tuple:
+    """Every replica's entry of a ragged `PerReplica`, in replica order (another worker's
+    replica is a ``jax.ShapeDtypeStruct``)."""
     return value._components
 
 
-def spans_workers(value):
+def spans_workers(value: PerReplica) -> bool:
     """Whether a ragged `PerReplica` has replicas held by other processes."""
     return any(isinstance(c, jax.ShapeDtypeStruct) for c in value._components)
 
 
-def local_results(value):
+def local_results(value: Any) -> tuple:
     """Returns the per-replica components of ``value`` as a tuple (see `Strategy`).
 
     Args:
