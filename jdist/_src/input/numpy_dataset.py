@@ -6,7 +6,7 @@ What ``strategy.experimental_make_numpy_dataset(x)`` returns, as TF returns
 """
 
 import itertools
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 import jax
 import numpy as np
@@ -33,7 +33,7 @@ class NumpyDataset:
       ([[0, 1], [2, 3], [4]], 3)
     """
 
-    def __init__(self, data: object, _ops: tuple = ()):
+    def __init__(self, data: Any, _ops: tuple = ()):
         leaves = jax.tree_util.tree_leaves(data)
         if not leaves:
             raise errors.InvalidArgumentError("a numpy dataset needs at least one array.")
@@ -53,7 +53,7 @@ class NumpyDataset:
         self._placements: dict = {}  # Shared with every dataset made from this one, as `_data` is.
 
     @classmethod
-    def from_tensor_slices(cls, data: object) -> "NumpyDataset":
+    def from_tensor_slices(cls, data: Any) -> "NumpyDataset":
         """The rows of ``data`` (same as the constructor)."""
         return cls(data)
 
@@ -97,12 +97,12 @@ class NumpyDataset:
         the epochs' shuffle orders, as in tf.data)."""
         return self._then(_Prefetch(buffer_size))
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         for item in self._indices()():
             yield self._read(_rows(item))
 
     @property
-    def arrays(self):
+    def arrays(self) -> Any:
         """The dataset's own aligned read-only copy of its data (`batch_blocks` places it as is)."""
         return self._data
 
@@ -121,7 +121,7 @@ class NumpyDataset:
         every later epoch reuses them (`in_place_batches`, `batch_blocks`)."""
         return self._placements
 
-    def blocks(self, count: int):
+    def blocks(self, count: int) -> Iterator[tuple[Optional[int], Any]]:
         """The elements in order as ``(number, rows)``: up to ``count`` full ones and the rows
         of `arrays` they read (a slice or a 1-D index), or ``(None, element)`` for another.
 
@@ -218,13 +218,13 @@ class NumpyDataset:
         return all(op.drop for op in self._ops if isinstance(op, _Batch))
 
     @property
-    def element_spec(self):
+    def element_spec(self) -> Any:
         """A nest of ``jax.ShapeDtypeStruct`` describing a full element (batch dims included)."""
         outer = tuple(op.size for op in reversed(self._ops) if isinstance(op, _Batch))
         return jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(outer + a.shape[1:], a.dtype), self._data)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"NumpyDataset(rows={self._size}, element_spec={self.element_spec})"
 
 

@@ -1,20 +1,21 @@
 """Host values given to ``strategy.run`` must be equal on every worker: checked once per program.
 
 Each worker places its own copy of a host argument, so copies that differ would silently give
-each worker its own numbers (or different programs, which hang in a collective). Whenever
-``run`` compiles a new program, every worker publishes a cheap description of each argument
-leaf (kind, shape, dtype; a hash of host arrays up to `HASHED_BYTES`; the value of simple
-constants) through `multi_worker_runtime.Agreement`, and all raise the same
-`errors.InvalidArgumentError` if they differ. Global arrays agree by construction.
+each worker its own numbers (or programs that hang in a collective). When ``run`` compiles a
+program, the workers exchange a cheap description of each argument leaf (`describe`) and all
+raise the same error if they differ. Global arrays agree by construction.
 """
 
 import enum
 import hashlib
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 
 from jdist._src import errors
+from jdist._src.multi_worker.runtime import Agreement
+from jdist._src.multi_worker.runtime import Cluster
 from jdist._src.values import DistributedValues
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
@@ -23,8 +24,9 @@ HASHED_BYTES = 1 << 20  # Host arrays up to 1 MiB are compared by value, larger 
 _SIMPLE = (bool, int, float, complex, str, bytes, type(None), enum.Enum)
 
 
-def describe(leaf):
-    """A JSON-able description of one argument leaf of ``run`` (see the module doc)."""
+def describe(leaf: Any) -> list:
+    """A JSON-able description of an argument leaf of ``run``: kind, shape, dtype, a hash of
+    host arrays up to `HASHED_BYTES`, the value of simple constants."""
     if isinstance(leaf, Mirrored):
         return ["Mirrored", list(leaf.shape), str(leaf.dtype)]
     if isinstance(leaf, PerReplica):
@@ -54,18 +56,14 @@ def _digest(array):
     return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
 
 
-def check_equal(agreement, cluster, in_tree, leaves):
+def check_equal(agreement: Agreement, cluster: Cluster, in_tree: Any,
+                leaves: Sequence) -> None:
     """Raises on every worker unless every worker passes the same arguments to ``run``.
 
-    Args:
-      agreement: the strategy's `multi_worker_runtime.Agreement`.
-      cluster: the `multi_worker_runtime.Cluster`, for messages.
-      in_tree: the tree of ``(args, kwargs)`` that ``leaves`` flatten.
-      leaves: the flattened arguments (`DistributedValues` kept whole).
+    ``leaves`` flatten ``(args, kwargs)`` by ``in_tree``, `DistributedValues` kept whole.
 
     Raises:
-      InvalidArgumentError: an argument differs between workers (named, with each worker's
-        description).
+      InvalidArgumentError: an argument differs between workers (named, with each worker's).
       UnavailableError: a peer did not reach the check within the timeout.
     """
     mine = [describe(leaf) for leaf in leaves]

@@ -1,14 +1,12 @@
 """Cluster resolvers: who the workers of a multi-worker job are (``tf.distribute.cluster_resolver``).
 
-A resolver answers three questions for `MultiWorkerMirroredStrategy`: the cluster (a
-`ClusterSpec`: job name -> task addresses), which task this process is (``task_type``,
-``task_id``) and how many accelerators it has. `TFConfigClusterResolver` reads the ``TF_CONFIG``
-environment variable every time it is asked (TF's lazy reading), `SlurmClusterResolver` reads
-SLURM's environment, `SimpleClusterResolver` holds what it is given. All are pure Python.
+A resolver gives `MultiWorkerMirroredStrategy` the cluster (a `ClusterSpec`), this process's
+task (``task_type``, ``task_id``) and its accelerators. All are pure Python: nothing starts JAX.
 """
 
 import json
 import os
+from typing import Any, Optional, Union
 
 import jax
 
@@ -25,8 +23,8 @@ class ClusterSpec:
         the ``i``-th) or to a dict ``{task_index: address}`` (sparse jobs), or a `ClusterSpec`.
 
     Raises:
-      InvalidArgumentError: a job name is not a string, an address is not a string, or a task
-        index is not a non-negative int.
+      InvalidArgumentError: a job name or an address is not a string, or a task index is not a
+        non-negative int.
 
     Example:
       >>> spec = ClusterSpec({"worker": ["h0:2222", "h1:2222"], "chief": {0: "c:2222"}})
@@ -36,7 +34,7 @@ class ClusterSpec:
       {'worker': ['h0:2222', 'h1:2222'], 'chief': ['c:2222']}
     """
 
-    def __init__(self, cluster):
+    def __init__(self, cluster: Union[dict, "ClusterSpec"]):
         if isinstance(cluster, ClusterSpec):
             cluster = cluster.as_dict()
         if not isinstance(cluster, dict):
@@ -49,19 +47,19 @@ class ClusterSpec:
             self._jobs[job] = _job_tasks(job, tasks)
 
     @property
-    def jobs(self):
-        """The job names, in the order they were given (a list)."""
+    def jobs(self) -> list[str]:
+        """The job names, in the order they were given."""
         return list(self._jobs)
 
-    def num_tasks(self, job_name):
+    def num_tasks(self, job_name: str) -> int:
         """How many tasks ``job_name`` has."""
         return len(self._tasks(job_name))
 
-    def task_indices(self, job_name):
-        """The task indices of ``job_name``, sorted (a list of ints)."""
+    def task_indices(self, job_name: str) -> list[int]:
+        """The task indices of ``job_name``, sorted."""
         return sorted(self._tasks(job_name))
 
-    def task_address(self, job_name, task_index):
+    def task_address(self, job_name: str, task_index: int) -> str:
         """The address of task ``task_index`` of ``job_name``.
 
         Raises:
@@ -74,16 +72,14 @@ class ClusterSpec:
                 f"{sorted(tasks)}).")
         return tasks[task_index]
 
-    def job_tasks(self, job_name):
+    def job_tasks(self, job_name: str) -> list[Optional[str]]:
         """The addresses of ``job_name`` by index, None where a sparse job has no task."""
         tasks = self._tasks(job_name)
-        if not tasks:
-            return []
-        return [tasks.get(i) for i in range(max(tasks) + 1)]
+        return [tasks.get(i) for i in range(max(tasks) + 1)] if tasks else []
 
-    def as_dict(self):
+    def as_dict(self) -> dict:
         """The cluster as a dict: a list of addresses for dense jobs, ``{index: address}`` else."""
-        out = {}
+        out: dict = {}
         for job, tasks in self._jobs.items():
             dense = sorted(tasks) == list(range(len(tasks)))
             out[job] = [tasks[i] for i in range(len(tasks))] if dense else dict(tasks)
@@ -95,19 +91,16 @@ class ClusterSpec:
                 f"no such job in the cluster: {job_name!r} (jobs: {self.jobs}).")
         return self._jobs[job_name]
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return bool(self._jobs)
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, ClusterSpec) and self.as_dict() == other.as_dict()
 
-    def __ne__(self, other):
-        return not self == other
-
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash(json.dumps(self.as_dict(), sort_keys=True, default=str))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"ClusterSpec({self.as_dict()!r})"
 
 
@@ -135,14 +128,14 @@ def _job_tasks(job, tasks):
     return out
 
 
-def format_master_url(master, rpc_layer=None):
+def format_master_url(master: str, rpc_layer: Optional[str] = None) -> str:
     """``"rpc_layer://master"``, or ``master`` alone without an rpc layer."""
     return f"{rpc_layer}://{master}" if rpc_layer else master
 
 
-def local_accelerators():
+def local_accelerators() -> dict[str, int]:
     """This process's accelerators by TF device type, e.g. ``{"GPU": 2}`` (CPUs are not counted)."""
-    counts = {}
+    counts: dict[str, int] = {}
     for device in jax.local_devices():
         if device.platform != "cpu":
             kind = "GPU" if device.platform in ("gpu", "cuda", "rocm") else device.platform.upper()
@@ -157,44 +150,44 @@ class ClusterResolver:
     ``rpc_layer``.
     """
 
-    task_type = None
-    task_id = None
-    rpc_layer = None
+    task_type: Optional[str] = None
+    task_id: Optional[int] = None
+    rpc_layer: Optional[str] = None
 
-    def cluster_spec(self):
+    def cluster_spec(self) -> ClusterSpec:
         """The `ClusterSpec` of the job."""
         raise errors.UnsupportedValueError(
             f"{type(self).__name__} does not describe a cluster; implement cluster_spec().")
 
-    def master(self, task_type=None, task_id=None, rpc_layer=None):
+    def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+               rpc_layer: Optional[str] = None) -> str:
         """The address of the master task (a TF 1.x notion); ``''`` when there is none."""
         raise errors.UnsupportedValueError(
             f"{type(self).__name__} does not name a master; implement master().")
 
-    def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+    def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+                         config_proto: Any = None) -> dict[str, int]:
         """This process's accelerators by device type, e.g. ``{"GPU": 1}`` (``{}`` on CPU).
 
-        JAX sees only the devices of its own process, so only this task can be asked about.
+        JAX sees only its own process's devices, so only this task can be asked about.
         """
         return local_accelerators()
 
     @property
-    def environment(self):
+    def environment(self) -> str:
         """The environment TF would run in: ``''`` (not Google-internal)."""
         return ""
 
 
 class TFConfigClusterResolver(ClusterResolver):
-    """Reads the cluster from the ``TF_CONFIG`` environment variable, at each access.
+    """Reads the cluster from the ``TF_CONFIG`` environment variable, at each access (as TF).
 
     ``TF_CONFIG`` is a JSON object with ``cluster`` (job -> addresses), ``task`` (``type``,
     ``index``), and optionally ``rpc_layer`` and ``session_master``. Unset or empty, it means a
     single local worker: an empty `ClusterSpec` and ``task_type``/``task_id`` None.
 
     Args:
-      task_type: overrides ``task.type``.
-      task_id: overrides ``task.index``.
-      rpc_layer: overrides ``rpc_layer``.
+      task_type, task_id, rpc_layer: override ``task.type``, ``task.index``, ``rpc_layer``.
       environment: overrides the environment (``''``).
 
     Example:
@@ -209,14 +202,15 @@ class TFConfigClusterResolver(ClusterResolver):
       (True, {})
     """
 
-    def __init__(self, task_type=None, task_id=None, rpc_layer=None, environment=None):
+    def __init__(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+                 rpc_layer: Optional[str] = None, environment: Optional[str] = None):
         self._task_type = task_type
         self._task_id = task_id
         self._rpc_layer = rpc_layer
         self._environment = environment
 
-    @property
-    def task_type(self):
+    @property  # type: ignore[override]
+    def task_type(self) -> Optional[str]:
         """This task's job name: the override, else ``TF_CONFIG``'s ``task.type``, else None."""
         if self._task_type is not None:
             return str(self._task_type)
@@ -224,11 +218,11 @@ class TFConfigClusterResolver(ClusterResolver):
         return str(task["type"]) if "type" in task else None
 
     @task_type.setter
-    def task_type(self, task_type):
+    def task_type(self, task_type: Optional[str]) -> None:
         self._task_type = task_type
 
-    @property
-    def task_id(self):
+    @property  # type: ignore[override]
+    def task_id(self) -> Optional[int]:
         """This task's index in its job: the override, else ``task.index``, else None."""
         if self._task_id is not None:
             return int(self._task_id)
@@ -236,38 +230,36 @@ class TFConfigClusterResolver(ClusterResolver):
         return int(task["index"]) if "index" in task else None
 
     @task_id.setter
-    def task_id(self, task_id):
+    def task_id(self, task_id: Optional[int]) -> None:
         self._task_id = task_id
 
-    @property
-    def rpc_layer(self):
+    @property  # type: ignore[override]
+    def rpc_layer(self) -> Optional[str]:
         """The override, else ``TF_CONFIG``'s ``rpc_layer``, else None."""
         if self._rpc_layer is not None:
             return self._rpc_layer
         return _tf_config().get("rpc_layer")
 
     @rpc_layer.setter
-    def rpc_layer(self, rpc_layer):
+    def rpc_layer(self, rpc_layer: Optional[str]) -> None:
         self._rpc_layer = rpc_layer
 
     @property
-    def environment(self):
+    def environment(self) -> Optional[str]:  # type: ignore[override]
+        """The override given to the constructor (None without one)."""
         return self._environment
 
-    def cluster_spec(self):
+    def cluster_spec(self) -> ClusterSpec:
         """The `ClusterSpec` of ``TF_CONFIG``'s ``cluster`` (empty when there is none)."""
         return ClusterSpec(_tf_config().get("cluster", {}))
 
-    def master(self, task_type=None, task_id=None, rpc_layer=None):
+    def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+               rpc_layer: Optional[str] = None) -> str:
         """``session_master`` when set; ``''`` for a one-task cluster; else the task's address.
 
         Args:
-          task_type: the task to name (default: this task).
-          task_id: its index (default: this task's).
-          rpc_layer: prefix for the address (default: `rpc_layer`).
-
-        Returns:
-          The address, as ``"rpc_layer://host:port"`` when there is an rpc layer.
+          task_type, task_id: the task to name (default: this task).
+          rpc_layer: prefix of the address, ``"rpc_layer://host:port"`` (default: `rpc_layer`).
         """
         session_master = _tf_config().get("session_master")
         if session_master is not None:
@@ -278,7 +270,8 @@ class TFConfigClusterResolver(ClusterResolver):
         task_type = self.task_type if task_type is None else task_type
         task_id = self.task_id if task_id is None else task_id
         rpc_layer = self.rpc_layer if rpc_layer is None else rpc_layer
-        return format_master_url(spec.task_address(task_type, task_id), rpc_layer)
+        address = spec.task_address(task_type, task_id)  # type: ignore[arg-type]  # None raises.
+        return format_master_url(address, rpc_layer)
 
 
 def _tf_config():
@@ -299,12 +292,9 @@ class SimpleClusterResolver(ClusterResolver):
 
     Args:
       cluster_spec: a `ClusterSpec` or a dict for one.
-      master: the master address returned by `master` without arguments.
-      task_type: this task's job name.
-      task_id: this task's index.
-      environment: the environment string.
+      master: what `master` returns without a task.
+      task_type, task_id, environment, rpc_layer: returned as given.
       num_accelerators: a dict such as ``{"GPU": 2}``; None asks this process's devices.
-      rpc_layer: the rpc layer prefixed to addresses.
 
     Example:
       >>> r = SimpleClusterResolver({"worker": ["a:1", "b:2"]}, task_type="worker", task_id=0)
@@ -312,8 +302,10 @@ class SimpleClusterResolver(ClusterResolver):
       ('', 'grpc://b:2')
     """
 
-    def __init__(self, cluster_spec, master="", task_type=None, task_id=None, environment="",
-                 num_accelerators=None, rpc_layer=None):
+    def __init__(self, cluster_spec: Union[dict, ClusterSpec], master: str = "",
+                 task_type: Optional[str] = None, task_id: Optional[int] = None,
+                 environment: str = "", num_accelerators: Optional[dict[str, int]] = None,
+                 rpc_layer: Optional[str] = None):
         self._cluster_spec = ClusterSpec(cluster_spec)
         self._master = master
         self.task_type = task_type
@@ -322,11 +314,12 @@ class SimpleClusterResolver(ClusterResolver):
         self._num_accelerators = num_accelerators
         self.rpc_layer = rpc_layer
 
-    def cluster_spec(self):
+    def cluster_spec(self) -> ClusterSpec:
         """The `ClusterSpec` given to the constructor."""
         return self._cluster_spec
 
-    def master(self, task_type=None, task_id=None, rpc_layer=None):
+    def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+               rpc_layer: Optional[str] = None) -> str:
         """The given task's address if both are given, else the constructor's ``master``."""
         if task_type is not None and task_id is not None:
             address = self._cluster_spec.task_address(task_type, task_id)
@@ -335,10 +328,12 @@ class SimpleClusterResolver(ClusterResolver):
         return format_master_url(address, rpc_layer or self.rpc_layer)
 
     @property
-    def environment(self):
+    def environment(self) -> str:
+        """The environment given to the constructor."""
         return self._environment
 
-    def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+    def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+                         config_proto: Any = None) -> dict[str, int]:
         """The constructor's ``num_accelerators``, else this process's accelerators."""
         if self._num_accelerators is None:
             return local_accelerators()

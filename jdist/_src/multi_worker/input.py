@@ -1,16 +1,14 @@
 """Input across workers: each worker places its own replicas' rows; PER_WORKER pipelines in step.
 
-* `LocalRowsPlacer` places only THIS worker's replicas' rows of each split batch.
-* `per_worker_feed` runs a ``PER_WORKER`` dataset: each worker reads its own pipeline for its
-  own replicas, and every step the workers publish their batches' shapes through the
-  coordination service (never an XLA collective), so all build the same global arrays; a
-  worker that has ended takes part with empty batches, as in TF, until every worker is out.
-
-The exchange runs on the consumer's thread (``next(iterator)``), in the same order on every
-worker as the other agreements: a prefetch thread waiting for a peer could not be stopped.
+For a ``PER_WORKER`` dataset the workers exchange their batches' shapes every step (through the
+coordination service, never an XLA collective), so all build the same global arrays; a worker
+whose data has ended takes part with empty batches, as in TF, until every worker is out. The
+exchange runs on the consumer's thread, in order with the other agreements: a prefetch thread
+waiting for a peer could not be stopped.
 """
 
 import itertools
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -22,31 +20,24 @@ from jdist._src.values import PerReplica
 
 
 class LocalRowsPlacer(input_batches.Placer):
-    """Places only THIS worker's replicas' rows of each split batch (multi-worker input).
+    """Places only THIS worker's replicas' rows of each split batch, as global arrays.
 
-    ``split`` keeps the local chunks (the global lengths are still computed from all chunks,
-    which are views of the batch, or shape-only placeholders for other workers' batches);
-    ``place`` builds each global array with ``jax.make_array_from_process_local_data``.
-
-    Args:
-      strategy: the `MultiWorkerMirroredStrategy`.
-      fetch_to_device: accepted as `input_batches.Placer`'s (the rows always go to the devices).
+    The global lengths still come from all chunks: views of the batch, or shape-only stand-ins
+    for other workers' batches. ``fetch_to_device`` is accepted; the rows always go to devices.
     """
 
     whole_batches_here = False
 
-    def __init__(self, strategy, fetch_to_device=True):
+    def __init__(self, strategy: Any, fetch_to_device: bool = True):
         super().__init__(strategy, fetch_to_device)
         ids = strategy.extended._local_replica_ids()
         self._lo, self._hi = ids[0], ids[-1] + 1
 
-    def split(self, chunks, rows):
-        """This worker's chunks stacked, when every replica's chunk has one shape (chunks of
-        different sizes are `uneven_multi_worker.RaggedRowsPlacer`'s, the placer the strategy
-        uses: they stay ragged)."""
+    def split(self, chunks: list, rows: Any) -> tuple:
+        """This worker's chunks stacked (uneven ones are `ragged.RaggedRowsPlacer`'s)."""
         return (np.stack(chunks[self._lo:self._hi]), None, input_batches.STACKED)
 
-    def place(self, leaves):
+    def place(self, leaves: list) -> list:
         """The element's `PerReplica` values, built from this worker's rows."""
         out = []
         for array, lengths, kind in leaves:
@@ -59,17 +50,12 @@ class LocalRowsPlacer(input_batches.Placer):
         return out
 
 
-def per_worker_feed(extended, source, dealer):
-    """``(source, transform, finish)`` of a PER_WORKER dataset over several workers (module doc).
+def per_worker_feed(extended: Any, source: input_batches.Source,
+                    dealer: input_batches.PerReplicaDealer) -> tuple[Iterator, Callable, Callable]:
+    """``(groups, transform, finish)`` of a PER_WORKER dataset over several workers.
 
-    Args:
-      extended: the `MultiWorkerExtended` (its agreement, cluster and replica ids).
-      source: the `input_batches.Source` of this worker's ``dataset_fn`` result.
-      dealer: the `input_batches.PerReplicaDealer` over the strategy's `LocalRowsPlacer`.
-
-    Returns:
-      An iterator of this worker's groups of per-replica batches (None once its data has
-      ended), the transform for the prefetch thread, and the consumer-side step.
+    ``groups`` yields this worker's groups of per-replica batches (None once its data has ended),
+    ``transform`` runs on the prefetch thread, ``finish`` (the lockstep) on the consumer's.
     """
     ids = extended._replica_ids_by_worker()
     me = extended.worker_index
@@ -179,7 +165,6 @@ class _Lockstep:
                         np.broadcast_to(np.zeros((), dtype), shape)
                         for (shape, _), (_, dtype) in zip(payload["slots"][k], specs)])
         return out
-
 
 
 def _template(batch):

@@ -1,15 +1,10 @@
 """``python -m jdist.launch``: run one script as N local workers of a multi-worker job.
 
-Each worker is a child process with its own ``TF_CONFIG`` (loopback ports; worker 0 hosts
-JAX's coordination service), optionally K simulated CPU devices, and output prefixed with
-``[worker i]`` (gloo's "connected" lines dropped). When a worker fails, or the launcher is
-interrupted, the others are terminated by PID and the launcher exits with the failure's
-status; on Linux the children get SIGKILL if the launcher dies, so none is left behind.
-
-``--max-restarts K`` starts a failed (or preempted) job again, every worker anew, up to K
-times; the script resumes from its latest checkpoint, ``JDIST_RESTART`` saying which start
-this is. ``--restart-nproc M`` restarts with M workers (checkpoints do not depend on the
-replica count, ``docs/stop_and_resume.md``).
+Each worker is a child process with its own ``TF_CONFIG`` (loopback ports) and output prefixed
+with ``[worker i]``. When one fails, or the launcher is interrupted, the others are ended by
+PID; on Linux the children get SIGKILL if the launcher dies, so none is left behind.
+``--max-restarts`` starts a failed job again (``JDIST_RESTART`` says which start; the script
+resumes from its checkpoint, ``docs/stop_and_resume.md``).
 """
 
 import argparse
@@ -23,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional, Sequence
 
 _GRACE_SECONDS = 5.0
 _PR_SET_PDEATHSIG = 1
@@ -31,7 +27,7 @@ _GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ran
                              rb"Expected number of connected peer ranks is : \1\n?")
 
 
-def parse_args(argv):
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The launcher's options, the script and the script's arguments."""
     parser = argparse.ArgumentParser(
         prog="python -m jdist.launch",
@@ -56,7 +52,7 @@ def parse_args(argv):
     return args
 
 
-def free_ports(n):
+def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1 (the sockets are closed before returning)."""
     sockets = []
     try:
@@ -70,7 +66,8 @@ def free_ports(n):
             s.close()
 
 
-def worker_env(base, ports, index, devices_per_proc=None):
+def worker_env(base: dict, ports: Sequence[int], index: int,
+               devices_per_proc: Optional[int] = None) -> dict:
     """The environment of worker ``index``: ``TF_CONFIG`` and, if asked, simulated devices."""
     env = dict(base)
     env["TF_CONFIG"] = json.dumps({
@@ -94,8 +91,7 @@ def _die_with_parent():
 
 
 def _pump(stream, index, out):
-    """Copies ``stream`` to ``out`` line by line, prefixed with the worker index, but for
-    gloo's line saying a rank connected to every peer."""
+    """Copies ``stream`` to ``out`` line by line, prefixed with the worker index."""
     prefix = f"[worker {index}] ".encode()
     for line in iter(stream.readline, b""):
         if _GLOO_CONNECTED.fullmatch(line):
@@ -108,7 +104,7 @@ def _pump(stream, index, out):
 class Workers:
     """The started worker processes and the threads copying their output."""
 
-    def __init__(self, command, envs):
+    def __init__(self, command: list[str], envs: Sequence[dict]):
         self.procs, self.threads = [], []
         for i, env in enumerate(envs):
             proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
@@ -120,7 +116,7 @@ class Workers:
                 thread.start()
                 self.threads.append(thread)
 
-    def wait(self):
+    def wait(self) -> int:
         """Waits until all succeed (returns 0) or one fails (returns its status)."""
         while True:
             codes = [p.poll() for p in self.procs]
@@ -131,7 +127,7 @@ class Workers:
                 return 0
             time.sleep(0.05)
 
-    def stop(self):
+    def stop(self) -> None:
         """Terminates the workers still running (SIGTERM, then SIGKILL) and joins everything."""
         for p in self.procs:
             if p.poll() is None:
@@ -155,7 +151,7 @@ def _raise_on_sigterm(signum, frame):
     raise KeyboardInterrupt
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the launcher; returns its exit status.
 
     Args:
@@ -171,10 +167,11 @@ def main(argv=None):
         for attempt in range(args.max_restarts + 1):
             status = _run_once(args, attempt)
             if not status or attempt == args.max_restarts:
-                return status
+                break
             sys.stderr.write(f"jdist.launch: starting the job again ({attempt + 1} of "
                              f"{args.max_restarts} restarts, {args.restart_nproc or args.nproc} "
                              "workers).\n")
+        return status
     except KeyboardInterrupt:
         return 130
     finally:

@@ -1,15 +1,14 @@
 """Exact uneven (ragged) per-replica values across the processes of a multi-worker strategy.
 
 Each process holds only its own replicas' arrays; the others' are ``jax.ShapeDtypeStruct`` s
-whose shapes were agreed when the value was made. So every worker traces the exact step
-(`jdist._src.uneven.plan`) alike and runs the same collectives, and `agree_step` compares the
-workers' views before each step, making a disagreement a typed error on every worker instead
-of a hang. This module holds the parts that only exist across processes.
+whose shapes were agreed when the value was made, so every worker traces the exact step alike.
+`agree_step` compares the workers' views before each step: a typed error, not a hang.
 """
 
 import functools
 import hashlib
 import json
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,28 +19,23 @@ from jax.sharding import PartitionSpec as P
 from jdist._src import errors
 from jdist._src.input import batches as input_batches
 from jdist._src.multi_worker import input as multi_worker_input
+from jdist._src.multi_worker.runtime import Agreement
+from jdist._src.multi_worker.runtime import Cluster
 from jdist._src.values import PerReplica
 from jdist._src.values import ragged_components
 
 _RAGGED_ACROSS = "ragged across workers"  # A `RaggedRowsPlacer` leaf kind.
 
 
-def spec(shape, dtype):
+def spec(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
     """The placeholder of another worker's replica: its shape and JAX's dtype for ``dtype``."""
     return jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(np.dtype(dtype)))
 
 
-def ragged_from_local(devices, local_ids, local_arrays, shapes, dtype):
-    """A ragged `PerReplica`: ``local_arrays`` on this worker's replica devices, placeholders
-    (``shapes[r]``, ``dtype``) for the others' replicas.
-
-    Args:
-      devices: every replica's device, in replica order.
-      local_ids: the replica ids of this worker, in order (one per local array).
-      local_arrays: this worker's values (host or device arrays).
-      shapes: every replica's shape, agreed by the workers.
-      dtype: the common dtype.
-    """
+def ragged_from_local(devices: Sequence[jax.Device], local_ids: Sequence[int],
+                      local_arrays: Sequence, shapes: Sequence, dtype: Any) -> PerReplica:
+    """A ragged `PerReplica`: ``local_arrays`` on the devices of replicas ``local_ids``, and
+    placeholders (``shapes[r]``, ``dtype``) for the other workers' replicas."""
     placed = jax.device_put(list(local_arrays), [devices[r] for r in local_ids])
     mine = dict(zip(local_ids, placed))
     return PerReplica._from_ragged(
@@ -51,18 +45,17 @@ def ragged_from_local(devices, local_ids, local_arrays, shapes, dtype):
 class RaggedRowsPlacer(multi_worker_input.LocalRowsPlacer):
     """`multi_worker_input.LocalRowsPlacer` keeping a partial batch ragged (TF's semantics).
 
-    Chunks of different sizes become a ragged `PerReplica` whose other
-    workers' replicas are placeholders; the chunks of other workers are shape-only already (the
-    split rule, or the PER_WORKER exchange, gives every worker every replica's shape).
+    Other workers' chunks are shape-only already (the split rule, or the PER_WORKER exchange,
+    gives every worker every replica's shape): they become the placeholders.
     """
 
-    def split(self, chunks, rows):
+    def split(self, chunks: list, rows: Any) -> tuple:
         if len({c.shape for c in chunks}) == 1:
             return super().split(chunks, rows)
         shapes = [tuple(c.shape) for c in chunks]
         return (list(chunks[self._lo:self._hi]), (shapes, chunks[0].dtype), _RAGGED_ACROSS)
 
-    def place(self, leaves):
+    def place(self, leaves: list) -> list:
         ragged = [i for i, (_, _, kind) in enumerate(leaves) if kind == _RAGGED_ACROSS]
         if not ragged:
             return super().place(leaves)
@@ -73,15 +66,11 @@ class RaggedRowsPlacer(multi_worker_input.LocalRowsPlacer):
                 if leaf[2] == _RAGGED_ACROSS else next(others) for leaf in leaves]
 
 
-# ------------------------------------------------------------------------------- agreement
-def agree_step(agreement, cluster, signature):
+def agree_step(agreement: Agreement, cluster: Cluster, signature: Sequence) -> None:
     """Raises on every worker unless every worker runs an exact step on the same signature.
 
-    Args:
-      agreement: the strategy's `multi_worker_runtime.Agreement`.
-      cluster: the `multi_worker_runtime.Cluster`, for messages.
-      signature: this call's per-leaf signature as `spmd` builds it (static leaves are skipped:
-        they are compared by value when a plan is built, `multi_worker_arguments`).
+    ``signature`` is `spmd`'s per-leaf one; its static leaves are skipped (`arguments` compares
+    them by value).
 
     Raises:
       UnevenValuesError: the workers' views of the replicas' shapes differ.
@@ -99,19 +88,13 @@ def agree_step(agreement, cluster, signature):
             "values with a distributed dataset or experimental_distribute_values_from_function.")
 
 
-# ------------------------------------------------------------------------- merge arguments
-def gather_operands(programs, local, blocks, avals, device):
-    """Every replica's merge_call arguments, on ``device`` (one of this worker's), in order.
+def gather_operands(programs: Any, local: Sequence[int], blocks: dict, avals: Sequence,
+                    device: jax.Device) -> list:
+    """Every replica's merge_call arguments on ``device`` (one of this worker's), a flat list
+    replica by replica, in their true shapes.
 
-    Args:
-      programs: the strategy's `replica_mesh.ReplicaMesh` (over every worker's devices).
-      local: this worker's replica ids.
-      blocks: per local replica id, its argument blocks (leading axis of 1).
-      avals: per replica (all of them), its arguments' avals, known on every worker.
-      device: where the result goes.
-
-    Returns:
-      A flat list, replica by replica, of every replica's blocks with their true shapes.
+    ``programs`` is the strategy's `ReplicaMesh`; ``blocks[r]`` local replica ``r``'s argument
+    blocks (a leading axis of 1); ``avals[r]`` every replica's avals, known on every worker.
     """
     n, count = len(avals), len(avals[0])
     columns = []
@@ -126,7 +109,7 @@ def gather_operands(programs, local, blocks, avals, device):
     targets = [tuple(max(s[d] for s in shapes) for d in range(len(shapes[0])))
                for shapes, _ in columns]
     gathered = _all_gather(programs, local, blocks, columns, targets)
-    out = [[None] * count for _ in range(n)]
+    out: list[list[Any]] = [[None] * count for _ in range(n)]
     for i, ((shapes, dtype), full) in enumerate(zip(columns, gathered)):
         for r, shape in enumerate(shapes):
             out[r][i] = (jnp.zeros(shape, dtype) if full is None
@@ -135,8 +118,8 @@ def gather_operands(programs, local, blocks, avals, device):
 
 
 def _all_gather(programs, local, blocks, columns, targets):
-    """Per argument: the ``(N, *target[1:])`` padded blocks of every replica on this worker's
-    first device, or None when they are all empty (XLA rejects zero-size collectives)."""
+    """Per argument: every replica's padded blocks on this worker's first device, or None when
+    they are all empty (XLA rejects zero-size collectives)."""
     devices = programs.devices
     inputs, where = [], []
     for i, ((_, dtype), target) in enumerate(zip(columns, targets)):
@@ -174,8 +157,7 @@ def _replicate(sharding, count):
     return jax.jit(lambda *xs: xs, out_shardings=(sharding,) * count)
 
 
-# ---------------------------------------------------------------- cross-replica reduce/gather
-def as_padded(mesh, axis_name, value):
+def as_padded(mesh: jax.sharding.Mesh, axis_name: str, value: PerReplica) -> PerReplica:
     """A ragged `PerReplica` spanning workers as a padded one (``lengths``), which
     ``strategy.reduce`` and ``strategy.gather`` combine exactly across hosts.
 

@@ -9,6 +9,7 @@
 
 import json
 import threading
+from typing import Any
 
 import jax
 
@@ -23,15 +24,12 @@ _JOBS = ("chief", "worker")
 class Cluster:
     """The workers of a job, in process order, and this process's place among them.
 
-    Args:
-      resolver: a cluster resolver (``cluster_spec()``, ``task_type``, ``task_id``).
-
     Raises:
       InvalidArgumentError: the cluster has jobs a multi-worker strategy cannot run (``ps``),
         or this task is not one of its workers.
     """
 
-    def __init__(self, resolver):
+    def __init__(self, resolver: Any):
         spec = resolver.cluster_spec()
         jobs = spec.as_dict() if spec else {}
         unknown = sorted(set(jobs) - set(_JOBS) - {"evaluator"})
@@ -53,21 +51,21 @@ class Cluster:
             self.index = self.tasks.index(task)
 
     @property
-    def num_workers(self):
+    def num_workers(self) -> int:
         return len(self.tasks)
 
     @property
-    def coordinator(self):
+    def coordinator(self) -> str:
         """The address of the first worker (the chief when there is one)."""
         return self.addresses[0]
 
-    def name(self, index):
+    def name(self, index: int) -> str:
         """A worker's name for messages: ``"worker 1 (task worker:0, host:port)"``."""
         job, i = self.tasks[index]
         return f"worker {index} (task {job}:{i}, {self.addresses[index]})"
 
 
-def initialize(cluster, timeout_seconds):
+def initialize(cluster: Cluster, timeout_seconds: float) -> None:
     """Starts ``jax.distributed`` for ``cluster`` (once per process); checks a running one.
 
     Raises:
@@ -99,32 +97,20 @@ _client = jax_internals.distributed_client  # The coordination service's key-val
 
 
 class Agreement:
-    """Exchanges small JSON payloads between all workers, in lockstep (see module doc).
+    """Exchanges small JSON payloads between all workers, in lockstep (see module doc)."""
 
-    Args:
-      cluster: the `Cluster`.
-      timeout_seconds: how long to wait for a peer's payload.
-    """
-
-    def __init__(self, cluster, timeout_seconds):
+    def __init__(self, cluster: Cluster, timeout_seconds: float):
         self._cluster = cluster
         self._timeout_ms = int(timeout_seconds * 1000)
         self._seq = 0
         self._lock = threading.Lock()
 
-    def exchange(self, what, payload):
-        """Every worker's ``payload`` (a JSON-able value), in worker order.
-
-        Args:
-          what: the operation, for messages.
-          payload: this worker's value.
-
-        Returns:
-          A list with one payload per worker.
+    def exchange(self, what: str, payload: Any) -> list:
+        """Every worker's JSON-able ``payload``, in worker order; ``what`` names the operation.
 
         Raises:
           UnavailableError: a peer did not publish its payload within the timeout.
-          InvalidArgumentError: a peer reached another exchange at this point (the workers run
+          InvalidArgumentError: a peer reached another exchange here (the workers run
             different sequences of distributed calls).
         """
         client, me = _client(), self._cluster.index

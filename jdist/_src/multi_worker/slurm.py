@@ -1,15 +1,13 @@
-"""`SlurmClusterResolver`: the cluster of a SLURM job step, from SLURM's environment variables.
+"""`SlurmClusterResolver`: the cluster of a SLURM job step, from the variables ``srun`` sets.
 
-Under ``srun`` every task of a step gets ``SLURM_PROCID`` (its rank), ``SLURM_STEP_NUM_TASKS``,
-``SLURM_STEP_NODELIST`` (compressed host names, ``node[01-03,07]``) and
-``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``). Tasks are packed onto the hosts in order, task
-``k`` of a host listening on ``port_base + k``, and ranks are dealt to the jobs in the order of
-their names, as TF's resolver does. Nothing here starts JAX or runs a program.
+As TF's resolver: tasks are packed onto the hosts in order, task ``k`` of a host listening on
+``port_base + k``, and ranks are dealt to the jobs in the order of their names.
 """
 
 import itertools
 import os
 import re
+from typing import Any, Optional, Sequence, Union
 
 from jdist._src import errors
 from jdist._src.multi_worker.cluster_resolver import ClusterResolver
@@ -20,9 +18,8 @@ _RANGE = re.compile(r"^(?P<prefix>[^\[\],]*)\[(?P<ranges>[^\]]+)\](?P<rest>.*)$"
 _REPEAT = re.compile(r"^(?P<count>\d+)(?:\(x(?P<times>\d+)\))?$")
 
 
-def expand_hostlist(hostlist):
-    """Expands SLURM's compressed host list: ``"n[1-3],m[08-09]"`` -> ``["n1", "n2", "n3",
-    "m08", "m09"]``.
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expands SLURM's compressed host list (``SLURM_STEP_NODELIST``).
 
     Example:
       >>> expand_hostlist("gpu[01-02,5],login")
@@ -63,8 +60,8 @@ def _expand_item(item):
     return [match.group("prefix") + v + r for v, r in itertools.product(values, rests)]
 
 
-def expand_tasks_per_node(text):
-    """Expands SLURM's tasks-per-node list: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``.
+def expand_tasks_per_node(text: str) -> list[int]:
+    """Expands SLURM's tasks-per-node list (``SLURM_STEP_TASKS_PER_NODE``).
 
     Example:
       >>> expand_tasks_per_node("2(x2),1")
@@ -107,18 +104,19 @@ class SlurmClusterResolver(ClusterResolver):
 
     Example:
       >>> import os
-      >>> os.environ.update(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2",
-      ...                   SLURM_STEP_NODELIST="n[1-2]", SLURM_STEP_TASKS_PER_NODE="1(x2)")
+      >>> env = dict(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="n[1-2]",
+      ...            SLURM_STEP_TASKS_PER_NODE="1(x2)")
+      >>> os.environ.update(env)
       >>> r = SlurmClusterResolver(auto_set_gpu=False)
       >>> r.cluster_spec().as_dict(), r.task_type, r.task_id
       ({'worker': ['n1:8888', 'n2:8888']}, 'worker', 1)
-      >>> for k in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST",
-      ...           "SLURM_STEP_TASKS_PER_NODE"):
-      ...   del os.environ[k]
+      >>> for k in env: del os.environ[k]
     """
 
-    def __init__(self, jobs=None, port_base=8888, gpus_per_node=None, gpus_per_task=None,
-                 tasks_per_node=None, auto_set_gpu=True, rpc_layer="grpc"):
+    def __init__(self, jobs: Optional[dict[str, int]] = None, port_base: int = 8888,
+                 gpus_per_node: Optional[int] = None, gpus_per_task: Optional[int] = None,
+                 tasks_per_node: Union[int, Sequence[int], None] = None,
+                 auto_set_gpu: bool = True, rpc_layer: Optional[str] = "grpc"):
         self._rank = int(_env("SLURM_PROCID"))
         num_tasks = int(_env("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))
         hosts = expand_hostlist(_env("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
@@ -172,15 +170,16 @@ class SlurmClusterResolver(ClusterResolver):
             start += jobs[job]
         return ClusterSpec(cluster)
 
-    def cluster_spec(self):
+    def cluster_spec(self) -> ClusterSpec:
         """The `ClusterSpec` of the step's tasks."""
         return self._cluster
 
-    def get_task_info(self):
+    def get_task_info(self) -> tuple[Optional[str], Optional[int]]:
         """``(task_type, task_id)`` of this process."""
         return self.task_type, self.task_id
 
-    def master(self, task_type=None, task_id=None, rpc_layer=None):
+    def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+               rpc_layer: Optional[str] = None) -> str:
         """The address of the given task (default: this one), prefixed with the rpc layer."""
         task_type = self.task_type if task_type is None else task_type
         task_id = self.task_id if task_id is None else task_id
@@ -189,7 +188,8 @@ class SlurmClusterResolver(ClusterResolver):
         return format_master_url(self._cluster.task_address(task_type, task_id),
                                  rpc_layer or self.rpc_layer)
 
-    def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+    def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+                         config_proto: Any = None) -> dict[str, int]:
         """``{"GPU": gpus_per_task}`` (``{}`` without GPUs)."""
         return {"GPU": self._gpus_per_task} if self._gpus_per_task else {}
 

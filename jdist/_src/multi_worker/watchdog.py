@@ -1,19 +1,13 @@
 """The multi-worker watchdog: a stuck or dead peer ends every worker in bounded time.
 
-JAX gives no error for a peer that never reaches a collective (the others wait forever,
-jax-ml/jax issue 38503), and a dead peer ends them only by a heartbeat SIGABRT. The watchdog
-thread publishes, every ``poll`` seconds, this worker's heartbeat and how many collective
-programs it has launched (counted by the dispatch guard), and reads its peers'. A peer behind
-this worker, or silent, for ``timeout_seconds`` is reported: the thread prints
-`errors.UnavailableError` and ends the process with `UNAVAILABLE_EXIT_CODE` (the main thread,
-blocked in the collective, cannot raise). A worker inside `busy` (the chief's checkpoint save)
-is waited for as long as it beats. A lost coordination service (worker 0 died) is reported
-from a SIGABRT handler, since JAX's client aborts first.
-
-`stop` runs at interpreter exit, before ``jax.distributed``'s shutdown barrier: the worker
-announces its end and waits for its peers', so a failed peer is reported with the same error
-instead of the barrier aborting; a worker that fails (an uncaught exception) publishes it, so
-its peers end at once. Worker 0 ends last: its end closes the service under the others.
+JAX gives no error for a peer that never reaches a collective (the others wait forever), and a
+dead peer ends them only by a heartbeat SIGABRT. So a thread publishes this worker's heartbeat
+and count of launched collective programs, and reads its peers': one behind or silent for
+``timeout_seconds`` ends the process with `errors.UnavailableError` printed and
+`UNAVAILABLE_EXIT_CODE` (the main thread, blocked in the collective, cannot raise). At exit
+(`stop`, before JAX's shutdown barrier) a worker waits for its peers' end, so a failed peer is
+reported the same way instead of the barrier aborting. Worker 0, hosting the coordination
+service, ends last.
 """
 
 import contextlib
@@ -24,23 +18,21 @@ import socket
 import sys
 import threading
 import time
+from typing import Iterator
 
 import jax
 
 from jdist._src import errors
 from jdist._src.multi_worker.runtime import UNAVAILABLE_EXIT_CODE
+from jdist._src.multi_worker.runtime import Cluster
 from jdist._src.multi_worker.runtime import _client
 
 
 class Watchdog:
-    """Publishes this worker's progress and ends the process when a peer stops (module doc).
+    """Publishes this worker's progress; ends the process when a peer stays behind or silent
+    for ``timeout_seconds`` (module doc)."""
 
-    Args:
-      cluster: the `multi_worker_runtime.Cluster`.
-      timeout_seconds: how long a peer may stay behind or silent.
-    """
-
-    def __init__(self, cluster, timeout_seconds):
+    def __init__(self, cluster: Cluster, timeout_seconds: float):
         self._cluster = cluster
         self._timeout = float(timeout_seconds)
         self._poll = min(1.0, self._timeout / 10)
@@ -53,11 +45,11 @@ class Watchdog:
         # process the moment its connection drops (`_on_abort`).
         self._abort_handler = _ABORT_HANDLER(self._on_abort) if cluster.index else None
 
-    def note_launch(self):
+    def note_launch(self) -> None:
         """Counts one collective program launched by this worker (called by the guard)."""
         self.launched += 1
 
-    def start(self):
+    def start(self) -> None:
         """Starts the thread, and notes an uncaught exception that ends the main thread."""
         _STARTED.append(self)
         self._thread.start()
@@ -68,17 +60,15 @@ class Watchdog:
         hook = sys.excepthook
 
         def failing(kind, value, traceback):
-            # A runtime error of a collective is most likely a peer's end: that peer is then
-            # found and named at exit, as before. Anything else is this worker's own failure.
+            # A collective's runtime error is most likely a peer's end, named at exit.
             self.failed = not issubclass(kind, jax.errors.JaxRuntimeError)
             hook(kind, value, traceback)
         sys.excepthook = failing
 
-    def stop(self):
-        """At exit: announces that this worker ends, waits until every peer has ended too (or
-        reports the one that died or stays away, see `_exit_problem`), joins the thread. After
-        an uncaught exception it announces a failure instead and ends the process at once: its
-        peers end on reading it, and JAX's shutdown barrier would wait for them in vain."""
+    def stop(self) -> None:
+        """At exit: announces this worker's end and waits for every peer's (or reports one that
+        died or stays away). After an uncaught exception it announces a failure and ends the
+        process at once: JAX's shutdown barrier would wait in vain for the peers it ends."""
         self._stop.set()
         if self in _STARTED:
             _STARTED.remove(self)
@@ -90,11 +80,9 @@ class Watchdog:
             os._exit(1)  # Python's status for an uncaught exception.
 
     def _on_abort(self, signum):  # pylint: disable=unused-argument
-        """SIGABRT on a worker other than 0: when worker 0, and with it the coordination
-        service, has died, JAX's client logs a fatal error (within 0.1 s, far before any
-        poll could notice) and aborts. If the service's port refuses connections, that is
-        what happened: end with `errors.UnavailableError` and exit status 14 instead. Any
-        other abort goes on (the handler returns, and ``abort`` ends the process)."""
+        """SIGABRT on a worker other than 0: JAX's client aborts at once when the coordination
+        service dies. If the service's port refuses connections, end typed (status 14) instead;
+        any other abort goes on."""
         if not _accepts(self._cluster.coordinator):
             self._fail(f"{self._cluster.name(0)}, which hosts the coordination service, has "
                        "died: the job cannot go on without it.")
@@ -152,10 +140,9 @@ class Watchdog:
             pass  # The service is gone: the peers find out themselves.
 
     def _outlive_peers(self, client):
-        """Worker 0's end closes the coordination service, and JAX's client aborts a peer
-        still running (SIGABRT, its fatal log): wait until every peer has announced its own
-        failure (each does within a poll of reading this one's; a dead one never does: at most
-        a second more), then as long as each waits before ending."""
+        """Worker 0's end closes the coordination service, aborting peers still running: wait
+        until every peer has announced its own failure (a dead one never does: at most a second
+        more), then as long as each waits before ending."""
         peers = [f"jdist/watchdog/{w}" for w in range(1, self._cluster.num_workers)]
         deadline = time.monotonic() + self._poll + 1
         while time.monotonic() < deadline and not all(
@@ -180,9 +167,9 @@ _STARTED: list = []  # The process's started `Watchdog` (one at most: one strate
 
 
 @contextlib.contextmanager
-def busy():
-    """A scope in which this worker's peers wait for it as long as it is alive (module doc):
-    a checkpoint's save. Does nothing without a started watchdog (one worker)."""
+def busy() -> Iterator[None]:
+    """A scope in which this worker's peers wait for it as long as it beats (a checkpoint's
+    save). Does nothing without a started watchdog (one worker)."""
     for watchdog in _STARTED:
         watchdog.busy += 1
     try:

@@ -1,18 +1,14 @@
 """A replica mesh: devices in replica order, their shardings, and the host-side programs on them.
 
-Every cross-replica operation outside a replica function runs on one `ReplicaMesh`: a 1-D
-``jax.sharding.Mesh`` with the axis ``"replica"``, the dispatch guard its launches go through,
-the shardings of per-replica (``P("replica")``) and replicated (``P()``) arrays, placement of
-values onto them, and the compiled programs that reduce or gather sharded per-replica arrays
-(`collectives` holds their arithmetic). A strategy owns the mesh over its devices; a
-`CrossDeviceOps`, which gets values and not a strategy, finds the mesh of a value's devices in
-the registry (`for_devices`, `of_array`), so both share one mesh per device tuple and its
-compiled programs.
+Every cross-replica operation outside a replica function runs on a `ReplicaMesh` (placement,
+and the compiled reduce/gather programs; `collectives` holds their arithmetic). A
+`CrossDeviceOps` gets values, not a strategy, so it finds a value's mesh in the registry
+(`for_devices`, `of_array`): one mesh per device tuple, its compiled programs shared.
 """
 
 import functools
 import threading
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +50,6 @@ class ReplicaMesh:
         self.replicated_sharding = NamedSharding(mesh, P())
         self._lengths_cache: dict = {}
 
-    # ---------------------------------------------------------------------------- placement
     def lengths_array(self, lengths: Tuple[int, ...]) -> jax.Array:
         """The per-replica lengths as an int32 array sharded over the replicas (cached)."""
         arr = self._lengths_cache.get(lengths)
@@ -63,7 +58,7 @@ class ReplicaMesh:
             self._lengths_cache[lengths] = arr
         return arr
 
-    def place_per_replica(self, stacked) -> jax.Array:
+    def place_per_replica(self, stacked: Any) -> jax.Array:
         """``stacked`` sharded over the replica axis (no copy if it already is)."""
         if isinstance(stacked, jax.Array) and stacked.sharding == self.per_replica_sharding:
             return stacked
@@ -74,7 +69,7 @@ class ReplicaMesh:
         check_host_numbers(stacked)
         return jax.device_put(stacked, self.per_replica_sharding)
 
-    def place_replicated(self, value) -> jax.Array:
+    def place_replicated(self, value: Any) -> jax.Array:
         """``value`` replicated on every replica's device (no copy if it already is)."""
         if self._is_replicated(value):
             return value
@@ -108,20 +103,21 @@ class ReplicaMesh:
         return jax.jit(lambda *xs: xs, in_shardings=self.replicated_sharding,
                        out_shardings=self.replicated_sharding)
 
-    def tile(self, value) -> jax.Array:
+    def tile(self, value: Any) -> jax.Array:
         """A replicated ``value`` as ``num_replicas`` stacked copies, sharded over the replicas."""
         return self.guard.dispatch(self._tile_program(), self.place_replicated(value))
 
-    def slice_rows(self, stacked, rows: int) -> jax.Array:
+    def slice_rows(self, stacked: jax.Array, rows: int) -> jax.Array:
         """``stacked`` with only the first ``rows`` rows of every replica's block."""
         return self.guard.dispatch(_slice_rows_program(rows), stacked)
 
-    def strip_padding(self, stacked, lengths: Lengths, axes, what: str = "reduce"):
+    def strip_padding(self, stacked: jax.Array, lengths: Lengths, axes: Optional[Tuple[int, ...]],
+                      what: str = "reduce") -> Tuple[jax.Array, Lengths]:
         """`collectives.strip_padding` with the rows cut by a compiled program on this mesh."""
         return collectives.strip_padding(stacked, lengths, axes, what, self.slice_rows)
 
-    # ------------------------------------------------------------------------------- reduce
-    def reduce(self, op: ReduceOp, stacked, axes, lengths: Lengths = None) -> jax.Array:
+    def reduce(self, op: ReduceOp, stacked: Any, axes: Optional[Tuple[int, ...]],
+               lengths: Lengths = None) -> jax.Array:
         """Reduces a per-replica value to one array replicated on every device."""
         stacked = self.place_per_replica(stacked)
         stacked, lengths = self.strip_padding(stacked, lengths, axes)
@@ -133,13 +129,14 @@ class ReplicaMesh:
         program = self._reduce_program(op, axes, lengths is not None)
         return self.guard.dispatch(program, *self._with_lengths(stacked, lengths))
 
-    def local_sums(self, stacked, axes, lengths: Lengths = None) -> jax.Array:
-        """Each replica's sum over ``axes`` of its real rows, stacked over the replicas (no
-        communication); ``stacked`` is on this mesh and its padding stripped as `reduce` does."""
+    def local_sums(self, stacked: jax.Array, axes: Optional[Tuple[int, ...]],
+                   lengths: Lengths = None) -> jax.Array:
+        """Each replica's sum over ``axes`` of its real rows, stacked (no communication);
+        ``stacked`` is on this mesh, its padding stripped as `reduce` does."""
         program = self._local_sums_program(axes, lengths is not None)
         return self.guard.dispatch(program, *self._with_lengths(stacked, lengths))
 
-    def finish(self, op: ReduceOp, total, count) -> jax.Array:
+    def finish(self, op: ReduceOp, total: jax.Array, count: Any) -> jax.Array:
         """`collectives.finish` of a replicated ``total`` on this mesh."""
         if op is ReduceOp.SUM:
             return total
@@ -183,13 +180,11 @@ class ReplicaMesh:
         return jax.jit(lambda v: jnp.broadcast_to(v, (n,) + v.shape),
                        out_shardings=self.per_replica_sharding)
 
-    # ------------------------------------------------------------------------------- gather
-    def gather(self, stacked, axis: int, lengths: Lengths = None) -> jax.Array:
+    def gather(self, stacked: Any, axis: int, lengths: Lengths = None) -> jax.Array:
         """Concatenates the replicas' real values along per-replica ``axis``, on ONE device.
 
-        As in TF, the result is one array on one device (the first replica's), not a copy on
-        every device: the blocks are copied there and joined in that copy's buffer, so the peak
-        memory is the input plus the result (as concatenating the local results on the host).
+        As in TF, the result lives on the first replica's device only; the blocks are joined in
+        the buffer of their copy there, so the peak memory is the input plus the result.
         """
         stacked = self.place_per_replica(stacked)
         stacked, lengths = self.strip_padding(stacked, lengths, (axis,), "gather")
@@ -244,7 +239,6 @@ def _slice_rows_program(rows):
     return jax.jit(lambda stacked: stacked[:, :rows])
 
 
-# ------------------------------------------------------------------------------- registry
 def guard_for(devices: Sequence[jax.Device]) -> dispatch.DispatchGuard:
     """The dispatch guard of launches on ``devices`` (their platform's, over its local devices)."""
     platform = devices[0].platform
@@ -272,7 +266,7 @@ def register(replica_mesh: ReplicaMesh) -> None:
         _meshes.setdefault(replica_mesh.devices, replica_mesh)
 
 
-def array_devices(x) -> Optional[Tuple[jax.Device, ...]]:
+def array_devices(x: Any) -> Optional[Tuple[jax.Device, ...]]:
     """The devices of a concrete array, in mesh order when it has a mesh; None otherwise."""
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
         return None
@@ -281,7 +275,7 @@ def array_devices(x) -> Optional[Tuple[jax.Device, ...]]:
     return tuple(sorted(x.sharding.device_set, key=lambda d: d.id))
 
 
-def of_array(array, n: int) -> ReplicaMesh:
+def of_array(array: Any, n: int) -> ReplicaMesh:
     """The mesh of the ``n`` devices ``array`` spans; the first ``n`` local devices' for a host
     value (or one on other devices)."""
     concrete = isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer)
@@ -308,7 +302,7 @@ def of_value(value: DistributedValues) -> ReplicaMesh:
     return of_array(array, value.num_replicas)
 
 
-def as_per_replica(value) -> Optional[PerReplica]:
+def as_per_replica(value: Any) -> Optional[PerReplica]:
     """``value`` as a `PerReplica` sharded over its mesh (a `Mirrored` one is tiled); None for
     a plain tensor.
 
