@@ -8,7 +8,7 @@ whose shapes were agreed when the value was made, so every worker traces the exa
 import functools
 import hashlib
 import json
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
