@@ -397,11 +397,11 @@ class ReplicaContext:
         return self._collectives.merge_call(merge_fn, args, kwargs)
 
     def __enter__(self) -> "ReplicaContext":
-        self._scope = replica_scope(self)
-        return self._scope.__enter__()
+        _state.frames.append(_Frame(self._strategy, self))
+        return self
 
-    def __exit__(self, *exc: Any) -> Any:
-        return self._scope.__exit__(*exc)
+    def __exit__(self, *exc: Any) -> None:
+        _state.frames.pop()
 
     def __repr__(self):
         return (f"ReplicaContext(strategy={self._strategy!r}, "
