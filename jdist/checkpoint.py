@@ -12,7 +12,7 @@ Example:
 """
 
 from jdist._src.training.checkpoint import CheckpointManager
-from jdist._src.training.iterator_state import iterator_from_state
-from jdist._src.training.iterator_state import iterator_state
+from jdist._src.input.iterator_state import iterator_from_state
+from jdist._src.input.iterator_state import iterator_state
 
 __all__ = ("CheckpointManager", "iterator_from_state", "iterator_state")

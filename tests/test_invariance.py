@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jdist._src.run import invariance
+from jdist._src import invariance
 from jdist._src.base import REPLICA_AXIS as AXIS
 from jdist._src.uneven.merge import merge_p
 

@@ -22,6 +22,9 @@ from jdist._src.values import DistributedValues
 
 #: The name of the one mesh axis the replicas are laid along.
 REPLICA_AXIS = "replica"
+#: How ``run`` passes an argument leaf to its program (`jdist._src.run.arguments`): stacked
+#: per replica, replicated, a plain array or number (replicated too), or compiled in.
+PER_REPLICA, MIRRORED, ARRAY, STATIC = "per_replica", "mirrored", "array", "static"
 
 #: A nest (tuple, list, dict, registered pytree) of arrays or distributed values.
 PyTree = Any

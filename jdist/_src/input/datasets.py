@@ -22,7 +22,7 @@ from jdist._src import dispatch
 from jdist._src import errors
 from jdist._src.input import batches as input_batches
 from jdist._src.input import steps as input_steps
-from jdist._src.training import iterator_state
+from jdist._src.input import iterator_state
 from jdist._src.input.options import InputContext
 from jdist._src.input.options import InputOptions
 from jdist._src.input.options import InputReplicationMode

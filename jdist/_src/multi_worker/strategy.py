@@ -29,10 +29,10 @@ from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import python_numbers_as_tf
 from jdist._src.mirrored import MirroredExtended
 from jdist._src.strategy import Strategy
-from jdist._src.run.arguments import SCALARS
 from jdist._src.values import ARRAYS
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
+from jdist._src.values import SCALARS
 from jdist._src.values import spans_workers
 from jdist._src.values import is_distributed
 from jdist._src.values import is_step_output

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jdist._src import errors
+from jdist._src.base import ARRAY, MIRRORED, PER_REPLICA, STATIC
 from jdist._src.host_values import check_host_numbers
 from jdist._src.host_values import is_placeable
 from jdist._src.host_values import python_numbers_as_tf
@@ -21,7 +22,6 @@ from jdist._src.values import check_replica_count
 from jdist._src.values import is_step_output
 from jdist._src.values import ragged_components
 
-PER_REPLICA, MIRRORED, ARRAY, STATIC = "per_replica", "mirrored", "array", "static"
 
 
 def classify_leaf(leaf, place):

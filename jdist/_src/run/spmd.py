@@ -3,7 +3,7 @@
 ``strategy.run(fn, args)`` becomes ``jax.jit(jax.shard_map(body, mesh, in_specs, out_specs,
 check_vma=False))`` where ``body`` unpacks per-replica arguments, enters the replica context and
 calls ``fn`` with per-replica shapes, as ``pmap`` builds it (``docs/design.md`` says why not
-``pmap`` itself). ``check_vma=False`` gives TF's per-replica gradients (`jdist._src.run.invariance`
+``pmap`` itself). ``check_vma=False`` gives TF's per-replica gradients (`jdist._src.invariance`
 explains the alternative's silent factor of ``num_replicas``). ``fn`` is traced once into a
 jaxpr; a dataflow analysis of it (`invariance.same_outputs`) finds the outputs provably equal on
 every replica (an all-reduce result, an update of mirrored parameters by it): those leave as
@@ -28,7 +28,7 @@ from jdist._src import dispatch
 from jdist._src import jax_internals
 from jdist._src import errors
 from jdist._src.run import fn_cache
-from jdist._src.run import invariance
+from jdist._src import invariance
 from jdist._src.run import merge
 from jdist._src.run import arguments as run_arguments
 from jdist._src.run import staged_outputs

@@ -17,7 +17,7 @@ import numpy as np
 from jdist._src import context
 from jdist._src import errors
 from jdist._src import extras
-from jdist._src.training import iterator_state
+from jdist._src.input import iterator_state
 from jdist._src.training import progress
 from jdist._src.training import state as state_lib
 from jdist._src.multi_worker import watchdog

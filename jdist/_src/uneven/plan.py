@@ -36,9 +36,8 @@ from jax.sharding import PartitionSpec as P
 
 from jdist._src import errors
 from jdist._src import host_values
-from jdist._src.run import invariance
-from jdist._src.run.arguments import PER_REPLICA
-from jdist._src.run.arguments import SCALARS
+from jdist._src import invariance
+from jdist._src.base import PER_REPLICA
 from jdist._src.uneven import mesh as uneven_mesh
 from jdist._src.uneven.mesh import BLOCK
 from jdist._src.uneven.mesh import PLAIN
@@ -49,6 +48,7 @@ from jdist._src.uneven import trace as uneven_trace
 from jdist._src.uneven.merge import merge_p
 from jdist._src.values import Mirrored
 from jdist._src.values import PerReplica
+from jdist._src.values import SCALARS
 from jdist._src.values import ragged_components
 
 

@@ -24,6 +24,7 @@ from jax.extend import source_info_util
 from jdist._src import context
 from jdist._src import errors
 from jdist._src import host_values
+from jdist._src.base import STATIC
 from jdist._src.uneven import schedule as uneven_schedule
 from jdist._src.uneven.merge import MergeBody
 from jdist._src.uneven.merge import merge_p
@@ -397,7 +398,7 @@ def _equal(a, b):
 
 
 def dynamic_kinds(kinds):
-    return [k for k in kinds if k != "static"]
+    return [k for k in kinds if k != STATIC]
 
 
 def _row_counts(abstract, kinds):
