@@ -1,17 +1,10 @@
 """The CPU dispatch guard: never two collective programs in flight on the CPU runtime.
 
-JAX's CPU runtime (jax 0.10) can deadlock when a program containing collectives is dispatched
-while the previous one is still running on some simulated devices: the all-reduce rendezvous
-waits for threads that are busy with the other program, and XLA aborts the process after 40 s
-(``docs/cpu_devices.md``). Waiting for the previous collective program's outputs before
-dispatching the next one removes the hang and costs nothing measurable there, since the
-simulated devices share the host's cores anyway.
-
-Programs the user compiles around ``strategy.run`` are launched by JAX, not by jdist: they go
-through the guard when compiled with `function`, and ``strategy.run`` refuses to be traced into
-any other program on a guarded platform (`check_traced_run`).
-
-On GPU and TPU the guard is off, so dispatch stays asynchronous.
+JAX's CPU runtime can deadlock (XLA aborts after 40 s) when a collective program is dispatched
+while the previous one still runs on some simulated devices (``docs/cpu_devices.md``); waiting
+for the previous one costs nothing measurable, the devices sharing the host's cores. Programs
+compiled around ``strategy.run`` go through the guard with `function`; ``strategy.run`` traced
+into any other program raises (`check_traced_run`). Off on GPU and TPU.
 """
 
 import contextlib
@@ -36,24 +29,17 @@ from jdist._src.values import is_step_output
 class DispatchGuard:
     """Serialises collective programs on one platform: call `dispatch` around each launch."""
 
-    def __init__(self, enabled):
+    def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.observer = None  # Called at each launch: the multi-worker watchdog counts them.
+        self.observer = None  # Called at each launch (the multi-worker watchdog).
         self._lock = threading.Lock()
         self._in_flight = ()
         self._owner = None  # The thread inside a launch (it may be tracing that program).
 
-    def dispatch(self, program, *args, spans_all_devices=True):
-        """Runs ``program(*args)`` after the previous guarded program has finished.
-
-        Args:
-          program: a compiled callable.
-          *args: its arguments.
-          spans_all_devices: whether every output of ``program`` lives on all the devices it
-            ran on (true of jdist's own programs). Each device finishes all its outputs at once,
-            so waiting on one such output waits for the whole program; otherwise every output
-            is waited on.
-        """
+    def dispatch(self, program, *args, spans_all_devices: bool = True):
+        """``program(*args)`` after the previous guarded program has finished. Where every
+        output spans all the program's devices (``spans_all_devices``, jdist's own programs),
+        the next launch waits on one output (a device finishes all its outputs at once)."""
         def waited(outputs):
             leaves = [x for x in jax.tree_util.tree_leaves(outputs)
                       if hasattr(x, "block_until_ready")]
@@ -61,15 +47,8 @@ class DispatchGuard:
         return self.launch(program, args, waited)
 
     def launch(self, program, args, waited):
-        """``program(*args)`` once the previous launch is done, as `dispatch`; the next launch
-        waits on ``waited(outputs)``, arrays the caller picks so the guard never walks a large
-        output tree.
-
-        Args:
-          program: a compiled callable.
-          args: its arguments (a sequence).
-          waited: a function from the program's outputs to a tuple of arrays among them.
-        """
+        """``program(*args)`` as `dispatch`; the next launch waits on ``waited(outputs)``, a
+        tuple of arrays the caller picks (the guard never walks a large output tree)."""
         if self.observer is not None:
             self.observer()
         if not self.enabled:
@@ -90,24 +69,23 @@ class DispatchGuard:
                 self._owner = None
             return outputs
 
-    def inside_launch(self):
+    def inside_launch(self) -> bool:
         """Whether this thread is inside a launch (tracing its program, or code that runs)."""
         return self._owner == threading.get_ident()
 
-    def wait(self):
-        """Blocks until the last guarded program has finished (used before host-side reads)."""
+    def wait(self) -> None:
+        """Blocks until the last guarded program has finished (before host-side reads)."""
         if self.inside_launch():
-            return  # Inside a launch, which waited for the last program before tracing.
+            return  # The launch waited for the last program before tracing.
         with self._lock:
             _wait(self._in_flight)
             self._in_flight = ()
 
 
 def _launch_while_tracing(program, args, waited):
-    """A launch from inside another one on this thread: code its program runs while it is traced
-    (a merge_fn reducing a value of the cross-replica context, a `function` called in a replica
-    function). The outer launch waited for the previous program and dispatches its own only
-    when its trace ends, so this one runs alone; it is waited for before the trace goes on."""
+    """A launch from inside another's trace on this thread (a merge_fn's reduce, a `function`
+    in a replica function): the outer launch waited already and dispatches only after its
+    trace, so this one runs alone, waited for before the trace goes on."""
     if jax.sharding.get_abstract_mesh().manual_axes and not any(
             isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
         raise errors.WrongContextError(
@@ -120,7 +98,7 @@ def _launch_while_tracing(program, args, waited):
     return outputs
 
 
-_ready = jax_internals.batched_block_until_ready  # jax.block_until_ready's own, one C++ call.
+_ready = jax_internals.batched_block_until_ready  # One C++ call.
 
 
 def _wait(arrays):
@@ -132,8 +110,8 @@ def _wait(arrays):
 
 
 class _FunctionTrace(threading.local):
-    """How many `function` calls are under way on this thread (their traces are guarded), and
-    how many of them run their function as Python (arguments of different shapes per replica)."""
+    """How many `function` calls are under way on this thread, and how many of them run their
+    function as Python (ragged arguments)."""
 
     def __init__(self):
         self.depth = 0
@@ -152,32 +130,9 @@ def _inside_function():
         _function_trace.depth -= 1
 
 
-def check_traced_run(guard):
-    """Raises `UnguardedTraceError` when ``strategy.run`` is being traced into an unguarded program.
-
-    On a platform whose ``guard`` is enabled (several CPU devices), a ``strategy.run`` traced by
-    ``jax.jit``, ``lax.scan``, ``jax.grad``, ``jax.vmap``, ... becomes part of a collective
-    program that JAX launches itself, outside the guard; launched back to back such programs
-    abort the process. That is allowed only while a `function` call traces (it launches the
-    program through the guard) or inside a replica function jdist compiles (a ``merge_fn``).
-
-    Args:
-      guard: the `DispatchGuard` of the strategy whose ``run`` is called.
-
-    Raises:
-      UnguardedTraceError: the trace is none of those; nothing has been dispatched.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, jdist
-      >>> s = jdist.MirroredStrategy(jax.devices()[:2])
-      >>> try:  # Not a traceback: its last line is a note from JAX on some Pythons.
-      ...   jax.jit(lambda w: s.run(lambda w: w + 1.0, args=(w,)))(jnp.float32(0))
-      ... except jdist.errors.UnguardedTraceError as e:
-      ...   print(e)
-      strategy.run was traced inside jax.jit, ... with jdist.function instead of jax.jit ...
-      >>> float(jdist.function(lambda w: s.run(lambda w: w + 1.0, args=(w,)))(jnp.float32(0)))
-      1.0
-    """
+def check_traced_run(guard: DispatchGuard) -> None:
+    """Raises `UnguardedTraceError` where ``strategy.run`` is traced into a program JAX launches
+    outside the enabled ``guard`` (not a `function` call's, nor one jdist compiles itself)."""
     if not guard.enabled or _function_trace.depth or not under_a_trace():
         return
     if context.in_replica_trace() or context.in_merge():
@@ -199,18 +154,17 @@ def check_traced_run(guard):
         "args=(w, x))); lax.scan and jax.grad inside it are fine.")
 
 
-def under_a_trace():
+def under_a_trace() -> bool:
     """Whether a JAX transformation is tracing on this thread (not plain eager evaluation)."""
-    return type(jax_internals.TRACE_STATE.value) is not _EVAL_TRACE  # Eager: the bottom one.
+    return type(jax_internals.TRACE_STATE.value) is not _EVAL_TRACE
 
 
 _EVAL_TRACE = type(core.find_top_trace(()))  # The eager trace, at the bottom of every stack.
 
 
-def under_a_staging_trace():
-    """Whether this thread's code is being staged into a program (``jax.jit``, `function`,
-    ``lax.scan``, at any depth), which runs it once and replays the program: an eager
-    ``jax.grad`` or ``jax.vmap`` alone runs it again on every call."""
+def under_a_staging_trace() -> bool:
+    """Whether this code is being staged into a program (``jax.jit``, `function`, ``lax.scan``,
+    at any depth), which replays it; an eager ``jax.grad`` or ``jax.vmap`` runs it every call."""
     trace = core.find_top_trace(())
     while trace is not None and type(trace).__name__ != "EvalTrace":  # Eager: the bottom one.
         if type(trace).__name__ == "DynamicJaxprTrace":
@@ -222,19 +176,12 @@ def under_a_staging_trace():
 def function(fun=None, **jit_kwargs):
     """``jax.jit`` for functions that call ``strategy.run``: the ``tf.function`` of jdist.
 
-    A jitted function containing ``strategy.run`` is one program with collectives that JAX
-    dispatches itself, so jdist's CPU guard cannot see it; dispatched back to back on simulated
-    CPU devices such programs hang in the all-reduce rendezvous. ``jdist.function`` compiles
-    ``fun`` with ``jax.jit`` and sends each call through the same guard as jdist's own programs
-    (on CPU it waits for the previous collective program first; on GPU and TPU it adds nothing).
-    On several CPU devices, ``strategy.run`` traced by a plain ``jax.jit`` (or ``lax.scan``,
-    ``jax.grad``) outside ``jdist.function`` raises `UnguardedTraceError` instead.
-
-    Arguments holding per-replica values of different shapes (a dataset's last partial batch)
-    have no compiled program (one shape per value): for such a call ``fun`` runs as Python, and
-    each ``strategy.run`` in it computes every replica on its own shapes, as TF's
-    ``tf.function`` retraces for them. A ``strategy.run`` on them that is still traced there
-    (inside ``lax.scan``, an inner ``jax.jit``) raises `UnevenValuesError`.
+    Each call goes through jdist's CPU dispatch guard, as jdist's own programs do (on several
+    CPU devices, ``strategy.run`` traced by a plain ``jax.jit`` raises `UnguardedTraceError`;
+    on GPU and TPU the guard adds nothing). A call on per-replica values of different shapes
+    (a partial batch) runs ``fun`` as Python, each ``strategy.run`` in it exact, as TF's
+    ``tf.function`` retraces; one still traced there (in ``lax.scan``) raises
+    `UnevenValuesError`.
 
     Args:
       fun: the function to compile (or omit it to use ``jdist.function(**jit_kwargs)`` as a
@@ -242,9 +189,7 @@ def function(fun=None, **jit_kwargs):
       **jit_kwargs: passed to ``jax.jit`` (``static_argnums``, ``donate_argnums``, ...).
 
     Returns:
-      The compiled function; ``.lower(*args)`` lowers it as ``jax.jit`` does (its
-      ``.compile()`` takes what the function takes, dataset elements included), and the
-      ``jax.jit`` object stays reachable through ``.jitted``.
+      The compiled function, with ``jax.jit``'s ``.lower`` and the ``jax.jit`` as ``.jitted``.
 
     Example:
       >>> import jax, jax.numpy as jnp, jdist
@@ -278,9 +223,7 @@ def function(fun=None, **jit_kwargs):
 
 
 class _GuardedFunction:
-    """What `function` compiles: ``fun`` under ``jax.jit``, each call sent through the CPU
-    guard; a call on values of different shapes per replica runs ``fun`` as Python. Python
-    numbers are traced as ``jax.jit`` traces them (one program for every value)."""
+    """What `function` compiles: ``fun`` under ``jax.jit``, each call through the CPU guard."""
 
     def __init__(self, fun, jit_kwargs):
         self._fun = fun
@@ -296,24 +239,21 @@ class _GuardedFunction:
     def __call__(self, args, kwargs):
         try:
             with _inside_function():
-                # Every call: an int64 host number int32 cannot hold raises (JAX would wrap it).
+                # An int64 host number int32 cannot hold raises (JAX would wrap it).
                 host_values.check_host_leaves(jax.tree_util.tree_leaves((args, kwargs)))
                 if self._guard.inside_launch():  # Traced by a launch: part of its program.
                     return self.jitted(*args, **kwargs)
                 return self._guard.dispatch(lambda: self.jitted(*args, **kwargs),
                                             spans_all_devices=False)
         except (_RaggedArguments, TypeError):
-            # Values of different shapes per replica (a partial batch): no program has them,
-            # so ``fun`` runs as Python for this call and each ``run`` in it computes them
-            # exactly, as TF retraces its function for the new shapes. (Another worker's
-            # replicas, `jax.ShapeDtypeStruct`s, make jax.jit raise TypeError first.)
+            # Ragged values (another worker's replicas, `jax.ShapeDtypeStruct`s, make jax.jit
+            # raise TypeError first): ``fun`` runs as Python.
             if not _holds_ragged_values((args, kwargs)):
                 raise
         return _as_python(self._fun, args, kwargs)
 
     def lower(self, *args, **kwargs):
-        """``jax.jit``'s ``lower``; the lowered program's ``compile()`` takes what the function
-        takes, dataset elements included."""
+        """``jax.jit``'s ``lower``."""
         with _inside_function():
             host_values.check_host_leaves(jax.tree_util.tree_leaves((args, kwargs)))
             try:
@@ -323,9 +263,7 @@ class _GuardedFunction:
 
 
 def _checked_outputs(outputs):
-    """`_returned` ``outputs`` of a function `function` traces, once each is something a
-    compiled program can return; raises `UnsupportedValueError` for the others (a string,
-    which ``tf.function`` returns as a string tensor, any other Python object)."""
+    """`_returned` ``outputs``; `UnsupportedValueError` for a leaf no program can return."""
     outputs = _returned(outputs)
     for leaf in jax.tree_util.tree_leaves(outputs):
         if not isinstance(leaf, ARRAYS + SCALARS):
@@ -338,18 +276,15 @@ def _checked_outputs(outputs):
 
 
 def _returned(outputs):
-    """``outputs`` as a `function` call returns them, as ``tf.function`` does: a `Mirrored`
-    that is not a step output (a ``reduce_to`` result, `mirror`ed state) leaves as its one
-    array, as TF returns a ``Mirrored`` as one tensor (``experimental_local_results`` then has
-    one entry); ``run``'s outputs stay as they are (TF returns its ``PerReplica``)."""
+    """``outputs`` as ``tf.function`` returns them: a `Mirrored` that is not a step output (a
+    ``reduce_to`` result) as its one array; ``run``'s outputs as they are."""
     return jax.tree_util.tree_map(
         lambda x: x.value if isinstance(x, Mirrored) and not is_step_output(x) else x,
         outputs, is_leaf=is_distributed)
 
 
 def _as_python(fun, args, kwargs):
-    """``fun(*args, **kwargs)`` uncompiled, for `function`'s arguments of different shapes per
-    replica; a ``strategy.run`` traced there raises `UnevenValuesError` (`check_traced_run`)."""
+    """``fun(*args, **kwargs)`` uncompiled, for `function`'s ragged arguments."""
     _function_trace.as_python += 1
     try:
         return _returned(fun(*args, **kwargs))
@@ -358,8 +293,7 @@ def _as_python(fun, args, kwargs):
 
 
 class _RaggedArguments(errors.UnevenValuesError):
-    """Raised while `function` traces arguments with per-replica values of different shapes
-    (`function`'s call then runs the function as Python; what lowers them sees this)."""
+    """Raised while `function` traces ragged arguments (its call then runs ``fun`` as Python)."""
 
     def __init__(self):
         super().__init__(
@@ -369,7 +303,7 @@ class _RaggedArguments(errors.UnevenValuesError):
 
 
 def _holds_ragged_values(tree):
-    """Whether ``tree`` holds a `PerReplica` whose replicas' values differ in shape (ragged)."""
+    """Whether ``tree`` holds a ragged `PerReplica`."""
     return any(isinstance(leaf, PerReplica) and leaf.ragged
                for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_distributed))
 
@@ -378,8 +312,8 @@ _guards: dict = {}
 _guards_lock = threading.Lock()
 
 
-def guard_for(platform, num_devices):
-    """Returns the process-wide guard for ``platform`` (enabled on CPU with several devices)."""
+def guard_for(platform: str, num_devices: int) -> DispatchGuard:
+    """The process-wide guard for ``platform`` (enabled on CPU with several devices)."""
     enabled = platform == "cpu" and num_devices > 1
     with _guards_lock:
         key = (platform, enabled)
