@@ -122,12 +122,13 @@ _function_trace = _FunctionTrace()
 
 
 @contextlib.contextmanager
-def _inside_function():
-    _function_trace.depth += 1
+def _counted(field):
+    """Counts in ``_function_trace.<field>`` the calls under way."""
+    setattr(_function_trace, field, getattr(_function_trace, field) + 1)
     try:
         yield
     finally:
-        _function_trace.depth -= 1
+        setattr(_function_trace, field, getattr(_function_trace, field) - 1)
 
 
 def check_traced_run(guard: DispatchGuard) -> None:
@@ -184,8 +185,7 @@ def function(fun=None, **jit_kwargs):
     `UnevenValuesError`.
 
     Args:
-      fun: the function to compile (or omit it to use ``jdist.function(**jit_kwargs)`` as a
-        decorator factory).
+      fun: the function to compile (omitted: a decorator with ``jit_kwargs``).
       **jit_kwargs: passed to ``jax.jit`` (``static_argnums``, ``donate_argnums``, ...).
 
     Returns:
@@ -238,7 +238,7 @@ class _GuardedFunction:
 
     def __call__(self, args, kwargs):
         try:
-            with _inside_function():
+            with _counted("depth"):
                 # An int64 host number int32 cannot hold raises (JAX would wrap it).
                 host_values.check_host_leaves(jax.tree_util.tree_leaves((args, kwargs)))
                 if self._guard.inside_launch():  # Traced by a launch: part of its program.
@@ -254,7 +254,7 @@ class _GuardedFunction:
 
     def lower(self, *args, **kwargs):
         """``jax.jit``'s ``lower``."""
-        with _inside_function():
+        with _counted("depth"):
             host_values.check_host_leaves(jax.tree_util.tree_leaves((args, kwargs)))
             try:
                 return self.jitted.lower(*args, **kwargs)
@@ -285,11 +285,8 @@ def _returned(outputs):
 
 def _as_python(fun, args, kwargs):
     """``fun(*args, **kwargs)`` uncompiled, for `function`'s ragged arguments."""
-    _function_trace.as_python += 1
-    try:
+    with _counted("as_python"):
         return _returned(fun(*args, **kwargs))
-    finally:
-        _function_trace.as_python -= 1
 
 
 class _RaggedArguments(errors.UnevenValuesError):

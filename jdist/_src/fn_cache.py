@@ -66,9 +66,7 @@ class FunctionCaches:
         if inspect.ismethod(fn):
             owner, func = fn.__self__, fn.__func__
             try:
-                by_func = self._by_owner.get(owner)
-                if by_func is None:
-                    by_func = self._by_owner[owner] = {}
+                by_func = self._by_owner.setdefault(owner, {})
             except TypeError:
                 pass  # An owner that cannot be weakly referenced: keyed on the method below.
             else:

@@ -95,15 +95,10 @@ class ReplicatedRunner:
         """The strategy's `replica_mesh.ReplicaMesh` (mesh, shardings, dispatch guard)."""
         return self._programs
 
-    # ----------------------------------------------------------------------------- run
     def run(self, fn: Any, args: tuple, kwargs: dict) -> Any:
-        """``strategy.run`` of ``fn``.
-
-        Canonical arguments (on the mesh, replicated ones as `Mirrored`: a training loop's
-        steady state) go straight to the direct program, one ``jax.jit`` whose C++ dispatch
-        does the per-leaf work; others are made canonical first (one compile for both), or
-        take the general path.
-        """
+        """``strategy.run`` of ``fn``. Canonical arguments (on the mesh, replicated ones as
+        `Mirrored`: a loop's steady state) go to the direct program, one ``jax.jit`` whose C++
+        dispatch does the per-leaf work; others are made canonical first, or go general."""
         if jax_internals.JIT_DISABLED.value:
             # The replicas run as one compiled SPMD program: there is no eager one to fall to.
             with jax.disable_jit(False):
@@ -217,10 +212,9 @@ class ReplicatedRunner:
                     "strategy.run inside a merge_fn got per-replica values of different shapes; "
                     "it runs the replicas as one vectorised program, which needs one shape. "
                     "Give the replicas one shape, or run the step outside the merge_fn.")
-            value = leaf.stacked if isinstance(leaf, PerReplica) else (
-                leaf.value if isinstance(leaf, Mirrored) else leaf)
             in_axes.append(0 if isinstance(leaf, PerReplica) else None)
-            dynamic.append(value)
+            dynamic.append(leaf.stacked if isinstance(leaf, PerReplica) else (
+                leaf.value if isinstance(leaf, Mirrored) else leaf))
 
         def body(*values):
             return self._in_replica(context._Binding(axis, lax.axis_index(axis)), fn,
@@ -315,13 +309,9 @@ class ReplicatedRunner:
 
     def trace(self, fn: Any, in_tree: Any, kinds: tuple, statics: list, abstract: list,
               exact: Any = None, staged: bool = False) -> tuple:
-        """Traces ``fn`` once as the body of a ``shard_map`` over the replica axis.
-
-        Returns ``(traced, eqn, record)``: the closed jaxpr, its one ``shard_map`` equation,
-        and the outputs' ``tree``, ``statics`` (`OUTPUT` for arrays) and ``shapes``; with
-        ``staged``, ``record["staged"]`` is the ``jit(shard_map)`` jaxpr. ``exact`` is the
-        `uneven_trace` state of one replica of an uneven step.
-        """
+        """``(traced, eqn, record)`` of ``fn`` traced as a ``shard_map`` body: the closed jaxpr,
+        its ``shard_map`` equation, the outputs' ``tree``, ``statics``, ``shapes`` (and with
+        ``staged``, the ``jit(shard_map)`` jaxpr). ``exact``: an `uneven_trace` replica state."""
         axis, record = self._axis, {}
 
         def body(*arrays):

@@ -1,17 +1,12 @@
 """An exact step's pieces as one program each over the whole mesh, for all traces (`uneven`).
 
-A piece jitted per device compiles once per device; here piece ``k`` of every trace is one
-``shard_map`` over the strategy's mesh (the mesh the traced types name, ``docs/design.md``,
-section 10), in which each device takes its replica's branch of a ``lax.switch`` over the
-traces: zeros for the other traces' outputs, and every trace's inputs on every device (its own
-value where the shapes agree, zeros elsewhere), as a switch's operands must.
-
-Inputs are arrays assembled from one buffer per device, replicated in type (``in_specs=P()``),
-each device reading its own. Outputs of one type in every trace share one *merged* slot: a
-collective's operands (``P(axis)``, as the collective program takes them; its results enter
-the next piece as they come) and the step's even outputs. Only a ``merge_call``'s operands and
-ragged outputs are taken apart per device. Served where traces are fewer than replicas and no
-piece has effects (callbacks keep replica order).
+A piece jitted per device compiles once per device. Here piece ``k`` of every trace is one
+``shard_map`` over the strategy's mesh (``docs/design.md``, section 10): each device takes its
+replica's branch of a ``lax.switch`` over the traces, with every trace's inputs (its own value
+where the shapes agree, else zeros) and zeros for other traces' outputs. Inputs are assembled
+from one buffer per device (``P()``); outputs of one type in every trace share a *merged* slot
+(a collective's operands, ``P(axis)``; even step outputs). Served where traces are fewer than
+replicas and no piece has effects (callbacks keep replica order).
 """
 
 import jax
@@ -39,13 +34,9 @@ def serves(replica_programs) -> bool:
 
 
 class MeshPieces:
-    """Runs an exact plan's pieces as whole-mesh programs (see the module doc).
-
-    Per distinct trace, values stay whole-mesh arrays from piece to piece; what a
-    ``merge_call`` or a ragged output reads goes to ``envs`` (the replicas' own environments,
-    `uneven._Plan`'s). Per-device lists follow ``local``, this process's replicas.
-    ``output_specs``: per step output, ``P(axis)`` stacked, ``P()`` replicated, None apart.
-    """
+    """Runs an exact plan's pieces as whole-mesh programs: values stay whole-mesh arrays;
+    what a ``merge_call`` or a ragged output reads goes to the replicas' ``envs``. Per-device
+    lists follow ``local``. ``output_specs``: ``P(axis)``, ``P()``, or None (taken apart)."""
 
     def __init__(self, programs, replica_programs, local, collective_cuts, output_specs):
         self._sharding = programs.replicated_sharding

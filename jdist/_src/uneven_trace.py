@@ -351,29 +351,23 @@ def _merge_outputs(out_leaves, n):
 
 
 def _merge_from(closed, out_tree, out_leaves, n, in_avals, numbers):
-    statics, same, outputs = [], [], [[] for _ in range(n)]
-    position = 0
+    statics, same, outputs, position = [], [], [[] for _ in range(n)], 0
     for leaf in out_leaves:
-        if isinstance(leaf, PerReplica):
-            for r in range(n):
-                outputs[r].append(position + r)
-            position += n
-            same.append(False)
-        elif isinstance(leaf, Mirrored) or _is_array(leaf):
-            for r in range(n):
-                outputs[r].append(position)
-            position += 1
-            same.append(True)
-        else:
+        stacked = isinstance(leaf, PerReplica)  # A PerReplica's n components, one per replica.
+        if not (stacked or isinstance(leaf, Mirrored) or _is_array(leaf)):
             statics.append(leaf)
             continue
+        for r in range(n):
+            outputs[r].append(position + r if stacked else position)
+        position += n if stacked else 1
+        same.append(not stacked)
         statics.append(_OPERAND)
     out_avals = [jax.core.ShapedArray(a.shape[1:], a.dtype) for a in closed.out_avals]
+    outs = tuple(tuple(o) for o in outputs)
     return Merge(out_tree, tuple(statics), tuple(same),
-                  tuple(tuple(out_avals[i] for i in outs) for outs in outputs),
-                  tuple(tuple(outs) for outs in outputs), in_avals,
-                  jax.jit(core.jaxpr_as_fun(closed)), numbers,
-                  MergeBody(closed, len(in_avals[0]), tuple(tuple(outs) for outs in outputs)))
+                 tuple(tuple(out_avals[i] for i in o) for o in outs), outs, in_avals,
+                 jax.jit(core.jaxpr_as_fun(closed)), numbers,
+                 MergeBody(closed, len(in_avals[0]), outs))
 
 
 def _equal(a, b):
@@ -487,17 +481,14 @@ def check_cuts(traces: list) -> None:
         eqn = first.jaxpr.eqns[i]
         if eqn.primitive is merge_p:
             continue
-        shapes = {tuple(_aval_key(v) for v in t.jaxpr.eqns[t.cuts[k]].invars) for t in traces}
+        shapes = {tuple((tuple(v.aval.shape), str(v.aval.dtype))
+                        for v in t.jaxpr.eqns[t.cuts[k]].invars) for t in traces}
         if len(shapes) > 1:
             raise errors.ShapeMismatchError(
                 f"a collective ({eqn.primitive.name}, e.g. ReplicaContext.all_reduce) got values "
                 f"of different shapes on different replicas: {sorted(shapes)}. Collectives "
                 "combine the replicas element-wise and need one shape, as in TF; reduce inside "
                 "each replica first (e.g. jnp.sum over the batch) before the all_reduce.")
-
-
-def _aval_key(v):
-    return (tuple(v.aval.shape), str(v.aval.dtype))
 
 
 def output_forms(traces: list) -> list:
