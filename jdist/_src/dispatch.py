@@ -110,8 +110,7 @@ def _wait(arrays):
 
 
 class _FunctionTrace(threading.local):
-    """How many `function` calls are under way on this thread, and how many of them run their
-    function as Python (ragged arguments)."""
+    """Per thread: `function` calls under way, and those running their function as Python."""
 
     def __init__(self):
         self.depth = 0

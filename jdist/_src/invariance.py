@@ -37,8 +37,7 @@ def call_body(eqn: core.JaxprEqn) -> core.Jaxpr | None:
 
 
 def same_outputs(jaxpr: core.Jaxpr, inputs_same: list) -> list:
-    """Per output of ``jaxpr`` (a replica body), whether it is equal on every replica, given
-    per input whether it is."""
+    """Per output of ``jaxpr``, whether it is equal on every replica (given the inputs')."""
     env = dict(zip(jaxpr.invars, inputs_same))
 
     def read(v):

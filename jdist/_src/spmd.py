@@ -38,7 +38,6 @@ from jdist._src.values import is_distributed
 from jdist._src.values import wrap_at
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _Call:
     """One call's arguments as the program cache sees them."""
@@ -255,14 +254,15 @@ class ReplicatedRunner:
             ragged = ragged or isinstance(leaf, PerReplica) and leaf.ragged
         return _Call(tuple(kinds), dynamic, tuple(signature), ragged, tracing)
 
-    def _program(self, cache, in_tree, kinds, signature, leaves):
+    def _program(self, cache, in_tree, kinds, signature, leaves, build=None):
+        """The cached program (or `uneven` plan, with ``build``) of these arguments."""
         key = run_arguments.program_key(in_tree, kinds, signature)
         program = cache.programs.get(key)
         if program is None:
             self._strategy.extended._check_host_arguments(in_tree, leaves)
             statics = run_arguments.trace_statics(leaves, kinds)
-            program = cache.programs[key] = self._compile(cache.fn, in_tree, kinds, statics,
-                                                          leaves)
+            program = cache.programs[key] = (build or self._compile)(
+                cache.fn, in_tree, kinds, statics, leaves)
         return program
 
     def _direct_body(self, cache, args, kwargs):
@@ -349,20 +349,17 @@ class ReplicatedRunner:
                 "jdist.function as arguments (it runs its function as Python for such a batch), "
                 "call strategy.run outside the jitted function for this batch, or batch the data "
                 "with drop_remainder=True.")
-        kinds, dynamic = call.kinds, call.dynamic
-        key = run_arguments.program_key(in_tree, kinds, call.signature)
         # Across workers: agree on every replica's shapes before any collective runs.
         self._strategy.extended._agree_uneven_step(call.signature)
-        plan = cache.programs.get(key)
-        if plan is None:
-            self._strategy.extended._check_host_arguments(in_tree, leaves)
-            statics = run_arguments.trace_statics(leaves, kinds)
-            abstract = [[run_arguments.abstract(leaf, kind, replica=r)
-                         for leaf, kind in zip(leaves, kinds) if kind != STATIC]
-                        for r in range(self._n)]
-            plan = cache.programs[key] = uneven.plan(self, cache.fn, in_tree, kinds, statics,
-                                                     dynamic, abstract)
-        return plan(dynamic)
+        plan = self._program(cache, in_tree, call.kinds, call.signature, leaves,
+                             functools.partial(self._plan, dynamic=call.dynamic))
+        return plan(call.dynamic)
+
+    def _plan(self, fn, in_tree, kinds, statics, leaves, dynamic):
+        abstract = [[run_arguments.abstract(leaf, kind, replica=r)
+                     for leaf, kind in zip(leaves, kinds) if kind != STATIC]
+                    for r in range(self._n)]
+        return uneven.plan(self, fn, in_tree, kinds, statics, dynamic, abstract)
 
     def _wrap_outputs(self, program, outputs):
         wrapped = list(outputs)

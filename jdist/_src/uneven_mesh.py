@@ -125,8 +125,7 @@ class MeshPieces:
                     for r, outvars in zip(self._local, own)])
 
     def _gather(self, program, key, per_device):
-        """A whole-mesh array of ``key`` for ``program``: ``per_device`` on its replicas'
-        devices, `_like` it elsewhere."""
+        """``key``'s whole-mesh array for ``program``: ``per_device``, or `_like` it elsewhere."""
         own = set(self._own[id(program)])
         return self._assemble([x if d in own else self._like(x, key, d)
                                for d, x in enumerate(per_device)])

@@ -73,8 +73,7 @@ def _rounds(jaxpr, is_cut):
 
 
 def _orders(eqn):
-    """Whether ``eqn`` has effects whose order matters (every collective's named-axis one does
-    not)."""
+    """Whether ``eqn`` has effects whose order matters (not a collective's named-axis one)."""
     return any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects)
 
 
