@@ -249,7 +249,8 @@ class _GuardedFunction:
             # raise TypeError first): ``fun`` runs as Python.
             if not _holds_ragged_values((args, kwargs)):
                 raise
-        return _as_python(self._fun, args, kwargs)
+        with _counted("as_python"):  # A ``strategy.run`` traced in there raises.
+            return _returned(self._fun(*args, **kwargs))
 
     def lower(self, *args, **kwargs):
         """``jax.jit``'s ``lower``."""
@@ -280,12 +281,6 @@ def _returned(outputs):
     return jax.tree_util.tree_map(
         lambda x: x.value if isinstance(x, Mirrored) and not is_step_output(x) else x,
         outputs, is_leaf=is_distributed)
-
-
-def _as_python(fun, args, kwargs):
-    """``fun(*args, **kwargs)`` uncompiled, for `function`'s ragged arguments."""
-    with _counted("as_python"):
-        return _returned(fun(*args, **kwargs))
 
 
 class _RaggedArguments(errors.UnevenValuesError):
