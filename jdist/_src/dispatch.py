@@ -73,7 +73,7 @@ class DispatchGuard:
     def wait(self) -> None:
         """Blocks until the last guarded program has finished (used before host-side reads)."""
         if self.inside_launch():
-            return  # Inside a launch, which waited for the last program before tracing.
+            return  # The launch waited for the last program before tracing.
         with self._lock:
             _wait(self._in_flight)
             self._in_flight = ()
@@ -94,7 +94,7 @@ def _launch_while_tracing(program, args, waited):
     return outputs
 
 
-_ready = jax_internals.batched_block_until_ready  # jax.block_until_ready's own, one C++ call.
+_ready = jax_internals.batched_block_until_ready  # One C++ call.
 
 
 def _wait(arrays):
@@ -116,12 +116,13 @@ _function_trace = _FunctionTrace()
 
 
 @contextlib.contextmanager
-def _inside_function():
-    _function_trace.depth += 1
+def _counted(field):
+    """Counts in ``_function_trace.<field>`` the calls under way."""
+    setattr(_function_trace, field, getattr(_function_trace, field) + 1)
     try:
         yield
     finally:
-        _function_trace.depth -= 1
+        setattr(_function_trace, field, getattr(_function_trace, field) - 1)
 
 
 def check_traced_run(guard: DispatchGuard) -> None:
@@ -157,7 +158,7 @@ def check_traced_run(guard: DispatchGuard) -> None:
 
 def under_a_trace() -> bool:
     """Whether a JAX transformation is tracing on this thread (not plain eager evaluation)."""
-    return type(jax_internals.TRACE_STATE.value) is not _EVAL_TRACE  # Eager: the bottom one.
+    return type(jax_internals.TRACE_STATE.value) is not _EVAL_TRACE
 
 
 _EVAL_TRACE = type(core.find_top_trace(()))  # The eager trace, at the bottom of every stack.
@@ -236,8 +237,8 @@ class _GuardedFunction:
 
     def __call__(self, args, kwargs):
         try:
-            with _inside_function():
-                # Every call: an int64 host number int32 cannot hold raises (JAX would wrap it).
+            with _counted("depth"):
+                # An int64 host number int32 cannot hold raises (JAX would wrap it).
                 host_values.check_host_leaves(jax.tree_util.tree_leaves((args, kwargs)))
                 if self._guard.inside_launch():  # Traced by a launch: part of its program.
                     return self.jitted(*args, **kwargs)
@@ -248,11 +249,12 @@ class _GuardedFunction:
             # make jax.jit raise TypeError first).
             if not _holds_ragged_values((args, kwargs)):
                 raise
-        return _as_python(self._fun, args, kwargs)
+        with _counted("as_python"):  # A ``strategy.run`` traced in there raises.
+            return _returned(self._fun(*args, **kwargs))
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """``jax.jit``'s ``lower``; its ``compile()`` takes what the function takes."""
-        with _inside_function():
+        with _counted("depth"):
             host_values.check_host_leaves(jax.tree_util.tree_leaves((args, kwargs)))
             try:
                 return self.jitted.lower(*args, **kwargs)
@@ -303,7 +305,7 @@ class _RaggedArguments(errors.UnevenValuesError):
 
 
 def _holds_ragged_values(tree):
-    """Whether ``tree`` holds a `PerReplica` whose replicas' values differ in shape (ragged)."""
+    """Whether ``tree`` holds a ragged `PerReplica`."""
     return any(isinstance(leaf, PerReplica) and leaf.ragged
                for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_distributed))
 

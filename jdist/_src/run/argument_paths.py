@@ -1,15 +1,11 @@
 """Where a leaf sits in a call's arguments, read and replaced without flattening the call.
 
-A path is a tuple of dict keys and list or tuple indices from the top of a nest. `run` records
-the paths of the arrays it placed in one call (a batch given as a host array every step) and, on
-the next call, reads and replaces only those, so a call with hundreds of parameters costs no
-Python work per parameter (`spmd.ReplicatedRunner._placed_as_before`). Only plain dicts, lists and tuples and
-namedtuples (an optax optimizer's state) are walked: other pytree nodes (a dataclass, a custom
-node) have no path here, and such calls are flattened whole as before.
+A path is a tuple of dict keys and list or tuple indices. `spmd` records the paths of the
+arrays it placed in one call (a host batch every step) and on the next call replaces only
+those: no Python work per parameter. Only dicts, lists, tuples and namedtuples (optax states)
+are walked; a call with other nodes is flattened whole.
 """
 
-import functools
-import operator
 from typing import Any, Optional, Tuple
 
 import jax
@@ -19,7 +15,7 @@ MISSING = object()  # What `leaf_at` returns where a path leads nowhere in a nes
 _CONTAINERS = (dict, list, tuple)
 
 
-def paths_of(tree: Any, positions, is_leaf=None) -> Optional[Tuple[Path, ...]]:
+def paths_of(tree: Any, positions: Any, is_leaf: Any = None) -> Optional[Tuple[Path, ...]]:
     """The paths of the leaves at ``positions`` of ``tree`` flattened (with ``is_leaf``), or
     None if one of them sits inside a node other than a dict, a list or a tuple.
 
@@ -44,8 +40,7 @@ def paths_of(tree: Any, positions, is_leaf=None) -> Optional[Tuple[Path, ...]]:
 
 
 def _index(node, key):
-    """What indexes ``node`` at JAX's path entry ``key``, or None where it is no container
-    walked here."""
+    """What indexes ``node`` at JAX's path entry ``key``, or None (a node not walked here)."""
     if type(node) in _CONTAINERS:
         return key.key if isinstance(key, jax.tree_util.DictKey) else getattr(key, "idx", None)
     if _is_namedtuple(node) and isinstance(key, jax.tree_util.GetAttrKey):
@@ -72,18 +67,6 @@ def leaf_at(tree: Any, path: Path) -> Any:
         except (KeyError, IndexError, TypeError):
             return MISSING
     return tree
-
-
-def known_leaf_at(tree: Any, path: Path) -> Any:
-    """What sits at ``path`` in ``tree``, whose containers along it are known to be those
-    `paths_of` walked (a call whose program's signature fixed its structure): indexed in C,
-    with no check per step.
-
-    Example:
-      >>> known_leaf_at(((1, {"x": 2}), {}), (0, 1, "x"))
-      2
-    """
-    return functools.reduce(operator.getitem, path, tree)
 
 
 def with_leaf(tree: Any, path: Path, leaf: Any) -> Any:

@@ -1,10 +1,10 @@
-"""What ``strategy.run``'s arguments are to its programs: each flattened leaf's kind, its entry
-in the program key, and the abstract value a trace takes for it (`jdist._src.run.spmd`).
+"""``strategy.run``'s argument leaves as its programs see them: kind, key entry, abstract value.
 
-Kinds: a `PerReplica` (stacked, the replica axis first), a `Mirrored`, a plain array or Python
-number (one value every replica gets, as a `Mirrored` is: collectives combine each replica's
-copy), a static Python object (compiled in).
+Kinds: a `PerReplica` (stacked), a `Mirrored`, a plain array or number (every replica gets the
+value, as a `Mirrored`'s), a static Python object (compiled in).
 """
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ from jdist._src.values import ragged_components
 
 
 
-def classify_leaf(leaf, place):
+def classify_leaf(leaf, place) -> tuple:
     """``(kind, value, signature entry, traced)`` of one argument leaf; ``value`` is what the
     program takes (placed on ``place``'s mesh when concrete), None for a static leaf."""
     if isinstance(leaf, PerReplica) and leaf.ragged:
@@ -35,7 +35,7 @@ def classify_leaf(leaf, place):
     if isinstance(leaf, (PerReplica, Mirrored)):
         check_replica_count(leaf, place.num_replicas, "strategy.run")
         per_replica = isinstance(leaf, PerReplica)
-        value = leaf.stacked if per_replica else leaf.value
+        value = leaf.stacked if isinstance(leaf, PerReplica) else leaf.value
         traced = isinstance(value, jax.core.Tracer)
         if not traced:
             value = (place.place_per_replica if per_replica else place.place_replicated)(value)
@@ -69,7 +69,7 @@ def classify_leaf(leaf, place):
     return STATIC, None, ("static", type(leaf), leaf), False
 
 
-def fast_leaf(leaf, num_replicas):
+def fast_leaf(leaf, num_replicas: int) -> bool:
     """Whether the fast path takes ``leaf``: an array or an even distributed value."""
     if isinstance(leaf, PerReplica):
         return not leaf.ragged and leaf.num_replicas == num_replicas
@@ -87,19 +87,17 @@ def placed(leaf, place):
         value, leaf.num_replicas, is_step_output(leaf))
 
 
-def trace_statics(leaves, kinds):
-    """What a trace takes per argument leaf beside its abstract value: a static leaf itself,
-    None for the others."""
+def trace_statics(leaves: list, kinds: tuple) -> list:
+    """Per argument leaf: itself if static, else None (the trace takes its abstract value)."""
     return [leaf if kind == STATIC else None for leaf, kind in zip(leaves, kinds)]
 
 
 def program_key(in_tree, kinds, signature):
-    """What selects a function's program: its arguments, and whether 64-bit mode is on (a
-    program traced in ``jax.enable_x64()`` computes in other dtypes, as ``jax.jit`` keys)."""
+    """What selects a function's program: its arguments, and 64-bit mode (as ``jax.jit``'s)."""
     return in_tree, kinds, signature, jax.config.jax_enable_x64
 
 
-def abstract(leaf, kind, replica=None):
+def abstract(leaf: Any, kind: str, replica: Any = None) -> jax.ShapeDtypeStruct:
     """The abstract argument a trace takes for ``leaf``; a per-replica one is stacked, with
     ``replica``'s shape for every replica when it is ragged."""
     if kind == PER_REPLICA and leaf.ragged:

@@ -1,9 +1,8 @@
-"""What is compiled for each replica function, found as ``jax.jit`` finds it.
+"""What is compiled for each replica function, keyed weakly as ``jax.jit``'s cache.
 
-`FunctionCaches.get` keys a function weakly, so neither it nor what its closure holds (a dataset
-iterator, a model) is kept alive; a bound method, a new object at every attribute access (the
-``strategy.run(self.train_step, ...)`` idiom), is keyed on its owner, weakly, and its function,
-so every access finds the same `FnCache`.
+Neither a function nor what its closure holds (a dataset iterator, a model) is kept alive. A
+bound method, new at every attribute access (``strategy.run(self.train_step, ...)``), is keyed
+on its owner (weakly) and its function, so every access finds the same `FnCache`.
 """
 
 import functools
@@ -12,24 +11,12 @@ import weakref
 
 
 class FnCache:
-    """Everything compiled for one replica function.
-
-    Attributes:
-      fn: what is traced (for a bound method, its function called on a weak reference to the
-        owner). Held weakly when the cache is keyed weakly on it, so neither the function nor
-        what its closure holds (a dataset iterator, a model) is kept alive by the cache.
-      programs: per full signature (the general path): a compiled program or an `uneven`
-        plan (`spmd`).
-      direct: the direct program (`spmd`): one ``jax.jit`` over the arguments as they come.
-      token: what the CPU guard waits on of the direct program's outputs (`spmd`).
-      direct_missed: whether the last call's arguments missed the direct program.
-      flatten_first: whether calls go straight to being made canonical (two missed in a row,
-        until a call's arguments come canonical again).
-      plans: the programs the direct program calls, by number (`plan_number`).
-      placing: ``(paths, number)`` of the last call made canonical (`spmd`): the paths of
-        the arrays it placed (`argument_paths`), which the next call places alone, and the
-        number of the program that took it.
-    """
+    """Everything compiled for one replica function (the fields `spmd.ReplicatedRunner.run`
+    reads): ``programs`` by signature (a program or an `uneven` plan), the ``direct`` program
+    and its guard ``token``, the ``plans`` it calls by number, the ``placing`` of the last call
+    made canonical, and whether calls missed the direct program (``direct_missed``,
+    ``flatten_first``). ``fn`` (for a bound method, one holding its owner weakly) is held
+    weakly when the cache is keyed weakly on it."""
     __slots__ = ("_fn", "programs", "direct", "token", "direct_missed", "flatten_first",
                  "plans", "placing", "__weakref__")
 
@@ -39,7 +26,7 @@ class FnCache:
         self.direct = self.token = self.placing = None
         self.direct_missed = self.flatten_first = False
 
-    def plan_number(self, program):
+    def plan_number(self, program) -> int:
         """The number under which ``program`` is in `plans` (added if it is not)."""
         for i, known in enumerate(self.plans):
             if known is program:
@@ -62,14 +49,12 @@ class FunctionCaches:
         self._last = (_dead, None)  # The last function found (held weakly) and its cache.
 
     def get(self, fn):
-        """The `FnCache` of ``fn``: weakly keyed, as ``jax.jit``'s; a bound method (a new object
-        at every attribute access) is keyed on its owner (weakly) and its function."""
+        """The `FnCache` of ``fn`` (see the module doc)."""
         last_fn, last_cache = self._last
         if last_fn() is fn:  # A training loop runs one step function call after call.
             return last_cache
         cache = self._find(fn)
-        if isinstance(cache._fn, weakref.ref):  # Not a bound method: new at every access.
-            # Forgotten when ``fn`` dies, so the cache (and what its programs hold) goes too.
+        if isinstance(cache._fn, weakref.ref):  # Not a bound method (new at every access).
             self._last = (weakref.ref(fn, self._forget_last), cache)
         return cache
 
@@ -81,9 +66,7 @@ class FunctionCaches:
         if inspect.ismethod(fn):
             owner, func = fn.__self__, fn.__func__
             try:
-                by_func = self._by_owner.get(owner)
-                if by_func is None:
-                    by_func = self._by_owner[owner] = {}
+                by_func = self._by_owner.setdefault(owner, {})
             except TypeError:
                 pass  # An owner that cannot be weakly referenced: keyed on the method below.
             else:
@@ -110,5 +93,5 @@ def _weak_method(owner, func):
 
 
 def _dead():
-    """What a dead weak reference returns: `FunctionCaches._last` before any function."""
+    """A dead weak reference: `FunctionCaches._last` before any function."""
     return None

@@ -1,8 +1,8 @@
 """``merge_call`` inside a traced step: ``merge_fn`` runs SPMD on every replica's gathered values.
 
-TF runs ``merge_fn`` once, on the host, between two halves of the replica function. A jdist step
-is one compiled program, so ``merge_fn`` runs inside it on every device, on the same all-gathered
-inputs (``docs/design.md``, section 6). Exact uneven steps merge differently (`uneven_trace`).
+TF runs ``merge_fn`` once on the host; a jdist step is one compiled program, so ``merge_fn`` runs
+inside it on every device, on the same all-gathered inputs (``docs/design.md``, section 6).
+Exact uneven steps merge in `uneven_trace`.
 """
 
 import jax
@@ -19,38 +19,25 @@ from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
 
 
-def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
-    """``merge_fn(strategy, *args, **kwargs)`` inside a traced even step, as TF's merge_call.
-
-    Every array argument is all-gathered into a `PerReplica` view that every device holds, so
-    ``merge_fn`` runs SPMD on the same inputs in a cross-replica context; its result reaches
-    each replica with `PerReplica` and `Mirrored` values unpacked (TF's ``select_replica``).
-
-    Args:
-      strategy: the strategy whose replica function is traced.
-      num_replicas: its replica count.
-      binding: the replica context's `context._Binding` (its axis name).
-      merge_fn, args, kwargs: as given to ``ReplicaContext.merge_call``.
-
-    Returns:
-      This replica's view of ``merge_fn``'s result.
-    """
+def merge_call(strategy, num_replicas: int, binding, merge_fn, args: tuple, kwargs: dict):
+    """``merge_fn(strategy, *args, **kwargs)`` inside a traced even step: its array arguments
+    all-gathered into `PerReplica` views, its result as this replica sees it (TF's
+    ``select_replica``). ``binding`` is the replica context's `context._Binding`."""
     axis = binding.axis_name
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
     views = []
     for leaf in leaves:
         host_values.check_host_numbers(leaf)  # A host array the step closed over.
         if not isinstance(leaf, ARRAYS) or num_replicas == 1:
-            views.append(leaf)  # Python objects pass as they are; so does one replica's value.
+            views.append(leaf)
             continue
-        # Every replica gets every replica's value: merge_fn runs SPMD on the same inputs.
         views.append(PerReplica._from_stacked(lax.all_gather(jnp.asarray(leaf), axis)))
     m_args, m_kwargs = jax.tree_util.tree_unflatten(tree, views)
     with context.cross_replica_scope(strategy, in_merge=True):
         result = merge_fn(strategy, *m_args, **m_kwargs)
     replica = lax.axis_index(axis)
 
-    def unpack(x):  # Distributed results per replica, as TF's select_replica unpacks them.
+    def unpack(x):
         if isinstance(x, PerReplica):
             return x.stacked[replica]
         return x.value if isinstance(x, Mirrored) else x
@@ -58,20 +45,10 @@ def merge_call(strategy, num_replicas, binding, merge_fn, args, kwargs):
 
 
 def without_gradient(value):
-    """``value``, the arguments of a ``merge_call`` on a strategy whose ``merge_fn`` TF runs
-    outside the replica's gradient tape (``MirroredStrategy``'s merge_fn runs on another
-    thread): TF's ``tape.gradient`` records nothing through it, and gives None where nothing
-    else connects. ``jax.grad`` has no None, so a gradient that comes back through
-    ``merge_call`` to these arguments raises `NoGradientError` instead of being one TF does
-    not compute. A ``merge_call`` inside a differentiated function whose result the loss does
-    not use (logging a loss) is fine: its gradient is a symbolic zero.
-
-    Args:
-      value: merge_call's ``(args, kwargs)``.
-
-    Returns:
-      ``value`` with its traced inexact arrays behind the gradient boundary.
-    """
+    """merge_call's ``(args, kwargs)`` behind a gradient boundary: TF runs ``merge_fn`` off the
+    replica's tape (no gradient, None), and ``jax.grad`` has no None, so a gradient reaching
+    them through the result raises `NoGradientError`; an unused result's (a symbolic zero)
+    passes."""
     def leaf(x):
         if isinstance(x, jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.inexact):
             return _no_gradient(x)

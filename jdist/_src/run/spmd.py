@@ -1,15 +1,9 @@
-"""Compiling a replica function into one SPMD program over the strategy's devices.
+"""``strategy.run``: a replica function as one cached SPMD program over the strategy's mesh.
 
-``strategy.run(fn, args)`` becomes ``jax.jit(jax.shard_map(body, mesh, in_specs, out_specs,
-check_vma=False))`` where ``body`` unpacks per-replica arguments, enters the replica context and
-calls ``fn`` with per-replica shapes, as ``pmap`` builds it (``docs/design.md`` says why not
-``pmap`` itself). ``check_vma=False`` gives TF's per-replica gradients (`jdist._src.invariance`
-explains the alternative's silent factor of ``num_replicas``). ``fn`` is traced once into a
-jaxpr; a dataflow analysis of it (`invariance.same_outputs`) finds the outputs provably equal on
-every replica (an all-reduce result, an update of mirrored parameters by it): those leave as
-`Mirrored` with ``out_specs=P()``, the rest as `PerReplica` with ``P(axis)``; the traced body is
-then compiled with those specs (``fn`` is not traced again). Programs are cached per (fn,
-argument structure, shapes, dtypes, static leaves).
+``fn`` becomes ``jax.jit(jax.shard_map(body, check_vma=False))`` (TF's per-replica gradients,
+`invariance`), traced once: outputs provably equal on every replica leave as `Mirrored`
+(``P()``), the rest as `PerReplica`, without tracing again (`staged_outputs`). Ragged
+arguments go to `uneven`.
 """
 
 import dataclasses
@@ -44,10 +38,9 @@ from jdist._src.values import is_distributed
 from jdist._src.values import wrap_at
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _Call:
-    """One call's arguments as the program cache sees them (`ReplicatedRunner._classify`)."""
+    """One call's arguments as the program cache sees them."""
     kinds: tuple  # Per argument leaf: per-replica, mirrored, array or static.
     dynamic: list  # The arrays the program takes (placed on the mesh unless tracing).
     signature: tuple  # Per leaf: what selects the program (shapes, dtypes, static values).
@@ -65,59 +58,46 @@ class _Program:
     token_index: Optional[int]  # The output the CPU guard waits on (the fast path's).
 
     def __post_init__(self):
-        # How the outputs are wrapped, worked out once (in `values.wrap_at`).
         self.mirrored_at = tuple(i for i, v in enumerate(self.out_varying)
                                  if not v and self.num_replicas > 1)
         self.per_replica_at = tuple(i for i, v in enumerate(self.out_varying) if v)
         self.has_statics = any(st is not OUTPUT for st in self.out_statics)
 
     @functools.cached_property
-    def jitted(self):
-        """`function` compiled on its own (the general path calls it)."""
+    def jitted(self) -> Any:
         return jax.jit(self.function)
 
 
 class ReplicatedRunner:
-    """Runs replica functions as cached SPMD programs on one strategy's mesh.
+    """Runs replica functions as cached SPMD programs on a `replica_mesh.ReplicaMesh`."""
 
-    Args:
-      strategy: the owning strategy (what `get_strategy` returns inside the function).
-      programs: the strategy's `replica_mesh.ReplicaMesh` (mesh, axis name, shardings, guard).
-    """
-
-    def __init__(self, strategy, programs):
+    def __init__(self, strategy: Any, programs: Any) -> None:
         self._strategy = strategy
         self._programs = programs
         self._mesh = programs.mesh
         self._axis = programs.axis_name
         self._guard = programs.guard
         self._n = programs.num_replicas
-        self._caches = fn_cache.FunctionCaches()  # What is compiled, per step function.
+        self._caches = fn_cache.FunctionCaches()
         # The fast path hands argument checks and placement to jax.jit; across processes host
         # values must enter through the multi-worker strategy's own placement instead.
         self._fast_ok = all(d.process_index == jax.process_index()
                             for d in programs.mesh.devices.flat)
 
     @property
-    def strategy(self):
+    def strategy(self) -> Any:
         """The strategy whose replica functions this runner compiles."""
         return self._strategy
 
     @property
-    def programs(self):
+    def programs(self) -> Any:
         """The strategy's `replica_mesh.ReplicaMesh` (mesh, shardings, dispatch guard)."""
         return self._programs
 
-    # ----------------------------------------------------------------------------- run
-    def run(self, fn, args, kwargs):
-        """``strategy.run`` of ``fn``. Arguments the function's direct program takes as they
-        come (a training loop's steady state) go straight to it, in this one frame: the direct
-        program is one ``jax.jit`` taking ``(args, kwargs)``, so its C++ dispatch flattens,
-        checks and looks up the call, with no per-leaf work in Python. It takes canonical
-        arguments only (every value on the mesh, replicated ones as `Mirrored`); others (a
-        loop's first parameters, host arrays) are made canonical first (`_launch_canonical`),
-        so both share one compile. A function whose calls keep needing that skips the direct
-        attempt (``cache.flatten_first``); arguments it cannot take go the general path."""
+    def run(self, fn: Any, args: tuple, kwargs: dict) -> Any:
+        """``strategy.run`` of ``fn``. Canonical arguments (on the mesh, replicated ones as
+        `Mirrored`: a loop's steady state) go to the direct program, one ``jax.jit`` whose C++
+        dispatch does the per-leaf work; others are made canonical first, or go general."""
         if jax_internals.JIT_DISABLED.value:
             # The replicas run as one compiled SPMD program: there is no eager one to fall to.
             with jax.disable_jit(False):
@@ -181,11 +161,8 @@ class ReplicatedRunner:
             return None
 
     def _canonical(self, cache, call):
-        """``(arguments, changed)``: ``call``'s arguments as the direct program takes them
-        (every array placed on the mesh, plain ones as `Mirrored` on several replicas) and
-        whether that changed any; ``(None, False)`` for arguments it does not take (ragged
-        values, Python objects and numbers).
-        Records in ``cache.placing`` where the arrays it placed were, for the next call."""
+        """``(arguments, changed)``: ``call`` as the direct program takes it, or ``(None, False)``.
+        Records in ``cache.placing`` the paths of the arrays it placed, for the next call."""
         leaves, tree = jax.tree_util.tree_flatten(call, is_leaf=is_distributed)
         if not all(run_arguments.fast_leaf(leaf, self._n) for leaf in leaves):
             return None, False
@@ -199,14 +176,13 @@ class ReplicatedRunner:
         moved = plain if self._n > 1 else tuple(i for i in plain if placed[i] is not leaves[i])
         paths = None if changed else argument_paths.paths_of(call, moved, is_distributed)
         cache.placing = None if paths is None else (paths, None)
-        return self._mirrored(tree, placed, plain, changed or bool(moved))
+        if self._n > 1 and plain:
+            wrap_at(placed, plain, self._n)
+        return jax.tree_util.tree_unflatten(tree, placed), changed or bool(moved)
 
     def _launch_placed_as_before(self, cache, placing, call):
-        """The direct program's outputs on ``call`` with only the arrays the last canonical
-        call placed placed again, read and replaced by their paths (a batch given as a host
-        array every step: no Python work per parameter); None where that does not serve. The
-        direct program checks the other arguments as any call's: one not canonical makes it
-        raise `_NotCanonical`, and a program other than that call's means another tree."""
+        """The direct program on ``call`` with only the last canonical call's placed paths
+        placed again (a host batch every step: no Python work per parameter), or None."""
         paths, number = placing
         leaves = [argument_paths.leaf_at(call, path) for path in paths]
         if number is None or not all(
@@ -224,18 +200,9 @@ class ReplicatedRunner:
             return None
         return outputs if outputs is not None and next(iter(outputs)) == number else None
 
-    def _mirrored(self, tree, leaves, plain, changed):
-        """The arguments of ``tree`` with the plain arrays at ``plain`` as `Mirrored` (on
-        several replicas: one replica's replicated outputs are plain arrays, kept so)."""
-        if self._n > 1 and plain:
-            wrap_at(leaves, plain, self._n)
-            changed = True
-        return jax.tree_util.tree_unflatten(tree, leaves), changed
-
     def _run_in_merge(self, fn, args, kwargs):
-        """``run`` inside a traced ``merge_fn``: every replica's values are at hand (the merge
-        arguments are gathered views), so the replicas run as one ``jax.vmap`` over an axis of
-        their own; collectives and replica ids inside work on it. Returns `PerReplica` views."""
+        """``run`` inside a traced ``merge_fn``, whose arguments hold every replica's values:
+        the replicas run as one ``jax.vmap`` over an axis of their own."""
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
         axis, in_axes, dynamic = f"{self._axis}_in_merge", [], []
         for leaf in leaves:
@@ -244,22 +211,24 @@ class ReplicatedRunner:
                     "strategy.run inside a merge_fn got per-replica values of different shapes; "
                     "it runs the replicas as one vectorised program, which needs one shape. "
                     "Give the replicas one shape, or run the step outside the merge_fn.")
-            value = leaf.stacked if isinstance(leaf, PerReplica) else (
-                leaf.value if isinstance(leaf, Mirrored) else leaf)
             in_axes.append(0 if isinstance(leaf, PerReplica) else None)
-            dynamic.append(value)
+            dynamic.append(leaf.stacked if isinstance(leaf, PerReplica) else (
+                leaf.value if isinstance(leaf, Mirrored) else leaf))
 
         def body(*values):
-            args, kwargs = jax.tree_util.tree_unflatten(in_tree, values)
-            binding = context._Binding(axis, lax.axis_index(axis))
-            ctx = context.ReplicaContext(self._strategy, binding.replica_id, _binding=binding)
-            try:
-                with context.replica_scope(ctx):
-                    return fn(*args, **kwargs)
-            finally:
-                binding.active = False
+            return self._in_replica(context._Binding(axis, lax.axis_index(axis)), fn,
+                                    *jax.tree_util.tree_unflatten(in_tree, values))
         out = jax.vmap(body, in_axes=in_axes, axis_name=axis, axis_size=self._n)(*dynamic)
         return jax.tree_util.tree_map(PerReplica._from_stacked, out)
+
+    def _in_replica(self, binding, fn, args, kwargs):
+        """``fn(*args, **kwargs)`` in the replica context of ``binding``, closed after it."""
+        ctx = context.ReplicaContext(self._strategy, binding.replica_id, _binding=binding)
+        try:
+            with context.replica_scope(ctx):
+                return fn(*args, **kwargs)
+        finally:
+            binding.active = False
 
     def _run_general(self, cache, args, kwargs):
         """Any arguments: classified leaf by leaf, placed, then the cached program (or plan)."""
@@ -273,8 +242,7 @@ class ReplicatedRunner:
         return self._wrap_outputs(program, outputs)
 
     def _classify(self, leaves):
-        """The call's arguments as the program cache sees them (placing what is not yet on the
-        mesh)."""
+        """The call's `_Call`, placing what is not yet on the mesh."""
         kinds, dynamic, signature, tracing, ragged = [], [], [], False, False
         for leaf in leaves:
             kind, value, entry, traced = run_arguments.classify_leaf(leaf, self._programs)
@@ -286,36 +254,32 @@ class ReplicatedRunner:
             ragged = ragged or isinstance(leaf, PerReplica) and leaf.ragged
         return _Call(tuple(kinds), dynamic, tuple(signature), ragged, tracing)
 
-    def _program(self, cache, in_tree, kinds, signature, leaves):
+    def _program(self, cache, in_tree, kinds, signature, leaves, build=None):
+        """The cached program (or `uneven` plan, with ``build``) of these arguments."""
         key = run_arguments.program_key(in_tree, kinds, signature)
         program = cache.programs.get(key)
         if program is None:
             self._strategy.extended._check_host_arguments(in_tree, leaves)
             statics = run_arguments.trace_statics(leaves, kinds)
-            program = cache.programs[key] = self._compile(cache.fn, in_tree, kinds, statics,
-                                                          leaves)
+            program = cache.programs[key] = (build or self._compile)(
+                cache.fn, in_tree, kinds, statics, leaves)
         return program
 
     def _direct_body(self, cache, args, kwargs):
-        """Traced by the direct program (`run`): the general path on tracers, for
-        canonical arguments only; raises `_NotCanonical` for the others, before any trace of
-        the function, so the direct program never compiles them."""
+        """The direct program's body: the general path on tracers of canonical arguments;
+        others raise `_NotCanonical` before ``fn`` is traced, so they never compile."""
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
         if not all(self._is_canonical(leaf) for leaf in leaves):
             raise _NotCanonical()
-        # `Mirrored` and plain arrays enter the program alike: one program for both.
         leaves = [leaf.value if isinstance(leaf, Mirrored) else leaf for leaf in leaves]
         call = self._classify(leaves)
         program = self._program(cache, tree, call.kinds, call.signature, leaves)
         outputs = program.function(*call.dynamic)  # Inlined: a jit level fewer to lower.
-        # The outputs leave flat, keyed by the number of the program that wraps them after the
-        # call: jax.jit's C++ dispatch rebuilds a dict by itself, with no Python callback per
-        # output (a custom pytree node in the outputs would turn its fast path off).
+        # Flat, keyed by program number: a custom pytree node would turn jit's C++ path off.
         return {cache.plan_number(program): tuple(outputs)}
 
     def _is_canonical(self, leaf):
-        """Whether a traced argument of the direct program came placed on this mesh, as
-        `_canonical` leaves it (a tracer's type names the mesh its array was committed to)."""
+        """Whether a direct program's traced argument came placed on this mesh (its type says)."""
         if isinstance(leaf, PerReplica):
             if leaf.ragged or leaf.num_replicas != self._n:
                 return False
@@ -334,50 +298,28 @@ class ReplicatedRunner:
         traced, eqn, record = self.trace(fn, in_tree, kinds, statics, abstract, staged=True)
         inner = eqn.params["jaxpr"]
         replicated_in = [all(a is None for a in spec) for spec in eqn.params["in_specs"]]
-        # Which outputs derive from per-replica inputs (all equal on one replica).
         same = ([True] * len(inner.outvars) if n == 1
                 else invariance.same_outputs(inner, replicated_in))
         program = staged_outputs.staged_program(record["staged"], same, self._mesh, self._axis)
         varying = tuple(not s for s in same)
-        # The CPU guard waits on the smallest output (every output of a device is ready at
-        # once), picked out after the call: returning it twice would cost a copy.
+        # The CPU guard waits on the smallest output: a device's outputs are ready at once.
         sizes = [math.prod(shape) * (1 if s else n) for s, shape in zip(same, record["shapes"])]
         token = min(range(len(sizes)), key=sizes.__getitem__, default=None)
         return _Program(program, record["tree"], varying, record["statics"], n, token)
 
-    def trace(self, fn, in_tree, kinds, statics, abstract, exact=None, staged=False):
-        """Traces ``fn`` once as the body of a ``shard_map`` over the replica axis.
-
-        The body unpacks per-replica blocks, enters the replica context and calls ``fn``
-        (``check_vma=False``: TF's per-replica gradients, see `invariance`).
-
-        Args:
-          fn, in_tree, kinds, statics: the replica function and its flattened arguments.
-          abstract: the ``jax.ShapeDtypeStruct`` of each dynamic argument (stacked for
-            per-replica ones).
-          exact: the `uneven` trace state when tracing one replica of an uneven step.
-          staged: trace ``jit(shard_map)`` instead and keep that closed jaxpr (one ``jit``
-            equation) in ``record["staged"]``, to build the program without tracing again.
-
-        Returns:
-          ``(traced, eqn, record)``: the closed jaxpr, its single ``shard_map`` equation, and
-          the outputs' ``record["tree"]``, ``record["statics"]`` (Python objects returned as
-          they are, TF's regroup; `OUTPUT` for arrays), and per array ``record["shapes"]``.
-        """
+    def trace(self, fn: Any, in_tree: Any, kinds: tuple, statics: list, abstract: list,
+              exact: Any = None, staged: bool = False) -> tuple:
+        """``(traced, eqn, record)`` of ``fn`` traced as a ``shard_map`` body: the closed jaxpr,
+        its ``shard_map`` equation, the outputs' ``tree``, ``statics``, ``shapes`` (and with
+        ``staged``, the ``jit(shard_map)`` jaxpr). ``exact``: an `uneven_trace` replica state."""
         axis, record = self._axis, {}
 
         def body(*arrays):
             it = iter(arrays)
             values = [static if kind == STATIC else next(it)[0] if kind == PER_REPLICA
                       else next(it) for kind, static in zip(kinds, statics)]
-            args, kwargs = jax.tree_util.tree_unflatten(in_tree, values)
-            binding = context._Binding(axis, lax.axis_index(axis), exact=exact)
-            ctx = context.ReplicaContext(self._strategy, binding.replica_id, _binding=binding)
-            try:
-                with context.replica_scope(ctx):
-                    out = fn(*args, **kwargs)
-            finally:
-                binding.active = False
+            out = self._in_replica(context._Binding(axis, lax.axis_index(axis), exact=exact), fn,
+                                   *jax.tree_util.tree_unflatten(in_tree, values))
             out_leaves, record["tree"] = jax.tree_util.tree_flatten(out, is_leaf=is_distributed)
             record["statics"] = tuple(_output_static(x) for x in out_leaves)
             returned = [x for x, st in zip(out_leaves, record["statics"]) if st is OUTPUT]
@@ -391,7 +333,7 @@ class ReplicatedRunner:
         if staged:
             record["staged"] = jax.make_jaxpr(jax.jit(mapped))(*abstract)
             (call,) = record["staged"].jaxpr.eqns
-            traced = call.params["jaxpr"]  # The jit's body: the shard_map, closure constants.
+            traced = call.params["jaxpr"]
         else:
             traced = jax.make_jaxpr(mapped)(*abstract)
         (eqn,) = traced.jaxpr.eqns
@@ -399,7 +341,7 @@ class ReplicatedRunner:
 
     def _run_exact(self, cache, in_tree, call, leaves):
         """``run`` on ragged inputs: every replica computes with its own shapes (`uneven`)."""
-        if dispatch.under_a_trace():  # Traced arguments, or values a trace captured.
+        if dispatch.under_a_trace():
             raise errors.UnevenValuesError(
                 "strategy.run got per-replica values of different shapes while being traced "
                 "(inside jax.jit, lax.scan or jdist.function); a traced program has one shape "
@@ -407,25 +349,19 @@ class ReplicatedRunner:
                 "jdist.function as arguments (it runs its function as Python for such a batch), "
                 "call strategy.run outside the jitted function for this batch, or batch the data "
                 "with drop_remainder=True.")
-        kinds = call.kinds
-        dynamic = call.dynamic
-        key = run_arguments.program_key(in_tree, kinds, call.signature)
-        # Several workers: each compares its view of every replica's shapes with the others'
-        # before any collective of the step runs (one key-value exchange per call).
+        # Across workers: agree on every replica's shapes before any collective runs.
         self._strategy.extended._agree_uneven_step(call.signature)
-        plan = cache.programs.get(key)
-        if plan is None:
-            self._strategy.extended._check_host_arguments(in_tree, leaves)
-            statics = run_arguments.trace_statics(leaves, kinds)
-            abstract = [[run_arguments.abstract(leaf, kind, replica=r)
-                         for leaf, kind in zip(leaves, kinds) if kind != STATIC]
-                        for r in range(self._n)]
-            plan = cache.programs[key] = uneven.plan(self, cache.fn, in_tree, kinds, statics,
-                                                     dynamic, abstract)
-        return plan(dynamic)
+        plan = self._program(cache, in_tree, call.kinds, call.signature, leaves,
+                             functools.partial(self._plan, dynamic=call.dynamic))
+        return plan(call.dynamic)
+
+    def _plan(self, fn, in_tree, kinds, statics, leaves, dynamic):
+        abstract = [[run_arguments.abstract(leaf, kind, replica=r)
+                     for leaf, kind in zip(leaves, kinds) if kind != STATIC]
+                    for r in range(self._n)]
+        return uneven.plan(self, fn, in_tree, kinds, statics, dynamic, abstract)
 
     def _wrap_outputs(self, program, outputs):
-        """The step's output nest from the program's flat outputs."""
         wrapped = list(outputs)
         wrap_at(wrapped, program.mirrored_at, self._n, program.per_replica_at)
         if program.has_statics:  # Python objects the function returned, TF's regroup.
@@ -433,7 +369,7 @@ class ReplicatedRunner:
             wrapped = [next(arrays) if st is OUTPUT else st for st in program.out_statics]
         return program.out_tree.unflatten(wrapped)
 
-    def merge_call(self, binding, merge_fn, args, kwargs):
+    def merge_call(self, binding: Any, merge_fn: Any, args: tuple, kwargs: dict) -> Any:
         """A replica context's ``merge_call`` while its function is traced (`merge`)."""
         return merge.merge_call(self._strategy, self._n, binding, merge_fn, args, kwargs)
 
@@ -450,8 +386,7 @@ def _waited_outputs(cache, outputs):
 
 
 def _output_static(x):
-    """`OUTPUT` for an array the replica function returned; a Python object is returned as it
-    is (every replica computed the same one: TF's regroup gives the object itself)."""
+    """`OUTPUT` for a returned array; a Python object as it is (TF's regroup)."""
     if isinstance(x, DistributedValues):
         raise errors.UnsupportedValueError(
             f"the replica function returned a {type(x).__name__}; inside strategy.run return "

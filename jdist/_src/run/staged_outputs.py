@@ -1,16 +1,10 @@
 """Replicated outputs of a traced replica program, set without tracing it again.
 
-`spmd` traces a replica function once, as ``jit(shard_map(body, out_specs=P(axis)))`` whose body
-returns every output as a ``(1, ...)`` block: which outputs are equal on every replica is only
-known after the trace (`invariance`). Those then leave the program as the value itself
-(``out_specs=P()``), the rest as the stacked ``(num_replicas, ...)`` array.
-
-Re-binding ``shard_map`` with new ``out_specs`` would evaluate the whole body again, and a second
-``shard_map`` taking the blocks apart adds two array operations per output for XLA to compile
-(with 400 parameters, 11% more operations). `unblock_replicated` instead edits the traced
-program: each replicated output's block is replaced by the value it was made from, and its
-``out_specs`` entry by ``P()``. It uses JAX's jaxpr types (``jax.extend.core``), checked against
-the form `spmd.ReplicatedRunner.trace` produces; any other form gives None and the caller keeps
+`spmd` traces ``jit(shard_map(body, out_specs=P(axis)))`` with every output a ``(1, ...)``
+block; which outputs are equal on every replica is known only afterwards (`invariance`).
+Re-binding ``shard_map`` would evaluate the body again, and a second ``shard_map`` adds
+operations per output for XLA; so `unblock_replicated` edits the jaxpr: a replicated output's
+block becomes its value, its ``out_specs`` entry ``P()``. A form it does not know falls back to
 the second ``shard_map``.
 """
 
@@ -25,23 +19,12 @@ from jdist._src import jax_internals
 
 def staged_program(staged: core.ClosedJaxpr, replicated: Sequence[bool], mesh: jax.sharding.Mesh,
                    axis: str) -> Callable:
-    """The traced program as a function, called as it was staged (a jit equation holding the
-    traced shard_map), so its body is neither traced nor evaluated again.
-
-    Args:
-      staged: as `unblock_replicated` takes it.
-      replicated: per output, whether every replica computes the same value.
-      mesh, axis: the replica mesh and its axis name.
-
-    Returns:
-      A function of the program's arguments giving a tuple: each replicated output as the value,
-      the others stacked ``(num_replicas, ...)``.
-    """
+    """The program as a function of its arguments, its body not traced again: a tuple with
+    each ``replicated`` output as the value, the others stacked ``(num_replicas, ...)``."""
     edited = unblock_replicated(staged, replicated)
     if edited is not None:
         edited_fn = core.jaxpr_as_fun(edited)
         return lambda *arrays: tuple(edited_fn(*arrays))
-    # A form the edit does not know: a second shard_map takes the replicated blocks apart.
     staged_fn = core.jaxpr_as_fun(staged)
     unblock = jax.shard_map(
         lambda *outs: tuple(o[0] if r else o for o, r in zip(outs, replicated)), mesh=mesh,
@@ -56,17 +39,9 @@ def staged_program(staged: core.ClosedJaxpr, replicated: Sequence[bool], mesh: j
 
 def unblock_replicated(staged: core.ClosedJaxpr,
                        replicated: Sequence[bool]) -> Optional[core.ClosedJaxpr]:
-    """``staged`` with output ``i`` returned unblocked and replicated where ``replicated[i]``.
-
-    Args:
-      staged: ``make_jaxpr(jit(shard_map(body, out_specs=P(axis))))``, every output of ``body``
-        a ``broadcast_in_dim`` of a value to a leading axis of size 1.
-      replicated: per output, whether every replica computes the same value.
-
-    Returns:
-      The edited closed jaxpr (same inputs, the replicated outputs without their leading axis),
-      or None where ``staged`` is not of that form.
-    """
+    """``staged`` (``make_jaxpr(jit(shard_map(body, out_specs=P(axis))))``, each output a
+    ``(1, ...)`` ``broadcast_in_dim``) with output ``i`` unblocked and replicated where
+    ``replicated[i]``; None where ``staged`` is not of that form."""
     call, mapped = _single_eqn(staged), None
     if call is not None:
         mapped = _single_eqn(call.params["jaxpr"])
@@ -94,7 +69,7 @@ def unblock_replicated(staged: core.ClosedJaxpr,
 
 
 def _single_eqn(closed):
-    """The one equation of ``closed`` when its outputs are exactly that equation's, else None."""
+    """The one equation of ``closed`` whose outputs are the jaxpr's, else None."""
     eqns = closed.jaxpr.eqns
     if len(eqns) != 1 or list(closed.jaxpr.outvars) != list(eqns[0].outvars):
         return None

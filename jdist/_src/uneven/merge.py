@@ -1,10 +1,8 @@
-"""The primitive of a ``merge_call`` inside one replica's trace of an uneven step.
+"""The primitive of a ``merge_call`` in one replica's trace of an uneven step.
 
-`jdist._src.uneven.trace` binds it where a replica's function calls ``merge_call``: the trace is
-cut there, and `jdist._src.uneven.plan` runs the merge across the replicas between the pieces. Its
-equation carries what the analyses of the trace read of the merge: which outputs every replica
-receives alike (``out_same``), whether it is an all_gather (``gathers``), and ``merge_fn``'s own
-program (``merge_body``, for the int64 bounds).
+`trace` binds it and `plan` cuts the trace there. Its parameters are what analyses of the
+trace read: ``out_same`` (outputs every replica receives alike), ``gathers`` (an all_gather),
+``merge_body`` (``merge_fn``'s program).
 """
 
 import dataclasses
@@ -16,19 +14,16 @@ import jax.numpy as jnp
 from jax.extend import core
 from jax.interpreters import ad
 
-# Its outputs come from the resolved merge (`uneven_trace.Merge`).
 merge_p = core.Primitive("jdist_merge")
 merge_p.multiple_results = True
-# ``merge_body``: the merge's `MergeBody` (what the int64 analysis reads of merge_fn).
 merge_p.def_abstract_eval(
     lambda *operands, index, out_avals, out_same, gathers, merge_body: list(out_avals))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MergeBody:
-    """A merge_call's traced ``merge_fn`` over every replica's operands (``jaxpr``: replica by
-    replica, ``count`` operands each), and per replica the indices of its outputs among the
-    jaxpr's (``outputs``)."""
+    """A merge_call's traced ``merge_fn`` (``count`` operands per replica, in replica order) and
+    per replica the indices of its outputs (``outputs``)."""
     jaxpr: Any
     count: int
     outputs: tuple
@@ -38,10 +33,8 @@ class MergeBody:
 
 
 def _merge_jvp(primals, tangents, **params):
-    """No gradient flows through a merge_call (TF runs merge_fn outside the replica's tape).
-    Its tangents are zeros tied to the arguments', so a gradient that comes back through the
-    result reaches `merge.without_gradient`'s check, which raises; an unused result's gradient
-    is a symbolic zero and passes."""
+    """Zero tangents tied to the arguments', so a gradient back through the result reaches
+    `merge.without_gradient`'s check (TF: no gradient through merge_call)."""
     outs = merge_p.bind(*primals, **params)
     tied = [jnp.sum(t) * 0 for t in tangents if not isinstance(t, ad.Zero)]
     zero = functools.reduce(operator.add, tied)

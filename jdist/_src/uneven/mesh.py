@@ -1,27 +1,12 @@
 """An exact step's pieces as one program each over the whole mesh, for all traces (`uneven`).
 
-A partial batch gives the replicas at most three distinct traces (ceil, floor, empty), but a
-piece jitted for one device compiles once per device: 16 compiles of pieces on 8 devices for a
-step of two pieces. Here piece ``k`` of every trace is one ``shard_map`` program over the
-strategy's mesh, the mesh the traced pieces' types already name (a program over fewer devices
-mixes two meshes, ``docs/design.md``, section 10). Each device takes its replica's branch of a
-``lax.switch`` over the traces and computes that trace's piece on its true values; it gives
-zeros for the other traces' outputs, and every trace's inputs reach every device (a device's
-own value where the shapes agree, zeros where they do not), as a switch's operands must. So a
-piece compiles once, whatever the replica count and however many traces.
-
-Each input enters as an array assembled from one buffer per device, its sharding replicated
-(one device's shape), and each device reads its own buffer (``in_specs=P()`` without the
-replication check). Where every trace gives an output of one type, the traces share one
-program output for it, which each device fills from its own branch: a collective's operands,
-stacked over the replicas (``P(axis)``) as the collective program takes them, and the step's
-even outputs, stacked or replicated as the step returns them. A collective's results enter the
-next piece as they come (``P(axis)``), the same arrays for every trace. Only a ``merge_call``'s
-operands and ragged outputs are taken apart per device. Nothing is copied.
-
-Served where fewer traces than replicas make a gain and no piece has effects (callbacks: run
-one device at a time, the replicas' come in replica order). Across workers each process runs
-every program on its own devices, as its piece of one program over the global mesh.
+A piece jitted per device compiles once per device. Here piece ``k`` of every trace is one
+``shard_map`` over the strategy's mesh (``docs/design.md``, section 10): each device takes its
+replica's branch of a ``lax.switch`` over the traces, with every trace's inputs (its own value
+where the shapes agree, else zeros) and zeros for other traces' outputs. Inputs are assembled
+from one buffer per device (``P()``); outputs of one type in every trace share a *merged* slot
+(a collective's operands, ``P(axis)``; even step outputs). Served where traces are fewer than
+replicas and no piece has effects (callbacks keep replica order).
 """
 
 import jax
@@ -30,12 +15,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-# How `uneven` holds a value between pieces, relative to its variable's shape: as it is, with
-# a leading axis of 1 (what a collective program takes and gives), or without its leading axis.
+# How `uneven` holds a value between pieces: as it is, with a leading axis of 1 (a collective
+# program's blocks), or without its leading axis.
 PLAIN, BLOCK, SQUEEZE = "plain", "block", "squeeze"
 
 
-def held_shape(aval, form):
+def held_shape(aval, form: str) -> tuple:
     """The shape a value of ``aval`` is held in, in ``form``."""
     return (1,) + aval.shape if form == BLOCK else aval.shape[1:] if form == SQUEEZE else (
         aval.shape)
@@ -49,28 +34,9 @@ def serves(replica_programs) -> bool:
 
 
 class MeshPieces:
-    """Runs an exact plan's pieces as whole-mesh programs, one per piece for every trace.
-
-    A call keeps, per distinct trace, its values as whole-mesh arrays from piece to piece.
-    Where every trace gives a value of one type, the traces share one program output for it
-    (a *merged* slot): a collective's operands, sharded over the replicas as the collective
-    program takes them, and the step's even outputs, as the step returns them. A collective's
-    results then enter the next piece as they are, for every trace. Only what a ``merge_call``
-    reads and ragged outputs are taken apart per replica (into ``envs``, the replicas' own
-    environments that `uneven._Plan` hands its other cut steps and reads ragged outputs from).
-
-    Per-device lists follow ``local``: this process's replicas (all of them on one process;
-    across workers, each process runs every program on its own devices).
-
-    Args:
-      programs: the strategy's `replica_mesh.ReplicaMesh`.
-      replica_programs: per replica, its `uneven._TraceProgram`.
-      local: the replicas whose devices this process holds, in order.
-      collective_cuts: the cuts whose step is a collective (`uneven._CollectiveStep`: its
-        ``on_stacked`` takes and gives arrays stacked over the replicas).
-      output_specs: per output of the step, how it leaves when every trace gives one type:
-        ``P(axis)`` stacked over the replicas, ``P()`` replicated, None taken apart.
-    """
+    """Runs an exact plan's pieces as whole-mesh programs: values stay whole-mesh arrays;
+    what a ``merge_call`` or a ragged output reads goes to the replicas' ``envs``. Per-device
+    lists follow ``local``. ``output_specs``: ``P(axis)``, ``P()``, or None (taken apart)."""
 
     def __init__(self, programs, replica_programs, local, collective_cuts, output_specs):
         self._sharding = programs.replicated_sharding
@@ -100,8 +66,7 @@ class MeshPieces:
                         for p in self._distinct}
 
     def __call__(self, per_arg, replicated, envs, steps, cut_eqns):
-        """Runs the step: its pieces here, its cuts by ``steps`` (``cut_eqns(k)``: the replicas'
-        equations of cut ``k``). Returns the merged outputs' arrays by output index."""
+        """Runs the step (its cuts by ``steps``); returns the merged outputs by output index."""
         values, shared = self._start(per_arg, replicated), {}
         for k, piece in enumerate(self._pieces):
             self._run(piece, envs, values, shared)
@@ -117,9 +82,8 @@ class MeshPieces:
         return {j: shared[("out", j)] for j in self.merged_outputs}
 
     def _start(self, per_arg, replicated):
-        """Per distinct trace, the inputs of its first piece: ``replicated[i]`` (a replicated
-        array, or None) as it is, else from ``per_arg[i]`` (one value per device) on its own
-        replicas and stand-ins elsewhere (both in ``local``'s order)."""
+        """Per distinct trace, its first piece's inputs: ``replicated[i]`` as it is, else
+        ``per_arg[i]`` (one value per device) on its replicas and stand-ins elsewhere."""
         values = {}
         for p in self._distinct:
             consts, held = self._consts[id(p)], {}
@@ -134,9 +98,8 @@ class MeshPieces:
         return values
 
     def _run(self, piece, envs, values, shared):
-        """``piece`` of every trace on every device: merged outputs go to ``shared``, what a
-        ``merge_call`` or a ragged output reads to the replicas' ``envs``, the rest stays in
-        each trace's ``values``."""
+        """``piece`` on every device: merged outputs to ``shared``, what a ``merge_call`` or a
+        ragged output reads to ``envs``, the rest to each trace's ``values``."""
         outputs = piece.run(self._branch, self._ids, *[
             shared[name] if owner is None else values[owner][name]
             for owner, name in piece.in_names])
@@ -149,12 +112,11 @@ class MeshPieces:
                     envs[self._local[d]][key] = shards[self._devices[d]]
             else:
                 values[owner][key] = output
-        if self._guard.enabled:  # As every piece before a collective on CPU (`uneven`).
+        if self._guard.enabled:
             jax.block_until_ready(outputs)
 
     def _after_cut(self, k, envs, values):
-        """Cut ``k``'s results (in ``envs``) as each trace's whole-mesh arrays: on the other
-        devices, the device's own result where its shape is the trace's, zeros elsewhere."""
+        """Cut ``k``'s results (in ``envs``) as each trace's whole-mesh arrays."""
         own = [_cut_outvars(q, k) for q in self._owner]  # Per local device, its trace's.
         for p in self._distinct:
             for i, v in enumerate(_cut_outvars(p, k)):
@@ -163,8 +125,7 @@ class MeshPieces:
                     for r, outvars in zip(self._local, own)])
 
     def _gather(self, program, key, per_device):
-        """One whole-mesh array of ``key`` for ``program``'s trace: ``per_device[d]`` on its
-        own replicas' devices, `_like` it elsewhere."""
+        """``key``'s whole-mesh array for ``program``: ``per_device``, or `_like` it elsewhere."""
         own = set(self._own[id(program)])
         return self._assemble([x if d in own else self._like(x, key, d)
                                for d, x in enumerate(per_device)])
@@ -178,7 +139,7 @@ class MeshPieces:
         device = self._devices[device_index]
         zeros_key = (shape, var.aval.dtype, device)
         if zeros_key not in self._zeros:
-            dtype = var.aval.dtype  # A key type (``jax.random.key``) has jax.numpy's zeros.
+            dtype = var.aval.dtype  # A key type (``jax.random.key``) has jnp's zeros only.
             zeros = (jnp.zeros if jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
                      else np.zeros)(shape, dtype)
             self._zeros[zeros_key] = jax.device_put(zeros, device)
@@ -194,16 +155,11 @@ def _cut_outvars(program, k):
 
 
 class _Piece:
-    """Piece ``k`` of every trace as one program over ``mesh``: each device runs the piece of
-    its replica's trace (``lax.switch`` on the trace's index) on its own buffers.
+    """Piece ``k`` of every trace as one program over ``mesh`` (a ``lax.switch`` per device).
 
-    Its inputs (``in_names``) are ``(None, ("cut", c, i))``, result ``i`` of a shared cut
-    ``c`` (stacked over the replicas, read by every trace), or ``(id(trace), key)``, a trace's
-    own whole-mesh value. Its outputs (``out_names``) are ``(None, key)``, one merged slot
-    that every trace fills (a collective's operand, an even output of the step), or
-    ``(id(trace), key)``, a trace's own: zeros on the devices of other traces.
-    ``shares_cut``: whether the collective after it takes its operands from merged slots,
-    stacked (every operand has one type in every trace), and gives every trace its results.
+    Inputs and outputs are named ``(None, key)``, shared by every trace (a shared cut's result,
+    a merged slot), or ``(id(trace), key)``, a trace's own (zeros on other traces' devices).
+    ``shares_cut``: whether the collective after it takes all its operands from merged slots.
     """
 
     def __init__(self, mesh, axis, k, traces, shared_cuts, collective_cuts, output_specs):
@@ -248,11 +204,9 @@ class _Piece:
 
 
 def _switched(mesh, bodies, groups, targets, out_types, in_specs, out_specs):
-    """The program of a `_Piece`: on each device, ``bodies[j]`` of its replica's trace ``j``
-    on inputs ``groups[j]`` (positions among the program's), its outputs into the slots
-    ``targets[j]``; zeros of ``out_types`` in every slot that trace does not fill. A value
-    typed weakly fills a strongly typed slot as a strongly typed one (the traces' types are
-    those of their jaxprs, a device's value may be weak where its trace's variable is not)."""
+    """A `_Piece`'s program: on each device, ``bodies[j]`` of its trace ``j`` on inputs
+    ``groups[j]`` into slots ``targets[j]``, zeros in the others; a weak value fills a strong
+    slot strongly (a device's value may be weak where its trace's variable is not)."""
     def branch(j):
         def run(replica_id, flat):
             results = list(map(_zeros, out_types))
@@ -271,7 +225,7 @@ def _switched(mesh, bodies, groups, targets, out_types, in_specs, out_specs):
 def _held(traces, name):
     """The type of a `_Piece` input, as each device holds it."""
     owner, key = name
-    if owner is None:  # A shared cut's result: every trace's variable has its type.
+    if owner is None:  # A shared cut's result: every trace's has its type.
         _, c, i = key
         var, form = _cut_outvars(traces[0], c)[i], BLOCK
     else:
@@ -291,8 +245,7 @@ def _input_name(program, key, shared_cuts):
 
 
 def _zeros(aval):
-    """Zeros of ``aval``, weak-typed as it is (a Python number's type, which a branch of
-    ``lax.switch`` must match)."""
+    """Zeros of ``aval``, weak-typed as it is (``lax.switch``'s branches must match)."""
     if aval.weak_type:
         return lax.full(aval.shape, np.zeros((), aval.dtype).item())
     return jnp.zeros(aval.shape, aval.dtype)

@@ -1,28 +1,13 @@
 """Exact steps on per-replica values of different shapes: each replica computes with its own.
 
-TF runs the replica function once per replica, so on the last partial batch of a dataset each
-replica sees its true batch: ``x.shape[0]`` is its real row count, ``jnp.mean`` divides by it,
-an empty replica's mean is NaN. One SPMD program has one shape per value, so for such a step
-jdist runs the same replica body in pieces (``docs/design.md``, section 10):
-
-1. **Trace per replica.** The replica function is traced (the same ``shard_map`` body as an even
-   step, `spmd.ReplicatedRunner.trace`) once per distinct per-replica input signature; a partial
-   batch has at most three: ceil, floor, empty. Calls that contain a collective (an inner
-   ``jax.jit``) are inlined.
-2. **Cut at the collectives.** The body is cut at each top-level collective (the ``psum`` of an
-   ``all_reduce``, those of ``jax.grad``'s backward pass included) and at each ``merge_call``.
-   Each piece between two cuts is compiled once, as one program over the whole mesh for every
-   trace (`uneven_mesh`), or where that does not serve, once per device.
-3. **Run.** Each piece runs on every replica's own device with that replica's values; each
-   collective runs across the replicas as one compiled ``shard_map`` program binding the same
-   primitive, so it computes what an even step computes (shapes must agree, as TF requires);
-   each ``merge_call`` runs ``merge_fn`` once, in the cross-replica context, on the replicas'
-   true values, and hands each replica its part of the result.
-
-A ``merge_call``'s result shapes are known only once every replica has reached it, so tracing
-stops there (`_Suspend`), ``merge_fn`` is traced on every replica's arguments, and the replicas
-are traced again with the result's shapes known. ``all_gather`` is such a merge: its size is the
-sum of the replicas' sizes. Plans are cached per input signature, like even programs.
+TF runs the replica function per replica, so on a partial batch ``x.shape[0]`` is each
+replica's true row count. One SPMD program has one shape per value, so jdist runs the replica
+body in pieces (``docs/design.md``, section 10): traced once per distinct replica signature
+(`uneven_trace`; at most three for a partial batch), cut at each collective and ``merge_call``;
+each piece runs on every replica's device with its own values (`uneven_mesh`: one program over
+the mesh; else per device), each collective as one ``shard_map`` program binding the same
+primitive, each ``merge_call`` once on the replicas' true values. Plans are cached per
+signature, like even programs.
 """
 
 import dataclasses
@@ -53,25 +38,14 @@ from jdist._src.values import ragged_components
 
 
 def plan(runner, fn, in_tree, kinds, statics, dynamic, abstract):
-    """Plans ``fn`` on arguments with ragged per-replica values; the result is cached by `run`.
-
-    Args:
-      runner: the strategy's `spmd.ReplicatedRunner` (its ``trace``, ``strategy``, ``programs``).
-      fn, in_tree, kinds, statics: the replica function and its flattened arguments, as the
-        runner classified them.
-      dynamic: the array arguments (a ragged `PerReplica` stands for its own leaf).
-      abstract: per replica, the abstract dynamic arguments of its trace (per-replica ones
-        stacked as if every replica had that replica's shape).
-
-    Returns:
-      A `_Plan`, called with the dynamic arguments of each later call of the same signature.
-    """
+    """The `_Plan` of ``fn`` on ragged arguments, called with each call's ``dynamic`` arguments.
+    ``abstract``: per replica, its trace's arguments (stacked as if every replica had its
+    shapes); the rest as `spmd.ReplicatedRunner` classified them."""
     traces, merges = uneven_trace.trace_replicas(runner, fn, in_tree, kinds, statics, abstract)
     return _Plan.build(runner.programs, traces, merges, dynamic, kinds)
 
 
 # ------------------------------------------------------------------------ pieces and steps
-# How an output leaves an exact step.
 MIRRORED, STACKED, RAGGED = "mirrored", "stacked", "ragged"
 
 
@@ -82,26 +56,26 @@ class _Segment:
     inputs: tuple  # Environment keys read: (var, form).
     outputs: tuple  # Environment keys written: (var, PLAIN), ("in", cut, i) or ("out", j).
     body: Any  # ``run`` before jit (`uneven_mesh` maps it over the mesh).
-    effects: bool  # Whether the piece has effects (callbacks).
+    effects: bool
 
 
 @dataclasses.dataclass(frozen=True)
 class _TraceProgram:
-    """A `Trace` cut into segments: what every replica with that trace runs."""
-    trace: Any  # An `uneven_trace.Trace`.
+    """An `uneven_trace.Trace` cut into segments (one more than cuts)."""
+    trace: Any
     input_keys: tuple  # Per body input: the environment key its value is stored under.
-    segments: tuple  # One more than there are cuts.
+    segments: tuple
 
 
 def _program(trace, out_forms, ragged_args):
-    """Cuts ``trace`` into `_Segment` s (see the module doc for what runs where)."""
+    """Cuts ``trace`` into `_Segment` s."""
     jaxpr, cuts = trace.jaxpr, trace.cuts
     stored = {v: SQUEEZE if src[0] == "arg" and src[1] in ragged_args else PLAIN
               for v, src in zip(jaxpr.invars, trace.sources)}
     stored.update((v, BLOCK) for c in cuts for v in jaxpr.eqns[c].outvars)
     bounds = (-1,) + cuts + (len(jaxpr.eqns),)
     last = len(bounds) - 2
-    uses = []  # Per segment: the variables it reads (its eqns, the next cut, the outputs).
+    uses = []  # Per segment: what its eqns, the next cut or the outputs read.
     for k in range(last + 1):
         atoms = [a for e in jaxpr.eqns[bounds[k] + 1:bounds[k + 1]] for a in e.invars]
         atoms += jaxpr.eqns[bounds[k + 1]].invars if k < last else jaxpr.outvars
@@ -140,8 +114,7 @@ def _segment(jaxpr, bounds, k, last, stored, uses, later, out_forms):
         values = [_to_plain(x, f) for x, f in zip(values, in_forms)]
         results = fun(*values, *([replica_id] * n_axis))
         return [_from_plain(x, f) for x, f in zip(results, out_forms_k)]
-    # The replica id (on its replica's device) is kept even if unused: it is what places a piece
-    # that reads no other value (one computing only from its shapes) on the replica's device.
+    # The replica id, kept even if unused, places a piece that reads nothing on its device.
     return _Segment(jax.jit(run, keep_unused=True), in_keys, tuple(key for key, _, _ in outs),
                     run, bool(effects))
 
@@ -151,7 +124,7 @@ def _to_plain(x, form):
 
 
 def _from_plain(x, form):
-    x = jnp.asarray(x)  # A literal the trace folded in (``all_reduce("sum", x.shape[0])``).
+    x = jnp.asarray(x)  # A literal the trace folded in.
     return x[None] if form == BLOCK else x[0] if form == SQUEEZE else x
 
 
@@ -163,7 +136,6 @@ class _CollectiveStep:
     out_avals: tuple
 
     def __call__(self, envs, eqns, k):
-        # `envs`: this process's replicas only; the global array gets its blocks from each.
         n, local = len(eqns), list(envs)
         devices = [_devices(self.programs)[r] for r in local]
         blocks = [[envs[r].pop(("in", k, i)) for i in range(len(eqns[r].invars))]
@@ -176,8 +148,7 @@ class _CollectiveStep:
             envs[r].update(((v, BLOCK), column[j]) for v, column in zip(eqns[r].outvars, results))
 
     def on_stacked(self, stacked):
-        """The collective's results on its operands ``stacked`` over the replicas (one block of
-        each per replica), stacked the same way."""
+        """The collective's results on its operands stacked over the replicas, stacked so."""
         sharding = self.programs.per_replica_sharding
         if self.run is None:  # XLA rejects zero-size collectives; their results are empty.
             n = sharding.mesh.devices.size
@@ -185,7 +156,7 @@ class _CollectiveStep:
                 (n,) + a.shape, sharding, lambda index, a=a: np.zeros((n,) + a.shape, a.dtype)[
                     index]) for a in self.out_avals]
         guard = self.programs.guard
-        if guard.enabled:  # Never start a collective while a piece still runs (CPU).
+        if guard.enabled:  # No collective while a piece still runs (CPU).
             jax.block_until_ready(stacked)
         return guard.dispatch(self.run, *stacked)
 
@@ -215,8 +186,7 @@ class _MergeStep:
                   for r in local}
         if len(local) == len(eqns):  # One process holds every replica's arguments.
             operands = jax.device_put([b for r in local for b in blocks[r]], devices[0])
-        else:  # Several workers: each gathers every replica's arguments and runs merge_fn
-            # itself on the same values (as the even step's merge runs on every device).
+        else:  # Across workers, each runs merge_fn on every replica's arguments.
             operands = uneven_multi_worker.gather_operands(
                 self.programs, local, blocks, [[v.aval for v in e.invars] for e in eqns],
                 devices[local[0]])
@@ -252,22 +222,14 @@ class _Plan:
     out_statics: tuple  # Per output leaf: a Python object returned as it is, or `OUTPUT`.
     ragged_args: frozenset
     stacked_args: frozenset  # Even per-replica arguments: their stacked array, a block each.
-    mesh_pieces: Any  # A `uneven_mesh.MeshPieces` where it serves; None: one device at a time.
+    mesh_pieces: Any  # A `uneven_mesh.MeshPieces`, or None: one device at a time.
 
     @classmethod
     def build(cls, programs, traces, merges, dynamic, kinds):
-        n, devices = len(traces), _devices(programs)
+        devices = _devices(programs)
         distinct = list({id(t): t for t in traces}.values())
         uneven_trace.check_cuts(distinct)
-        same = [all(col) for col in zip(*(
-            invariance.same_outputs(t.jaxpr, list(t.replicated_in)) for t in distinct))]
-        if len(distinct) > 1:  # Constants (x.shape[0]) differ between traces of other shapes.
-            forms = uneven_trace.output_forms(distinct)
-            same = [s and len({f[j] for f in forms}) == 1 for j, s in enumerate(same)]
-        shapes = [[tuple(v.aval.shape) for v in t.jaxpr.outvars] for t in traces]
-        out_kinds = tuple(
-            (MIRRORED if s and n > 1 else STACKED)
-            if len({sh[j] for sh in shapes}) == 1 else RAGGED for j, s in enumerate(same))
+        out_kinds = _out_kinds(traces, distinct)
         ragged_args = frozenset(i for i, x in enumerate(dynamic)
                                 if isinstance(x, PerReplica) and x.ragged)
         stacked_args = frozenset(i for i, k in enumerate(uneven_trace.dynamic_kinds(kinds))
@@ -279,7 +241,6 @@ class _Plan:
             _MergeStep(programs, merges[first.jaxpr.eqns[i].params["index"]])
             if first.jaxpr.eqns[i].primitive is merge_p
             else _collective_step(programs, first.jaxpr.eqns[i]) for i in first.cuts)
-        # Each process runs the pieces of its own replicas only (its devices).
         local = tuple(r for r, d in enumerate(devices) if d.process_index == jax.process_index())
         consts = {r: tuple(jax.device_put(np.asarray(v), devices[r]) if kind == "const" else None
                            for kind, v in traces[r].sources) for r in local}
@@ -300,13 +261,12 @@ class _Plan:
     def __call__(self, dynamic):
         replicated = [None if i in self.ragged_args or i in self.stacked_args
                       else _replicated(x, self.programs) for i, x in enumerate(dynamic)]
-        mesh = self.mesh_pieces
-        # Whole-mesh pieces take a replicated argument as it is, not one copy per device.
+        mesh = self.mesh_pieces  # Takes a replicated argument as it is, not a copy per device.
         per_arg = [None if mesh is not None and replicated[i] is not None else _per_device(
             x, i in self.ragged_args, replicated[i], self.programs, self.local)
             for i, x in enumerate(dynamic)]
         if mesh is not None:
-            envs = {r: {} for r in self.local}  # What merge_calls and ragged outputs read.
+            envs = {r: {} for r in self.local}
             merged = mesh(per_arg, replicated, envs, self.steps, self._cut_eqns)
         else:
             envs, merged = self._replica_envs(per_arg), {}
@@ -317,14 +277,14 @@ class _Plan:
         outputs = [self._wrap(j, merged[j]) if j in merged else
                    self._output(j, [env[("out", j)] for env in envs.values()])
                    for j in range(len(self.out_kinds))]
-        if self.programs.guard.enabled:  # The next collective program must not overlap (CPU).
+        if self.programs.guard.enabled:
             jax.block_until_ready(outputs)
         arrays = iter(outputs)
         return jax.tree_util.tree_unflatten(self.out_tree, [
             next(arrays) if s is uneven_trace.OUTPUT else s for s in self.out_statics])
 
     def _replica_envs(self, per_arg):
-        """Per local replica: the inputs of its trace's first piece, by environment key."""
+        """Per local replica: its first piece's inputs, by environment key."""
         envs = {}
         for j, r in enumerate(self.local):
             program = self.replica_programs[r]
@@ -334,18 +294,16 @@ class _Plan:
         return envs
 
     def _run_per_device(self, k, envs):
-        """Piece ``k`` of each replica's trace, on its device (compiled once per device)."""
         for r, env in envs.items():
             segment = self.replica_programs[r].segments[k]
             outs = segment.run(self.replica_ids[r], *[env[key] for key in segment.inputs])
             env.update(zip(segment.outputs, outs))
 
     def _cut_eqns(self, k):
-        """Cut ``k``'s equation in each replica's trace."""
         return [p.trace.jaxpr.eqns[p.trace.cuts[k]] for p in self.replica_programs]
 
     def _output(self, j, values):
-        """Output ``j`` of the step from its value on each local replica's device."""
+        """Output ``j`` from its value on each local replica's device."""
         kind, n = self.out_kinds[j], len(self.replica_programs)
         if kind == RAGGED and len(values) < n:  # Other workers' replicas: their shapes.
             mine = dict(zip(self.local, values))
@@ -362,25 +320,36 @@ class _Plan:
             (n,) + values[0].shape[1:], self.programs.per_replica_sharding, values))
 
     def _wrap(self, j, array):
-        """Output ``j`` of the step from its whole-mesh ``array`` (replicated where it is one
-        value, stacked over the replicas where it is per replica)."""
+        """Output ``j`` from its whole-mesh ``array``."""
         kind = self.out_kinds[j]
         if kind == STACKED:
             return PerReplica._from_stacked(array)
         return Mirrored._from_value(array, len(self.replica_programs), True)
 
 
+def _out_kinds(traces, distinct):
+    """Per output: MIRRORED where provably one value on several replicas, RAGGED where the
+    replicas' shapes differ, else STACKED."""
+    same = [all(col) for col in zip(*(
+        invariance.same_outputs(t.jaxpr, list(t.replicated_in)) for t in distinct))]
+    if len(distinct) > 1:  # Constants (x.shape[0]) differ between traces of other shapes.
+        forms = uneven_trace.output_forms(distinct)
+        same = [s and len({f[j] for f in forms}) == 1 for j, s in enumerate(same)]
+    shapes = [[tuple(v.aval.shape) for v in t.jaxpr.outvars] for t in traces]
+    return tuple((MIRRORED if s and len(traces) > 1 else STACKED)
+                 if len({sh[j] for sh in shapes}) == 1 else RAGGED for j, s in enumerate(same))
+
+
 def _regroup(programs, traces):
-    """The Python objects the replicas returned, TF's regroup: one object where every replica
-    returned the same, a `PerReplica` of the replicas' numbers where they differ."""
+    """The Python objects the replicas returned, TF's regroup: one where all are equal, else a
+    `PerReplica` of the replicas' numbers."""
     statics = []
     for values in zip(*(t.out_statics for t in traces)):
         first = values[0]
         if first is uneven_trace.OUTPUT or all(v == first for v in values[1:]):
             statics.append(first)
         elif all(isinstance(v, SCALARS) for v in values):
-            # PerReplica checks the numbers are of one kind and picks their dtype; built from a
-            # callback, each process places only its own replicas' numbers.
+            # PerReplica picks their dtype; from a callback, each process places its own.
             numbers = np.asarray(values, PerReplica(list(values)).stacked.dtype)
             statics.append(PerReplica._from_stacked(jax.make_array_from_callback(
                 numbers.shape, programs.per_replica_sharding, lambda index: numbers[index])))
@@ -392,18 +361,17 @@ def _regroup(programs, traces):
 
 
 def _replicated(x, programs):
-    """A replicated argument (not per replica) placed on every device of the mesh."""
+    """A replicated argument placed on every device of the mesh."""
     if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        x = host_values.python_numbers_as_tf(x)  # As the trace typed it (a float is float32).
+        x = host_values.python_numbers_as_tf(x)  # As the trace typed it.
     return programs.place_replicated(x)
 
 
 def _per_device(x, ragged, replicated, programs, local):
-    """A dynamic argument as one array per local replica's device, in the form the pieces read
-    it: a ragged `PerReplica`'s components, an even per-replica argument's blocks of its
-    stacked array (placed per replica already), a ``replicated`` one's copies."""
+    """A dynamic argument as one array per local replica's device: a ragged one's components,
+    an even per-replica one's blocks, a ``replicated`` one's copies."""
     devices = [_devices(programs)[r] for r in local]
-    if ragged:  # Components stay where they are when already on their devices.
+    if ragged:
         components = ragged_components(x)
         return jax.device_put([components[r] for r in local], devices)
     return _by_device(x if replicated is None else replicated, devices)

@@ -1,11 +1,8 @@
-"""Tracing a replica function for an uneven step: per replica, with merge_calls resolved.
+"""Tracing a replica function for an uneven step (`uneven`): per replica, merge_calls resolved.
 
-`jdist._src.uneven.plan` runs a step whose per-replica values differ in shape by tracing the replica
-body once per distinct signature and cutting it at its collectives. This module produces those
-traces: it inlines calls that hold a collective, resolves each ``merge_call`` (whose result
-shapes are known only once every replica has reached it: tracing stops there (`_Suspend`),
-``merge_fn`` is traced on every replica's arguments, and the replicas are traced again), and
-checks what every replica must agree on (the sequence of collectives, an all-reduce's shape).
+Calls that hold a collective are inlined. A ``merge_call``'s result shapes are known only once
+every replica reaches it, so tracing stops there (`_Suspend`), ``merge_fn`` is traced on every
+replica's arguments, and the replicas are traced again. Checks what the replicas must agree on.
 """
 
 import dataclasses
@@ -34,7 +31,7 @@ from jdist._src.values import ARRAYS
 from jdist._src.values import PerReplica
 from jdist._src.values import is_distributed
 
-# Collective primitives: each is a cut, run across the replicas with one compiled program.
+# Collective primitives: each is a cut of the step.
 COLLECTIVES = frozenset({"psum", "pmax", "pmin", "all_gather", "ppermute", "all_to_all",
                          "psum_scatter", "reduce_scatter", "pgather", "psum_invariant",
                          "all_gather_invariant"})
@@ -44,10 +41,8 @@ OUTPUT = object()  # Marks the arrays among a replica function's output leaves (
 
 
 class _Suspend(BaseException):
-    """Stops tracing one replica at a merge_call whose result shapes are not known yet.
-
-    A BaseException, so a user's ``except Exception`` around ``merge_call`` does not swallow it.
-    """
+    """Stops tracing one replica at a merge_call whose result shapes are not known yet (a
+    BaseException: a user's ``except Exception`` does not swallow it)."""
 
     def __init__(self, index, request):
         super().__init__(index)
@@ -57,7 +52,7 @@ class _Suspend(BaseException):
 
 @dataclasses.dataclass(frozen=True)
 class _MergeRequest:
-    """What one replica passed to a merge_call: the function and its flattened arguments."""
+    """What one replica passed to a merge_call."""
     merge_fn: Any
     tree: Any
     statics: tuple  # The non-array leaves; `_OPERAND` where an array goes.
@@ -77,7 +72,7 @@ class Merge:
     numbers: frozenset  # Argument leaves that are Python numbers differing between replicas.
     body: MergeBody
 
-    def rebuild(self, arrays):
+    def rebuild(self, arrays: list) -> Any:
         it = iter(arrays)
         leaves = [next(it) if s is _OPERAND else s for s in self.out_statics]
         return jax.tree_util.tree_unflatten(self.out_tree, leaves)
@@ -91,12 +86,12 @@ class _ReplicaTrace:
         self._replica = replica
         self._count = 0
 
-    def merge_call(self, merge_fn, args, kwargs):
+    def merge_call(self, merge_fn: Any, args: tuple, kwargs: dict) -> Any:
         """The replica's result of a merge_call."""
         index, self._count = self._count, self._count + 1
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_distributed)
         merge = self._resolved.get(index)
-        if merge is not None and merge.numbers:  # Per-replica numbers: merge_fn's PerReplica.
+        if merge is not None and merge.numbers:
             leaves = [_number_array(x) if i in merge.numbers else x for i, x in enumerate(leaves)]
         operands = [leaf for leaf in leaves if _is_array(leaf)]
         if merge is None:
@@ -109,15 +104,12 @@ class _ReplicaTrace:
         return merge.rebuild(outs)
 
     def all_gather(self, value, axis, all_sum, axis_name):
-        """Every replica's ``value`` concatenated along ``axis``, whose sizes may differ between
-        replicas: the gathered size is their sum, which only the merge of every replica's value
-        knows, so the gather is a merge_call. Its gradient is TF's (``ReplicaContext.all_gather``'s
-        custom gradient): ``all_sum`` (the all-reduce SUM) of the upstream gradients, of which
-        each replica takes its own rows (where they start is the replica's: replicas of one
-        shape share a trace, so it is read at ``axis_name``'s index)."""
+        """Every replica's ``value`` concatenated along ``axis``, sizes differing: a merge_call.
+        Its gradient is TF's: each replica's rows of ``all_sum`` of the upstream gradients
+        (where they start read at ``axis_name``'s index: replicas of one shape share a trace)."""
         leaves, tree = jax.tree_util.tree_flatten(value)
         arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-        starts = []  # Per array: where each replica's rows start in the result, and the axis.
+        starts = []  # Per array: where each replica's rows start, and the axis.
 
         @jax.custom_vjp
         def gather(*xs):
@@ -148,7 +140,6 @@ class _ReplicaTrace:
 
 
 def _row_starts(in_avals, j, axis):
-    """Where each replica's rows of gathered argument ``j`` start along ``axis``, and the axis."""
     a = axis % len(in_avals[0][j].shape)
     sizes = [avals[j].shape[a] for avals in in_avals]
     return np.cumsum([0] + sizes[:-1], dtype=np.int32), a
@@ -167,12 +158,10 @@ def _is_array(x):
     return isinstance(x, ARRAYS)
 
 
-
-
 # --------------------------------------------------------------------------------- tracing
 @dataclasses.dataclass(frozen=True)
 class Trace:
-    """One replica's traced body, flat (no collective inside a call), with its inputs' sources."""
+    """One replica's traced body, flat (no collective inside a call)."""
     jaxpr: Any  # The shard_map body: blocks in, blocks out.
     sources: tuple  # Per body input: ("arg", i) for dynamic argument i, or ("const", value).
     replicated_in: tuple  # Per body input: whether it is the same on every replica.
@@ -180,11 +169,11 @@ class Trace:
     out_statics: tuple  # Per output leaf: a Python object the replica returned, or `OUTPUT`.
 
     @functools.cached_property
-    def cuts(self):
+    def cuts(self) -> tuple:
         return tuple(i for i, e in enumerate(self.jaxpr.eqns) if is_cut(e))
 
 
-def is_cut(eqn):
+def is_cut(eqn: core.JaxprEqn) -> bool:
     return (eqn.primitive.name in COLLECTIVES or eqn.primitive is merge_p
             or eqn.primitive is uneven_schedule.collectives_p)
 
@@ -213,8 +202,7 @@ def _call_body(eqn):
 
 
 def _eval_inlined(jaxpr, consts, args):
-    """Evaluates ``jaxpr``, inlining the calls that contain a cut (used while re-tracing).
-    Each equation keeps its name stack, as ``jax.core.eval_jaxpr`` keeps it."""
+    """Evaluates ``jaxpr`` (each equation with its name stack), inlining calls holding a cut."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -281,7 +269,7 @@ def _flat_trace(traced, eqn, mesh, out_tree, out_statics):
 
 
 def _resolve_merge(strategy, requests):
-    """Traces the merge_fn of one merge_call on every replica's arguments (see module doc)."""
+    """Traces the merge_fn of one merge_call on every replica's arguments."""
     numbers = _differing_numbers(requests)
     requests = [_numbers_as_operands(r, numbers) for r in requests]
     first, n = requests[0], len(requests)
@@ -315,9 +303,8 @@ def _resolve_merge(strategy, requests):
 
 
 def _differing_numbers(requests):
-    """The argument leaves where the replicas passed Python numbers that differ
-    (``x.shape[0]`` on a partial batch): TF regroups them into a PerReplica, so they reach
-    merge_fn as one, of TF's tensors of them (int32, float32)."""
+    """The argument leaves where the replicas passed differing Python numbers (``x.shape[0]``):
+    TF regroups them into a PerReplica of int32 or float32 tensors."""
     columns = zip(*(r.statics for r in requests)) if len({len(r.statics) for r in requests}) == 1 \
         else ()
     return frozenset(i for i, column in enumerate(columns)
@@ -365,29 +352,23 @@ def _merge_outputs(out_leaves, n):
 
 
 def _merge_from(closed, out_tree, out_leaves, n, in_avals, numbers):
-    statics, same, outputs = [], [], [[] for _ in range(n)]
-    position = 0
+    statics, same, outputs, position = [], [], [[] for _ in range(n)], 0
     for leaf in out_leaves:
-        if isinstance(leaf, PerReplica):
-            for r in range(n):
-                outputs[r].append(position + r)
-            position += n
-            same.append(False)
-        elif isinstance(leaf, Mirrored) or _is_array(leaf):
-            for r in range(n):
-                outputs[r].append(position)
-            position += 1
-            same.append(True)
-        else:
+        stacked = isinstance(leaf, PerReplica)  # A PerReplica's n components, one per replica.
+        if not (stacked or isinstance(leaf, Mirrored) or _is_array(leaf)):
             statics.append(leaf)
             continue
+        for r in range(n):
+            outputs[r].append(position + r if stacked else position)
+        position += n if stacked else 1
+        same.append(not stacked)
         statics.append(_OPERAND)
     out_avals = [jax.core.ShapedArray(a.shape[1:], a.dtype) for a in closed.out_avals]
+    outs = tuple(tuple(o) for o in outputs)
     return Merge(out_tree, tuple(statics), tuple(same),
-                  tuple(tuple(out_avals[i] for i in outs) for outs in outputs),
-                  tuple(tuple(outs) for outs in outputs), in_avals,
-                  jax.jit(core.jaxpr_as_fun(closed)), numbers,
-                  MergeBody(closed, len(in_avals[0]), tuple(tuple(outs) for outs in outputs)))
+                 tuple(tuple(out_avals[i] for i in o) for o in outs), outs, in_avals,
+                 jax.jit(core.jaxpr_as_fun(closed)), numbers,
+                 MergeBody(closed, len(in_avals[0]), outs))
 
 
 def _equal(a, b):
@@ -397,19 +378,17 @@ def _equal(a, b):
         return False
 
 
-def dynamic_kinds(kinds):
+def dynamic_kinds(kinds: tuple) -> list:
     return [k for k in kinds if k != STATIC]
 
 
 def _row_counts(abstract, kinds):
-    """The leading sizes of the replica's per-replica inputs (its rows; every row is real in
-    an exact step)."""
+    """The leading sizes (rows) of the replica's per-replica inputs."""
     return {a.shape[1] for a, k in zip(abstract, dynamic_kinds(kinds))
             if k == "per_replica" and len(a.shape) >= 2}
 
 
-# Added to an error the replica function raised on an empty batch: JAX's own message does not
-# say that the array is empty because the replica got no rows.
+# Added to an error the replica function raised on an empty batch: JAX's does not say why.
 _EMPTY_BATCH = (
     "jdist: replica {replica} ran on an empty batch (0 rows): a partial last batch with fewer "
     "rows than replicas leaves some empty, as in TF. JAX's reductions without an identity "
@@ -418,9 +397,10 @@ _EMPTY_BATCH = (
     "x.shape[0], or batch with drop_remainder=True.")
 
 
-def trace_replicas(runner, fn, in_tree, kinds, statics, per_replica):
+def trace_replicas(runner: Any, fn: Any, in_tree: Any, kinds: tuple, statics: list,
+                   per_replica: list) -> tuple:
     """Each replica's `Trace`, traced once per distinct signature, merges resolved in order."""
-    resolved = {}
+    resolved: dict = {}
     while True:
         keys, traces, suspended = [], {}, {}
         for r, abstract in enumerate(per_replica):
@@ -459,23 +439,18 @@ _TRACE_NUMBERS = itertools.count()
 
 
 def _fresh_inner_traces():
-    """A context in which the ``jax.jit`` functions a replica function calls trace it anew.
+    """A context in which the ``jax.jit`` functions a replica function calls trace anew.
 
-    ``jax.jit`` reuses the jaxpr it traced for the same argument types. A merge_call or an
-    uneven all_gather inside such a function binds results whose shapes depend on the other
-    replicas (`_ReplicaTrace.merge_call`), so a jaxpr traced for one split, an even step or
-    another replica is wrong for this one, and reusing it skips the merge_call's Python side
-    (its count). The cache is keyed on the trace context, of which XLA metadata is part: a
-    number of its own per replica trace keeps each trace's inner jaxprs its own (the metadata
-    is a frontend attribute on the traced operations, which XLA ignores)."""
+    A merge_call inside one binds shapes that depend on the other replicas, so a cached jaxpr
+    (of another split, replica or an even step) is wrong and skips its Python side. ``jax.jit``'s
+    cache keys on the trace context, XLA metadata included (which XLA ignores): a number per
+    replica trace keeps each trace's inner jaxprs its own."""
     return set_xla_metadata(jdist_replica_trace=next(_TRACE_NUMBERS))
 
 
 def _grouped(traces):
-    """``traces`` (by key) with their independent all-reduces grouped into one cut each
-    (`uneven_schedule`), where every trace groups them alike: Python code that branches on a
-    shape can make one replica's sums depend on each other and not another's, and the replicas
-    must reach the same collectives (`check_cuts`); then none is grouped."""
+    """``traces`` with their independent all-reduces grouped (`uneven_schedule`) where every
+    trace groups them alike (code branching on a shape may not), else as they are."""
     grouped = {key: dataclasses.replace(t, jaxpr=uneven_schedule.grouped_collectives(
         t.jaxpr, is_cut)) for key, t in traces.items()}
     cuts = {tuple(_describe(t.jaxpr.eqns[i]) for i in t.cuts) for t in grouped.values()}
@@ -488,7 +463,7 @@ def _describe(eqn):
     return (eqn.primitive.name, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
 
 
-def check_cuts(traces):
+def check_cuts(traces: list) -> None:
     """Every replica must reach the same collectives; an all_reduce needs one shape (TF)."""
     first = traces[0]
     for t in traces[1:]:
@@ -507,7 +482,8 @@ def check_cuts(traces):
         eqn = first.jaxpr.eqns[i]
         if eqn.primitive is merge_p:
             continue
-        shapes = {tuple(_aval_key(v) for v in t.jaxpr.eqns[t.cuts[k]].invars) for t in traces}
+        shapes = {tuple((tuple(v.aval.shape), str(v.aval.dtype))
+                        for v in t.jaxpr.eqns[t.cuts[k]].invars) for t in traces}
         if len(shapes) > 1:
             raise errors.ShapeMismatchError(
                 f"a collective ({eqn.primitive.name}, e.g. ReplicaContext.all_reduce) got values "
@@ -516,14 +492,10 @@ def check_cuts(traces):
                 "each replica first (e.g. jnp.sum over the batch) before the all_reduce.")
 
 
-def _aval_key(v):
-    return (tuple(v.aval.shape), str(v.aval.dtype))
-
-
-def output_forms(traces):
+def output_forms(traces: list) -> list:
     """Per trace, a canonical id of each output's computation: equal ids across traces mean the
     output is computed the same way from the same inputs (constants and shapes included)."""
-    interned = {}
+    interned: dict = {}
 
     def intern(key):
         return interned.setdefault(key, len(interned))
