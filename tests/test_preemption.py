@@ -252,9 +252,16 @@ def test_the_handler_needs_a_checkpoint_manager_and_gives_the_signal_back(tmp_pa
 RESTARTED = """
 import json, os, pathlib, sys, time
 attempt, index = int(os.environ["JDIST_RESTART"]), json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-(pathlib.Path(sys.argv[1]) / f"{attempt}-{index}").write_text("")
+folder = pathlib.Path(sys.argv[1])
+(folder / f"{attempt}-{index}").write_text("")
 if attempt < int(sys.argv[2]):
-    sys.exit(42) if index == 1 else time.sleep(60)  # Worker 0 is still running: ended.
+    if index == 0:
+        time.sleep(60)  # Still running when worker 1 fails: the launcher ends it.
+    for _ in range(300):  # Worker 1 fails once worker 0 has started (bounded: 30 s).
+        if (folder / f"{attempt}-0").exists():
+            break
+        time.sleep(0.1)
+    sys.exit(42)
 """
 
 
