@@ -34,8 +34,7 @@ _NUMPY = (np.ndarray, np.generic)  # Host values: what JAX converts to its own d
 
 
 def held_narrower(value: Any) -> "np.dtype | None":
-    """The dtype JAX holds the NumPy ``value`` in where narrower than its own (64-bit without
-    x64), else None."""
+    """The narrower dtype JAX holds NumPy ``value`` in (64-bit without x64), else None."""
     if not isinstance(value, _NUMPY) or value.dtype.kind not in "iufc":
         return None
     held = jax.dtypes.canonicalize_dtype(value.dtype)
@@ -46,13 +45,7 @@ ALIGNMENT = 64  # Bytes: host memory at such an address is what XLA's CPU buffer
 
 
 def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
-    """An uninitialised host array at an `ALIGNMENT`-aligned address, which JAX's CPU client
-    places without a copy.
-
-    Example:
-      >>> aligned_empty((3, 5), np.float32).ctypes.data % ALIGNMENT
-      0
-    """
+    """An uninitialised host array at an `ALIGNMENT`-aligned address (placed without a copy)."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
@@ -78,12 +71,7 @@ def owned_copy(array: np.ndarray) -> np.ndarray:
 
 
 def read_only(array: Any) -> Any:
-    """``array`` made read-only where it is a NumPy array (device buffers may alias it).
-
-    Example:
-      >>> read_only(np.ones(2)).flags.writeable, read_only(3)
-      (False, 3)
-    """
+    """``array`` made read-only where it is a NumPy array (device buffers may alias it)."""
     if isinstance(array, np.ndarray):
         array.flags.writeable = False
     return array
@@ -91,12 +79,7 @@ def read_only(array: Any) -> Any:
 
 def held_copy(array: np.ndarray) -> np.ndarray:
     """``array`` in the dtype JAX holds it in, in aligned memory (placed without another copy);
-    ``array`` itself where JAX holds it as it is.
-
-    Example:
-      >>> held_copy(np.arange(3)).dtype, held_copy(np.ones(2, np.float32)).dtype
-      (dtype('int32'), dtype('float32'))
-    """
+    ``array`` itself where JAX holds it as it is."""
     if held_narrower(array) is None:
         return array
     copy = aligned_empty(array.shape, held_narrower(array))
@@ -106,13 +89,7 @@ def held_copy(array: np.ndarray) -> np.ndarray:
 
 def placed_as_is(array: np.ndarray) -> bool:
     """Whether JAX's CPU client can use ``array``'s own memory as its device buffers with
-    nothing writing to it: C-contiguous, aligned, read-only, in a dtype JAX holds as it is.
-
-    Example:
-      >>> x = aligned_empty((4, 2), np.float32); x.flags.writeable = False
-      >>> placed_as_is(x), placed_as_is(x[:, :1]), placed_as_is(np.zeros(2, np.float32))
-      (True, False, False)
-    """
+    nothing writing to it: C-contiguous, aligned, read-only, in a dtype JAX holds as it is."""
     return (array.flags.c_contiguous and not array.flags.writeable
             and array.ctypes.data % ALIGNMENT == 0 and held_narrower(array) is None)
 
@@ -135,33 +112,14 @@ def aliased(arrays: np.ndarray, sharding: jax.sharding.Sharding) -> Iterator[jax
 
 def placed_replicated(arrays: Sequence[np.ndarray], sharding: jax.sharding.Sharding) -> list:
     """Each of ``arrays`` (in dtypes JAX holds as they are) whole on every device of
-    ``sharding``, aliasing host memory as `aliased` does.
-
-    Example:
-      >>> x = aligned_empty((2, 16), np.float32); x[:] = 1; x.flags.writeable = False
-      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("r",))
-      >>> both = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-      >>> on_both, = placed_replicated([x], both)
-      >>> {s.data.unsafe_buffer_pointer() == x.ctypes.data for s in on_both.addressable_shards}
-      {True}
-    """
+    ``sharding``, aliasing host memory as `aliased` does."""
     devices = list(sharding._addressable_device_assignment)
     return [_placed(array, sharding, devices) for array in arrays]
 
 
 def placed_split(arrays: Sequence[np.ndarray], sharding: jax.sharding.Sharding) -> list:
     """Each of ``arrays`` split along its first axis into equal parts, one per device of
-    ``sharding`` in its order, aliasing host memory as `aliased` does.
-
-    Example:
-      >>> x = aligned_empty((2, 16), np.float32); x[:] = 1; x.flags.writeable = False
-      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("r",))
-      >>> split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("r"))
-      >>> rows, = placed_split([x], split)
-      >>> [s.data.unsafe_buffer_pointer() == x[i].ctypes.data
-      ...  for i, s in enumerate(rows.addressable_shards)]
-      [True, True]
-    """
+    ``sharding`` in its order, aliasing host memory as `aliased` does."""
     devices = list(sharding._addressable_device_assignment)
 
     def parts(array):  # Iterated in C: views of ``size`` rows each.
@@ -171,8 +129,7 @@ def placed_split(arrays: Sequence[np.ndarray], sharding: jax.sharding.Sharding) 
 
 
 def _placed(array, sharding, devices, parts=None):
-    """``array`` whole on each of ``devices``, or each device's one of ``parts``, by the batched
-    placement under ``jax.device_put`` (host arrays only: skips its search for device arrays)."""
+    """``array`` whole on each of ``devices``, or each device's one of ``parts`` (host arrays)."""
     aval = jax.core.ShapedArray(array.shape, array.dtype)
     return jax_internals.batched_device_put(aval, sharding, parts or [array] * len(devices),
                                             devices, True)
@@ -182,10 +139,8 @@ def check_host_numbers(value: Any) -> None:
     """Checks host numbers JAX without ``jax_enable_x64`` holds in 32 bits.
 
     float64 and complex128 values warn once per dtype (`X64CastWarning`); an int64 value that
-    int32 cannot hold raises `X64RequiredError` (JAX would keep only its low bits).
-
-    Args:
-      value: anything; only NumPy arrays and scalars of 64-bit dtypes are looked at.
+    int32 cannot hold raises `X64RequiredError` (JAX would keep only its low bits). Only NumPy
+    arrays and scalars of 64-bit dtypes are looked at.
 
     Example:
       >>> check_host_numbers(np.arange(3))  # int64 values that fit in 32 bits: int32.
@@ -235,14 +190,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../jd
 
 def check_host_leaves(leaves: Sequence[Any], types: Optional[set] = None) -> None:
     """`check_host_numbers` of each of ``leaves`` (``types``: their types, where known), cheap
-    where none is a NumPy value (``jdist.function`` checks its arguments on every call).
-
-    Example:
-      >>> check_host_leaves([np.ones(2, np.float32), 3])
-      >>> check_host_leaves([np.array([2**40])])  # doctest: +IGNORE_EXCEPTION_DETAIL
-      Traceback (most recent call last):
-      jdist.errors.X64RequiredError: a host value of dtype int64 ...
-    """
+    where none is a NumPy value (``jdist.function`` checks its arguments on every call)."""
     if jax.config.read("jax_enable_x64"):
         return  # JAX holds every host value as it is.
     if types is None:
@@ -271,11 +219,7 @@ def python_numbers_as_tf(value: Any) -> np.ndarray:
 
 def check_arrays(value: Any, what: str) -> None:
     """Raises `UnsupportedValueError` when a leaf of the nest ``value`` is something no device
-    holds (a string, an object).
-
-    Example:
-      >>> check_arrays({"a": np.ones(2), "b": 3}, "all_gather")
-    """
+    holds (a string, an object)."""
     for leaf in jax.tree_util.tree_leaves(value):
         check_array(leaf, what)
 
@@ -289,20 +233,14 @@ def check_array(leaf: Any, what: str) -> None:
 
 
 def check_placeable(values: Sequence[Any]) -> None:
-    """Raises `UnsupportedValueError` unless every one of ``values`` (one per replica) is
-    something a device can hold (`is_placeable`).
-
-    Example:
-      >>> check_placeable([1.0, np.ones(2)])
-    """
+    """Raises `UnsupportedValueError` unless a device can hold each of ``values`` (replicas')."""
     for i, v in enumerate(values):
-        if is_placeable(v):
-            continue
-        raise errors.UnsupportedValueError(
-            f"replica {i}'s value is {_short_repr(v)}; a device holds arrays and numbers of a "
-            "numeric or bool dtype only (JAX has no strings or objects). Keep such values "
-            "outside the distributed values (a Python object passes to strategy.run as it is), "
-            "or encode them as numbers in the input pipeline.")
+        if not is_placeable(v):
+            raise errors.UnsupportedValueError(
+                f"replica {i}'s value is {_short_repr(v)}; a device holds arrays and numbers of "
+                "a numeric or bool dtype only (JAX has no strings or objects). Keep such values "
+                "outside the distributed values (a Python object passes to strategy.run as it "
+                "is), or encode them as numbers in the input pipeline.")
 
 
 def is_placeable(value: Any) -> bool:

@@ -52,15 +52,9 @@ class PerReplica(DistributedValues):
 
     Values of one shape are held as one array ``stacked`` of shape
     ``(num_replicas, *per_replica_shape)``; values of different shapes (*ragged*) as one array
-    per replica. Arithmetic on it in the cross-replica context is an error, as in TF.
-
-    Args:
-      values: a sequence with one array or number per replica, all of one dtype kind. Arrays
-        already on distinct devices are assembled without copying; host arrays are stacked.
-
-    Raises:
-      UnsupportedValueError: a value is not an array or a number.
-      InvalidArgumentError: the values mix dtype kinds, or dtypes of one kind JAX keeps apart.
+    per replica. Arithmetic on it in the cross-replica context is an error, as in TF. ``values``
+    holds one array or number per replica, all of one dtype kind (else `InvalidArgumentError`):
+    arrays already on distinct devices are assembled without copying, host arrays stacked.
 
     Example:
       >>> import numpy as np, jdist
@@ -113,11 +107,7 @@ class PerReplica(DistributedValues):
 
     @property
     def stacked(self) -> Any:
-        """The array of shape ``(num_replicas, *per_replica_shape)`` holding every component.
-
-        Raises:
-          ShapeMismatchError: the value is ragged (its replicas' shapes differ).
-        """
+        """The array ``(num_replicas, *per_replica_shape)``; `ShapeMismatchError` if ragged."""
         if self._components is not None:
             raise errors.ShapeMismatchError(
                 "this PerReplica value is ragged (its replicas hold shapes "
@@ -176,9 +166,7 @@ class Mirrored(DistributedValues):
     """A value that is the same on every replica (``tf.distribute.Mirrored``).
 
     Held as one replicated array; it can be used like that array in the cross-replica context.
-
-    Args:
-      values: a sequence with one (equal) array per replica, or a single array.
+    ``values``: one (equal) array per replica, or a single array.
 
     Example:
       >>> import numpy as np, jdist
@@ -434,14 +422,7 @@ def wrap_at(leaves: list, mirrored_at: Sequence[int], num_replicas: int,
 
 
 def check_replica_count(value: DistributedValues, num_replicas: int, what: str) -> None:
-    """Raises where a value made by a strategy of another replica count reaches ``what``.
-
-    Example:
-      >>> check_replica_count(Mirrored([np.float32(1)] * 2), 3, "strategy.reduce")
-      ... # doctest: +IGNORE_EXCEPTION_DETAIL
-      Traceback (most recent call last):
-      jdist.errors.InvalidArgumentError: ...
-    """
+    """Raises where a value made by a strategy of another replica count reaches ``what``."""
     if value.num_replicas != num_replicas:
         kind = type(value).__name__ if isinstance(value, PerReplica) else "Mirrored"
         raise errors.InvalidArgumentError(
@@ -467,14 +448,7 @@ def spans_workers(value: PerReplica) -> bool:
 
 
 def local_results(value: Any) -> tuple:
-    """Returns the per-replica components of ``value`` as a tuple (see `Strategy`).
-
-    Args:
-      value: a `DistributedValues`, or any other value (a one-replica value).
-
-    Returns:
-      A tuple with one component per local replica; a plain value gives a 1-tuple.
-    """
+    """The components of ``value`` per local replica, a tuple (a plain value: a 1-tuple)."""
     if isinstance(value, DistributedValues):
         return value._local_results()
     return (value,)

@@ -23,14 +23,10 @@ from jdist._src import errors
 from jdist._src.input import batches as input_batches
 from jdist._src.input import steps as input_steps
 from jdist._src.input import iterator_state
-from jdist._src.input.options import InputContext
-from jdist._src.input.options import InputOptions
-from jdist._src.input.options import InputReplicationMode
+from jdist._src.input.options import InputContext, InputOptions, InputReplicationMode
 from jdist._src.input import prefetch
 from jdist._src.reduce import replica_mesh
-from jdist._src.input.numpy_dataset import INFINITE
-from jdist._src.input.numpy_dataset import NumpyDataset
-from jdist._src.input.numpy_dataset import UNKNOWN
+from jdist._src.input.numpy_dataset import INFINITE, UNKNOWN, NumpyDataset
 
 
 _EMPTY = object()
@@ -52,7 +48,7 @@ class Optional:
     def from_value(value: Any) -> "Optional":
         """An optional holding ``value``."""
         return Optional(value, input_batches.spec_of_element(value)
-                        if _has_arrays(value) else None)
+                        if jax.tree_util.tree_leaves(value) else None)
 
     @staticmethod
     def empty(element_spec: Any) -> "Optional":
@@ -78,10 +74,6 @@ class Optional:
 
     def __repr__(self):
         return f"Optional(has_value={self.has_value()})"
-
-
-def _has_arrays(value):
-    return bool(jax.tree_util.tree_leaves(value))
 
 
 def _check_not_in_replica(what):
@@ -115,9 +107,8 @@ class _GlobalPlan:
 
     def spec(self):
         first = self.source.first()
-        if first is None:
-            return None
-        return input_batches.GlobalBatchSplitter(self.placer, self.full_rows).spec(first)
+        return None if first is None else input_batches.GlobalBatchSplitter(
+            self.placer, self.full_rows).spec(first)
 
     def cardinality(self):
         return self.source.cardinality()
@@ -154,9 +145,8 @@ class _DealtPlan:
 
     def spec(self):
         first = self.sources[0].first()
-        if first is None:
-            return None
-        return input_batches.PerReplicaDealer(self.placer, self.full_rows).spec(first)
+        return None if first is None else input_batches.PerReplicaDealer(
+            self.placer, self.full_rows).spec(first)
 
     def cardinality(self):
         # TF's ``_cardinality(self._datasets[0])``: in per-replica batches, not steps.
@@ -227,11 +217,8 @@ class DistributedDataset:
     UNKNOWN_CARDINALITY = UNKNOWN
 
     def __init__(self, strategy, plan, options):
-        self._strategy = strategy
-        self._plan = plan
-        self._options = options
-        self._spec = None
-        self._spec_known = False
+        self._strategy, self._plan, self._options = strategy, plan, options
+        self._spec, self._spec_known = None, False
 
     def __iter__(self) -> "DistributedIterator":
         _check_not_in_replica("iter(distributed_dataset)")
@@ -260,8 +247,7 @@ class DistributedDataset:
 
     def _record_spec(self, element):
         if not self._spec_known:
-            self._spec = input_batches.spec_of_element(element)
-            self._spec_known = True
+            self._spec, self._spec_known = input_batches.spec_of_element(element), True
 
     @property
     def cardinality(self) -> int:
@@ -301,13 +287,8 @@ class _SyncFeed:
         self._source, self._transform = source, transform
 
     def get(self):
-        if self._source is None:
-            return prefetch.END
-        try:
-            item = next(self._source)
-        except StopIteration:
-            return prefetch.END
-        return self._transform(item)
+        item = _EMPTY if self._source is None else next(self._source, _EMPTY)
+        return prefetch.END if item is _EMPTY else self._transform(item)
 
     def close(self):
         source, self._source = self._source, None
@@ -332,9 +313,7 @@ class DistributedIterator:
         # Counted as elements are handed out: what a checkpoint saves (`iterator_state`).
         self._position = iterator_state.Position(dataset) if position is None else position
         self._finished = False
-        self._feed = None
         self._step = None  # A multi-worker dataset's consumer-side step (`_DealtPlan.open`).
-        self._finalizer = None
         self._ready = None  # A block's later elements (`batch_blocks.Elements`), in order.
         self._no_optional = None  # Worked out at the first get_next_as_optional.
         self._start()
@@ -343,11 +322,10 @@ class DistributedIterator:
         source, transform, self._step = self._dataset._plan.open()
         size = self._dataset._options.experimental_per_replica_buffer_size
         if size == 0 or self._dataset._plan.on_loop_thread:
-            feed = _SyncFeed(source, transform)
+            self._feed = _SyncFeed(source, transform)
         else:
-            feed = prefetch.Prefetcher(source, transform, size, on_close=_close_source)
-        self._feed = feed
-        self._finalizer = weakref.finalize(self, feed.close)
+            self._feed = prefetch.Prefetcher(source, transform, size, on_close=_close_source)
+        self._finalizer = weakref.finalize(self, self._feed.close)
 
     def __iter__(self) -> "DistributedIterator":
         return self
@@ -416,17 +394,9 @@ class DistributedIterator:
         """The next ``num_steps`` elements as one, each replica's batches stacked on a leading
         step axis, for a ``lax.scan`` inside the replica function (TF's steps per execution).
 
-        A group holds batches of one shape: the last partial batch comes alone in a group of
-        its own (``docs/quickstart.md``, steps per execution).
-
-        Args:
-          num_steps: how many batches to stack, at least 1.
-
-        Returns:
-          The element structure, per-replica values ``(k, batch, ...)``, ``k <= num_steps``.
-
-        Raises:
-          OutOfRangeError: no element is left.
+        Per-replica values are ``(k, batch, ...)``, ``k <= num_steps``: a group holds batches of
+        one shape, so the last partial batch comes alone (``docs/quickstart.md``, steps per
+        execution). Raises `OutOfRangeError` where no element is left.
 
         Example:
           >>> import jax, numpy as np, jdist

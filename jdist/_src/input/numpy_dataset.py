@@ -13,8 +13,7 @@ import numpy as np
 
 from jdist._src import errors
 from jdist._src.input import tf_shuffle
-from jdist._src.host_values import owned_copy
-from jdist._src.host_values import read_only
+from jdist._src.host_values import owned_copy, read_only
 
 INFINITE = -1  # tf.data.INFINITE_CARDINALITY
 UNKNOWN = -2  # tf.data.UNKNOWN_CARDINALITY
@@ -34,11 +33,10 @@ class NumpyDataset:
     """
 
     def __init__(self, data: Any, _ops: tuple = ()):
+        data = jax.tree_util.tree_map(np.asarray, data)
         leaves = jax.tree_util.tree_leaves(data)
         if not leaves:
             raise errors.InvalidArgumentError("a numpy dataset needs at least one array.")
-        data = jax.tree_util.tree_map(np.asarray, data)
-        leaves = jax.tree_util.tree_leaves(data)
         if any(a.ndim == 0 for a in leaves):
             raise errors.InvalidArgumentError(
                 "a numpy dataset slices its arrays along the first axis; got a rank-0 array.")
@@ -123,13 +121,7 @@ class NumpyDataset:
 
     def blocks(self, count: int) -> Iterator[tuple[Optional[int], Any]]:
         """The elements in order as ``(number, rows)``: up to ``count`` full ones and the rows
-        of `arrays` they read (a slice or a 1-D index), or ``(None, element)`` for another.
-
-        Example:
-          >>> import numpy as np
-          >>> list(NumpyDataset(np.arange(5)).batch(2).blocks(4))
-          [(2, slice(0, 4, None)), (None, array([4]))]
-        """
+        of `arrays` they read (a slice or a 1-D index), or ``(None, element)`` for another."""
         rows, group = self.batch_rows, []
         for item in self._indices()():
             if _is_rows(item) and _length(item) == rows:
@@ -198,15 +190,7 @@ class NumpyDataset:
 
     def full_batches_in_order(self) -> Optional[int]:
         """How many full batches one pass gives where the pipeline is a batch of the rows in
-        order, repeated or not; else None.
-
-        Example:
-          >>> import numpy as np
-          >>> NumpyDataset(np.arange(10)).batch(3).repeat().full_batches_in_order()
-          3
-          >>> NumpyDataset(np.arange(10)).shuffle(4).batch(3).full_batches_in_order() is None
-          True
-        """
+        order, repeated or not (``batch(3).repeat()`` of 10 rows: 3); else None."""
         ops = [op for op in self._ops if not op.is_noop and not isinstance(op, _Prefetch)]
         if ops and isinstance(ops[0], _Batch) and all(isinstance(op, _Repeat) for op in ops[1:]):
             return self._size // ops[0].size
@@ -416,7 +400,6 @@ class _Repeat:
 
 
 class _Prefetch:
-
     def __init__(self, buffer_size):
         self.is_noop = buffer_size == 0
 
@@ -428,7 +411,6 @@ class _Prefetch:
 
 
 class _Take:
-
     def __init__(self, count):
         self.count = count
         self.is_noop = count < 0
@@ -445,7 +427,6 @@ class _Take:
 
 
 class _Skip:
-
     def __init__(self, count):
         self.count = count
         self.is_noop = count == 0
@@ -462,7 +443,6 @@ class _Skip:
 
 
 class _Shard:
-
     def __init__(self, num_shards, index):
         self.num, self.index = num_shards, index
         self.is_noop = num_shards == 1

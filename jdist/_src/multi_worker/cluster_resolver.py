@@ -1,4 +1,4 @@
-"""Cluster resolvers: who the workers of a multi-worker job are (``tf.distribute.cluster_resolver``).
+"""Cluster resolvers: the workers of a multi-worker job (``tf.distribute.cluster_resolver``).
 
 A resolver gives `MultiWorkerMirroredStrategy` the cluster (a `ClusterSpec`), this process's
 task (``task_type``, ``task_id``) and its accelerators. All are pure Python: nothing starts JAX.
@@ -21,10 +21,7 @@ class ClusterSpec:
     Args:
       cluster: a dict mapping job names to a list of ``"host:port"`` addresses (task ``i`` is
         the ``i``-th) or to a dict ``{task_index: address}`` (sparse jobs), or a `ClusterSpec`.
-
-    Raises:
-      InvalidArgumentError: a job name or an address is not a string, or a task index is not a
-        non-negative int.
+        Job names and addresses are strings, task indices non-negative ints.
 
     Example:
       >>> spec = ClusterSpec({"worker": ["h0:2222", "h1:2222"], "chief": {0: "c:2222"}})
@@ -60,11 +57,7 @@ class ClusterSpec:
         return sorted(self._tasks(job_name))
 
     def task_address(self, job_name: str, task_index: int) -> str:
-        """The address of task ``task_index`` of ``job_name``.
-
-        Raises:
-          InvalidArgumentError: the job or the task does not exist.
-        """
+        """The address of task ``task_index`` of ``job_name`` (`InvalidArgumentError` if none)."""
         tasks = self._tasks(job_name)
         if task_index not in tasks:
             raise errors.InvalidArgumentError(
@@ -179,16 +172,26 @@ class ClusterResolver:
         return ""
 
 
+def _setting(attr, key, convert, doc):
+    """A property: ``attr`` where set, else ``TF_CONFIG``'s ``task`` entry ``key`` (or its own
+    ``rpc_layer``), else None; read at each access, as TF does."""
+    def get(self):
+        value = getattr(self, attr)
+        if value is None:
+            config = _tf_config()
+            value = config.get(key) if key == "rpc_layer" else config.get("task", {}).get(key)
+        return value if value is None or convert is None else convert(value)
+    return property(get, lambda self, value: setattr(self, attr, value), doc=doc)
+
+
 class TFConfigClusterResolver(ClusterResolver):
     """Reads the cluster from the ``TF_CONFIG`` environment variable, at each access (as TF).
 
     ``TF_CONFIG`` is a JSON object with ``cluster`` (job -> addresses), ``task`` (``type``,
     ``index``), and optionally ``rpc_layer`` and ``session_master``. Unset or empty, it means a
-    single local worker: an empty `ClusterSpec` and ``task_type``/``task_id`` None.
-
-    Args:
-      task_type, task_id, rpc_layer: override ``task.type``, ``task.index``, ``rpc_layer``.
-      environment: overrides the environment (``''``).
+    single local worker: an empty `ClusterSpec` and ``task_type``/``task_id`` None. The
+    constructor's arguments override ``task.type``, ``task.index``, ``rpc_layer`` and the
+    environment (``''``).
 
     Example:
       >>> import json, os
@@ -209,40 +212,12 @@ class TFConfigClusterResolver(ClusterResolver):
         self._rpc_layer = rpc_layer
         self._environment = environment
 
-    @property  # type: ignore[override]
-    def task_type(self) -> Optional[str]:
-        """This task's job name: the override, else ``TF_CONFIG``'s ``task.type``, else None."""
-        if self._task_type is not None:
-            return str(self._task_type)
-        task = _tf_config().get("task", {})
-        return str(task["type"]) if "type" in task else None
-
-    @task_type.setter
-    def task_type(self, task_type: Optional[str]) -> None:
-        self._task_type = task_type
-
-    @property  # type: ignore[override]
-    def task_id(self) -> Optional[int]:
-        """This task's index in its job: the override, else ``task.index``, else None."""
-        if self._task_id is not None:
-            return int(self._task_id)
-        task = _tf_config().get("task", {})
-        return int(task["index"]) if "index" in task else None
-
-    @task_id.setter
-    def task_id(self, task_id: Optional[int]) -> None:
-        self._task_id = task_id
-
-    @property  # type: ignore[override]
-    def rpc_layer(self) -> Optional[str]:
-        """The override, else ``TF_CONFIG``'s ``rpc_layer``, else None."""
-        if self._rpc_layer is not None:
-            return self._rpc_layer
-        return _tf_config().get("rpc_layer")
-
-    @rpc_layer.setter
-    def rpc_layer(self, rpc_layer: Optional[str]) -> None:
-        self._rpc_layer = rpc_layer
+    task_type = _setting("_task_type", "type", str,  # type: ignore[assignment]
+                         "This task's job name: the override, else ``TF_CONFIG``'s task.type.")
+    task_id = _setting("_task_id", "index", int,  # type: ignore[assignment]
+                       "This task's index in its job: the override, else ``task.index``.")
+    rpc_layer = _setting("_rpc_layer", "rpc_layer", None,  # type: ignore[assignment]
+                         "The override, else ``TF_CONFIG``'s ``rpc_layer``, else None.")
 
     @property
     def environment(self) -> Optional[str]:  # type: ignore[override]
@@ -255,12 +230,8 @@ class TFConfigClusterResolver(ClusterResolver):
 
     def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
                rpc_layer: Optional[str] = None) -> str:
-        """``session_master`` when set; ``''`` for a one-task cluster; else the task's address.
-
-        Args:
-          task_type, task_id: the task to name (default: this task).
-          rpc_layer: prefix of the address, ``"rpc_layer://host:port"`` (default: `rpc_layer`).
-        """
+        """``session_master`` when set; ``''`` for a one-task cluster; else the address of the
+        task (default: this one), as ``"rpc_layer://host:port"`` with an rpc layer."""
         session_master = _tf_config().get("session_master")
         if session_master is not None:
             return session_master
@@ -288,13 +259,9 @@ def _tf_config():
 
 
 class SimpleClusterResolver(ClusterResolver):
-    """A resolver that returns what it was given (``SimpleClusterResolver``).
-
-    Args:
-      cluster_spec: a `ClusterSpec` or a dict for one.
-      master: what `master` returns without a task.
-      task_type, task_id, environment, rpc_layer: returned as given.
-      num_accelerators: a dict such as ``{"GPU": 2}``; None asks this process's devices.
+    """A resolver that returns what it was given (``SimpleClusterResolver``): ``master`` is what
+    `master` returns without a task; ``num_accelerators`` (``{"GPU": 2}``) None asks this
+    process's devices.
 
     Example:
       >>> r = SimpleClusterResolver({"worker": ["a:1", "b:2"]}, task_type="worker", task_id=0)

@@ -14,22 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core
 from jax.experimental.xla_metadata import set_xla_metadata
-from jax.extend import source_info_util
+from jax.extend import core, source_info_util
 
-from jdist._src import context
-from jdist._src import errors
-from jdist._src import host_values
+from jdist._src import context, errors, host_values
 from jdist._src.base import STATIC
 from jdist._src.uneven import schedule as uneven_schedule
-from jdist._src.uneven.merge import MergeBody
-from jdist._src.uneven.merge import merge_p
-from jdist._src.values import DistributedValues
-from jdist._src.values import Mirrored
-from jdist._src.values import ARRAYS
-from jdist._src.values import PerReplica
-from jdist._src.values import is_distributed
+from jdist._src.uneven.merge import MergeBody, merge_p
+from jdist._src.values import ARRAYS, DistributedValues, Mirrored, PerReplica, is_distributed
 
 # Collective primitives: each is a cut of the step.
 COLLECTIVES = frozenset({"psum", "pmax", "pmin", "all_gather", "ppermute", "all_to_all",
@@ -46,8 +38,7 @@ class _Suspend(BaseException):
 
     def __init__(self, index, request):
         super().__init__(index)
-        self.index = index
-        self.request = request
+        self.index, self.request = index, request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +73,7 @@ class _ReplicaTrace:
     """The replica context's view of one replica's trace (`context._Binding.exact`)."""
 
     def __init__(self, resolved, replica):
-        self._resolved = resolved
-        self._replica = replica
-        self._count = 0
+        self._resolved, self._replica, self._count = resolved, replica, 0
 
     def merge_call(self, merge_fn: Any, args: tuple, kwargs: dict) -> Any:
         """The replica's result of a merge_call."""
@@ -158,7 +147,6 @@ def _is_array(x):
     return isinstance(x, ARRAYS)
 
 
-# --------------------------------------------------------------------------------- tracing
 @dataclasses.dataclass(frozen=True)
 class Trace:
     """One replica's traced body, flat (no collective inside a call)."""
@@ -439,12 +427,9 @@ _TRACE_NUMBERS = itertools.count()
 
 
 def _fresh_inner_traces():
-    """A context in which the ``jax.jit`` functions a replica function calls trace anew.
-
-    A merge_call inside one binds shapes that depend on the other replicas, so a cached jaxpr
-    (of another split, replica or an even step) is wrong and skips its Python side. ``jax.jit``'s
-    cache keys on the trace context, XLA metadata included (which XLA ignores): a number per
-    replica trace keeps each trace's inner jaxprs its own."""
+    """A context in which the ``jax.jit`` functions a replica function calls trace anew: a
+    merge_call inside binds shapes that depend on the other replicas. ``jax.jit``'s cache keys on
+    XLA metadata (which XLA ignores), so a number per replica trace keeps its jaxprs its own."""
     return set_xla_metadata(jdist_replica_trace=next(_TRACE_NUMBERS))
 
 
@@ -515,5 +500,4 @@ def output_forms(traces: list) -> list:
             env.update((v, intern(key + (j, str(v.aval)))) for j, v in enumerate(e.outvars))
         forms.append([read(a) for a in t.jaxpr.outvars])
     return forms
-
 
