@@ -216,7 +216,7 @@ class DistributedDataset:
     INFINITE_CARDINALITY = INFINITE
     UNKNOWN_CARDINALITY = UNKNOWN
 
-    def __init__(self, strategy, plan, options):
+    def __init__(self, strategy: Any, plan: Any, options: Any) -> None:
         self._strategy, self._plan, self._options = strategy, plan, options
         self._spec, self._spec_known = None, False
 
@@ -308,13 +308,13 @@ class DistributedIterator:
     the data, on `close`, and when the iterator is garbage collected.
     """
 
-    def __init__(self, dataset, position=None):
+    def __init__(self, dataset: Any, position: Any = None) -> None:
         self._dataset = dataset
         # Counted as elements are handed out: what a checkpoint saves (`iterator_state`).
         self._position = iterator_state.Position(dataset) if position is None else position
         self._finished = False
         self._step = None  # A multi-worker dataset's consumer-side step (`_DealtPlan.open`).
-        self._ready = None  # A block's later elements (`batch_blocks.Elements`), in order.
+        self._ready: Any = None  # A block's later elements, in order.
         self._no_optional = None  # Worked out at the first get_next_as_optional.
         self._start()
 

@@ -3,6 +3,7 @@
 split, padded and fed), as in ``tf.distribute``."""
 
 import enum
+from typing import Any, Optional
 
 from jdist._src.input import auto_shard
 from jdist._src import errors
@@ -90,10 +91,11 @@ class InputOptions:
       1
     """
 
-    def __init__(self, experimental_fetch_to_device=None,
-                 experimental_replication_mode=InputReplicationMode.PER_WORKER,
-                 experimental_place_dataset_on_device=False,
-                 experimental_per_replica_buffer_size=1, auto_shard_policy=None):
+    def __init__(self, experimental_fetch_to_device: Optional[bool] = None,
+                 experimental_replication_mode: Any = InputReplicationMode.PER_WORKER,
+                 experimental_place_dataset_on_device: bool = False,
+                 experimental_per_replica_buffer_size: Optional[int] = 1,
+                 auto_shard_policy: Any = None) -> None:
         if experimental_fetch_to_device is None:
             experimental_fetch_to_device = True
         mode = experimental_replication_mode

@@ -175,7 +175,7 @@ class ClusterResolver:
 def _setting(attr, key, convert, doc):
     """A property: ``attr`` where set, else ``TF_CONFIG``'s ``task`` entry ``key`` (or its own
     ``rpc_layer``), else None; read at each access, as TF does."""
-    def get(self):
+    def get(self: Any) -> Any:
         value = getattr(self, attr)
         if value is None:
             config = _tf_config()
