@@ -1,16 +1,11 @@
-"""The seams of jdist, written down: the domain's names and types, and what the core calls of
-its wings.
+"""The seams of jdist: the domain's names and types, and what the core calls of its wings.
 
-The core (`values`, `context`, `strategy`, `strategy_extended`, `mirrored`) imports no wing.
-What it needs of one is a `Protocol` here: `RunWing` (compiling ``run``), `ReduceWing`
-(reduce and gather rules, cross-device ops, destinations) and `InputWing` (distributed
-datasets). Each wing package registers its implementation when it is imported
-(`register_wing`), and ``jdist/_src/__init__.py`` imports every wing, so the core finds them
-(`run_wing`, `reduce_wing`, `input_wing`) whichever module a program imports first.
-
-The type aliases say what the cross-replica code accepts (documentation for readers and type
-checkers; nothing is checked at run time).
-"""
+The core (`values`, `context`, `strategy`, `strategy_extended`, `mirrored`) imports no wing; what
+it needs of one is a `Protocol` here: `RunWing` (compiling ``run``), `ReduceWing` (reduce and
+gather rules, cross-device ops, destinations), `InputWing` (distributed datasets). Each wing
+package registers itself on import (`register_wing`), and ``jdist/_src/__init__.py`` imports
+every wing, so the core finds them whichever module a program imports first. The type aliases
+document what the cross-replica code accepts (nothing is checked at run time)."""
 
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
@@ -41,14 +36,9 @@ Axis = Union[None, int, Sequence[int]]
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """Resolved destinations: where a result goes and in which form.
-
-    Attributes:
-      num_replicas: how many replicas a `Mirrored` result has (1 for an array result).
-      mirrored: whether the result is a `Mirrored` value (else one array).
-      devices: the destination devices, in replica order.
-      mesh: the `ReplicaMesh` over ``devices`` (its shardings and compiled programs); None for
-        one device that is not a mirrored destination.
+    """Resolved destinations: where a result goes (``devices``, in replica order) and in which
+    form (a `Mirrored` of ``num_replicas``, or one array). ``mesh``: the `ReplicaMesh` over
+    ``devices``; None for one device that is not a mirrored destination.
 
     Example:
       >>> import jax
@@ -56,23 +46,19 @@ class Target:
       >>> t.mirrored, t.devices == (jax.devices()[1],)
       (False, True)
     """
-    num_replicas: int
+    num_replicas: int  # 1 for an array result.
     mirrored: bool
     devices: Tuple[jax.Device, ...]
-    mesh: Optional[Any]  # A `jdist._src.reduce.replica_mesh.ReplicaMesh`.
+    mesh: Optional[Any]
 
 
 class ReplicaCollectives(Protocol):
-    """The collectives a replica context calls, over the replica axis.
-
-    Inside a traced replica function they lower to ``lax.psum`` / ``lax.all_gather`` and a
-    traced merge function; outside one (the default strategy, a context entered by hand) they
-    act on the one replica there is.
-    """
+    """The collectives a replica context calls, over the replica axis: ``lax.psum`` /
+    ``lax.all_gather`` and a traced merge function inside a traced replica function; outside one
+    (the default strategy, a context entered by hand) they act on the one replica there is."""
 
     def all_reduce(self, op: ReduceOp, value: PyTree, options: Optional[Any] = None) -> PyTree:
-        """Every leaf of ``value`` reduced with ``op`` over the replicas (``options``: a
-        `CommunicationOptions` or None)."""
+        """Every leaf of ``value`` reduced with ``op`` over the replicas."""
 
     def all_gather(self, value: PyTree, axis: int) -> PyTree:
         """Every leaf of ``value`` concatenated over the replicas along ``axis``."""
@@ -102,8 +88,7 @@ class RunWing(Protocol):
 
 
 class ReduceWing(Protocol):
-    """What the core calls of `jdist._src.reduce`: the reduce and gather rules
-    (`collectives`), cross-device ops, destinations and the replica mesh."""
+    """What the core calls of `jdist._src.reduce` (rules, cross-device ops, destinations)."""
 
     #: ``ReplicaMesh(mesh, axis_name, guard)``: a mesh's shardings and host-side programs.
     ReplicaMesh: Callable[..., Any]
@@ -148,15 +133,12 @@ def register_wing(name: str, implementation: Any) -> None:
 
 
 def run_wing() -> RunWing:
-    """The registered `RunWing`."""
     return _WINGS["run"]
 
 
 def reduce_wing() -> ReduceWing:
-    """The registered `ReduceWing`."""
     return _WINGS["reduce"]
 
 
 def input_wing() -> InputWing:
-    """The registered `InputWing`."""
     return _WINGS["input"]

@@ -1,10 +1,9 @@
 """Which strategy is current, and whether code runs in a replica or the cross-replica context.
 
 The cross-replica context is a ``strategy.scope()`` or a ``merge_fn``; the replica context is
-the function given to ``strategy.run`` (`ReplicaContext`). Outside both, the default strategy's
-one replica context is current. The state is a per-thread stack of frames, as in TF;
-`experimental_set_strategy` sets a process-wide fallback under it.
-"""
+the function given to ``strategy.run`` (`ReplicaContext`); outside both, the default strategy's
+one replica context. The state is a per-thread stack of frames, as in TF, over the process-wide
+fallback `experimental_set_strategy` sets."""
 
 import contextlib
 import dataclasses
@@ -68,40 +67,24 @@ def _default_context():
 
 
 def get_strategy() -> Any:
-    """Returns the current strategy: the one whose scope or ``run`` encloses this call.
+    """Returns the strategy whose scope or ``run`` encloses this call (else the default one).
 
-    Returns:
-      The current `Strategy`, or the default one-replica strategy when none is set.
-
-    Example:
-      >>> import jdist
-      >>> jdist.get_strategy().num_replicas_in_sync
-      1
+    >>> import jdist
+    >>> jdist.get_strategy().num_replicas_in_sync, jdist.has_strategy()
+    (1, False)
     """
     top = _top()
     return _default() if top is None else top.strategy
 
 
 def has_strategy() -> bool:
-    """Returns whether a non-default strategy is current.
-
-    Example:
-      >>> import jdist
-      >>> jdist.has_strategy()
-      False
-    """
+    """Returns whether a non-default strategy is current."""
     top = _top()
     return top is not None and top.strategy is not _default()
 
 
 def in_cross_replica_context() -> bool:
-    """Returns whether code runs in a cross-replica context (a scope, or a ``merge_fn``).
-
-    Example:
-      >>> import jdist
-      >>> jdist.in_cross_replica_context()
-      False
-    """
+    """Returns whether code runs in a cross-replica context (a scope, or a ``merge_fn``)."""
     top = _top()
     return top is not None and top.replica_context is None
 
@@ -111,32 +94,25 @@ def get_replica_context() -> Optional["ReplicaContext"]:
 
     Outside any strategy this is the default strategy's replica context (one replica, id 0).
 
-    Example:
-      >>> import jdist
-      >>> ctx = jdist.get_replica_context()
-      >>> ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
-      (1, 0)
+    >>> import jdist
+    >>> ctx = jdist.get_replica_context()
+    >>> ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group, jdist.in_cross_replica_context()
+    (1, 0, False)
     """
     top = _top()
-    if top is None:
-        return _default_context()
-    return top.replica_context
+    return _default_context() if top is None else top.replica_context
 
 
 def experimental_set_strategy(strategy: Any) -> None:
     """Makes ``strategy`` current for the whole process, as if inside ``strategy.scope()``.
 
-    Args:
-      strategy: a `Strategy`, or None to go back to the default strategy.
+    None goes back to the default strategy. Raises `WrongContextError` inside a scope or a
+    replica function.
 
-    Raises:
-      WrongContextError: called inside a ``strategy.scope()`` or a replica function.
-
-    Example:
-      >>> import jdist
-      >>> jdist.experimental_set_strategy(jdist.OneDeviceStrategy("cpu:0"))
-      >>> jdist.has_strategy(), jdist.experimental_set_strategy(None), jdist.has_strategy()
-      (True, None, False)
+    >>> import jdist
+    >>> jdist.experimental_set_strategy(jdist.OneDeviceStrategy("cpu:0"))
+    >>> jdist.has_strategy(), jdist.experimental_set_strategy(None), jdist.has_strategy()
+    (True, None, False)
     """
     global _global_strategy
     if any(frame.strategy is not _default() for frame in _state.frames):
@@ -159,9 +135,7 @@ def cross_replica_scope(strategy: Any, *, in_merge: bool = False) -> Iterator[An
     else:
         if not in_merge:
             require_not_mixed(strategy, "scope()")
-            top = _top()
-            if top is not None and top.replica_context is not None and (
-                    top.strategy is not _default()):
+            if in_replica_function():
                 raise errors.WrongContextError(
                     "strategy.scope() cannot be entered inside a replica function; use "
                     "get_replica_context().merge_call to reach the cross-replica context.")
@@ -173,27 +147,21 @@ def cross_replica_scope(strategy: Any, *, in_merge: bool = False) -> Iterator[An
         _state.frames.pop()
 
 
-@contextlib.contextmanager
-def replica_scope(replica_context: "ReplicaContext") -> Iterator["ReplicaContext"]:
+def replica_scope(replica_context: "ReplicaContext") -> "ReplicaContext":
     """Enters a replica context (what ``strategy.run`` does around the replica function)."""
-    _state.frames.append(_Frame(replica_context.strategy, replica_context))
-    try:
-        yield replica_context
-    finally:
-        _state.frames.pop()
+    return replica_context  # A context manager of itself.
 
 
 def in_replica_function() -> bool:
     """Whether code runs inside a replica function of a non-default strategy (``run``)."""
-    frames = _state.frames
-    return bool(frames) and frames[-1].replica_context is not None and (
-        frames[-1].strategy is not _default_strategy)
+    top = _top()
+    return top is not None and top.replica_context is not None and (
+        top.strategy is not _default_strategy)
 
 
 def in_merge() -> bool:
     """Whether code runs in a ``merge_fn`` (the cross-replica context ``merge_call`` enters)."""
-    frames = _state.frames
-    return bool(frames) and frames[-1].merge
+    return bool(_state.frames) and _state.frames[-1].merge
 
 
 def in_replica_trace() -> bool:
@@ -213,8 +181,7 @@ def require_not_mixed(strategy: Any, what: str) -> None:
 
 
 def require_run_allowed(strategy: Any) -> None:
-    """Raises unless ``strategy.run`` may be called here (not in another strategy's scope, not
-    nested in a replica function)."""
+    """Raises unless ``strategy.run`` may be called here (not nested, not mixed)."""
     if not _state.frames and _global_strategy is None:
         return  # Outside every scope, where a training loop usually calls run.
     require_not_mixed(strategy, "run")
@@ -225,8 +192,7 @@ def require_run_allowed(strategy: Any) -> None:
 
 
 def require_cross_replica(strategy: Any, what: str) -> None:
-    """Raises unless ``what`` of ``strategy`` may run here: not in another strategy's scope, not
-    in a replica function."""
+    """Raises unless ``what`` of ``strategy`` may run here (not mixed, not in a replica fn)."""
     require_not_mixed(strategy, what)
     if in_replica_function():
         alternative = "get_replica_context().all_gather" if "gather" in what else (
@@ -250,10 +216,6 @@ class ReplicaContext:
 
     Obtain it with `get_replica_context` inside the function given to ``strategy.run``, which is
     traced once as an SPMD program: ``replica_id_in_sync_group`` is a traced int32 scalar.
-
-    Args:
-      strategy: the strategy this replica belongs to.
-      replica_id_in_sync_group: this replica's index, an int or a traced int32 scalar.
 
     Example:
       >>> import jax.numpy as jnp, jdist
@@ -290,12 +252,9 @@ class ReplicaContext:
 
     @property
     def devices(self) -> tuple:
-        """The devices this replica runs on, as TF-style names (``"/cpu:0"``); every device's
-        when the replica id is traced (all replicas share one program)."""
+        """This replica's devices as TF-style names (all of them when the replica id is traced)."""
         names = self._strategy.extended.device_names
-        if isinstance(self._replica_id, int):
-            return (names[self._replica_id],)
-        return tuple(names)
+        return (names[self._replica_id],) if isinstance(self._replica_id, int) else tuple(names)
 
     def _check_active(self, what):
         if self._binding is not None and not self._binding.active:
@@ -325,23 +284,10 @@ class ReplicaContext:
 
     def all_reduce(self, reduce_op: "ReduceOp | str", value: Any,
                    options: Optional[Any] = None) -> Any:
-        """All-reduces a nest of arrays across replicas; every replica gets the result.
+        """All-reduces a nest of arrays (same shapes on every replica); every replica gets it.
 
-        Args:
-          reduce_op: a `ReduceOp` or its name (``"sum"``, ``"mean"``).
-          value: a nest of arrays with the same structure and shapes on every replica.
-          options: a `CommunicationOptions` or None (``bytes_per_pack`` packs the leaves).
-
-        Returns:
-          The nest with each leaf replaced by its sum or mean over replicas (on one replica,
-          the nest itself, dtypes included, as in TF).
-
-        Example:
-          >>> import jax.numpy as jnp, jdist
-          >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
-          >>> v = jdist.PerReplica([jnp.float32(1.0), jnp.float32(3.0)])
-          >>> float(s.run(lambda x: jdist.get_replica_context().all_reduce("mean", x), (v,)))
-          2.0
+        ``options``: a `CommunicationOptions` or None (``bytes_per_pack`` packs the leaves). On
+        one replica the nest comes back itself, dtypes included, as in TF.
         """
         self._require_current("all_reduce")
         op = ReduceOp.from_any(reduce_op)
@@ -354,16 +300,7 @@ class ReplicaContext:
         return self._collectives.all_reduce(op, value, options)
 
     def all_gather(self, value: Any, axis: int, options: Optional[Any] = None) -> Any:
-        """Concatenates each replica's ``value`` along ``axis``; every replica gets the result.
-
-        Args:
-          value: a nest of arrays.
-          axis: the axis to concatenate along (negative counts from the end).
-          options: a `CommunicationOptions` or None (checked; nothing to pack).
-
-        Returns:
-          The nest of gathered arrays.
-        """
+        """Concatenates each replica's ``value`` (a nest) along ``axis``; every replica gets it."""
         self._require_current("all_gather")
         reduce_wing().as_options(options)
         host_values.check_arrays(value, "all_gather")
@@ -377,14 +314,6 @@ class ReplicaContext:
         Per-replica arguments reach ``merge_fn`` as `PerReplica` values; `PerReplica` results are
         unpacked so each replica gets its own component. In a traced replica function
         ``merge_fn`` is traced once and computed by every device on the gathered arguments.
-
-        Args:
-          merge_fn: a function ``(strategy, *args, **kwargs) -> nest``.
-          args: a tuple or list of positional arguments.
-          kwargs: a dict of keyword arguments.
-
-        Returns:
-          ``merge_fn``'s result as seen by this replica.
         """
         self._require_current("merge_call")
         if not callable(merge_fn):
@@ -393,8 +322,7 @@ class ReplicaContext:
         if not isinstance(args, (tuple, list)):
             raise errors.InvalidArgumentError(
                 f"merge_call args must be a tuple or list, got {type(args).__name__}.")
-        kwargs = {} if kwargs is None else kwargs
-        return self._collectives.merge_call(merge_fn, args, kwargs)
+        return self._collectives.merge_call(merge_fn, args, {} if kwargs is None else kwargs)
 
     def __enter__(self) -> "ReplicaContext":
         _state.frames.append(_Frame(self._strategy, self))
@@ -410,11 +338,6 @@ class ReplicaContext:
 
 @dataclasses.dataclass(frozen=True)
 class ValueContext:
-    """What `Strategy.experimental_distribute_values_from_function` tells ``value_fn``.
-
-    Attributes:
-      replica_id_in_sync_group: the replica the value is for (an int).
-      num_replicas_in_sync: the number of replicas (an int).
-    """
+    """What `Strategy.experimental_distribute_values_from_function` tells ``value_fn``."""
     replica_id_in_sync_group: int = 0
     num_replicas_in_sync: int = 1

@@ -1,9 +1,6 @@
-"""`Strategy`: the cross-replica API every strategy shares, and the default strategy.
-
-This module holds the rules (what ``reduce``, ``gather``, ``run`` compute for each kind of
-value, and which context allows them); how values move between devices is the concern of the
-concrete strategy's `StrategyExtended` (`jdist._src.mirrored`).
-"""
+"""`Strategy`: the cross-replica API every strategy shares (what ``reduce``, ``gather``, ``run``
+compute, and where they are allowed), and the default strategy. How values move between devices
+is the concrete strategy's `StrategyExtended` (`jdist._src.mirrored`)."""
 
 import collections.abc
 from typing import Any, Callable, ContextManager, Optional, Sequence
@@ -48,11 +45,10 @@ class Strategy:
     def scope(self) -> ContextManager[None]:
         """Returns a context manager that makes this strategy current (cross-replica context).
 
-        Example:
-          >>> import jdist
-          >>> with jdist.OneDeviceStrategy("cpu:0").scope():
-          ...   print(jdist.in_cross_replica_context())
-          True
+        >>> import jdist
+        >>> with jdist.OneDeviceStrategy("cpu:0").scope():
+        ...   print(jdist.in_cross_replica_context())
+        True
         """
         return context.cross_replica_scope(self)
 
@@ -60,24 +56,16 @@ class Strategy:
             kwargs: Optional[dict] = None, options: Optional[Any] = None) -> PyTree:
         """Runs ``fn`` on every replica and returns the per-replica results.
 
-        ``fn`` is compiled once per argument signature into one SPMD program over the replicas
-        and sees per-replica shapes; `DistributedValues` arguments are unpacked per replica.
+        ``fn`` (which may call `get_replica_context` for collectives) is compiled once per
+        argument signature into one SPMD program over the replicas and sees per-replica shapes;
+        `DistributedValues` arguments are unpacked per replica. ``options`` (TF's ``RunOptions``)
+        is unused. Returns ``fn``'s output nest, with `Mirrored` leaves for values equal on every
+        replica and `PerReplica` leaves otherwise; plain arrays on one replica.
 
-        Args:
-          fn: the replica function. It may call `get_replica_context` for collectives.
-          args: a tuple or list of positional arguments.
-          kwargs: a dict of keyword arguments.
-          options: TF's ``tf.distribute.RunOptions``; unused.
-
-        Returns:
-          ``fn``'s output nest, with `Mirrored` leaves for values equal on every replica and
-          `PerReplica` leaves otherwise; plain arrays on one replica.
-
-        Example:
-          >>> import jax.numpy as jnp, jdist
-          >>> s = jdist.MirroredStrategy(["cpu:0"])
-          >>> float(s.run(lambda x: x * 2, args=(jnp.float32(3),)))
-          6.0
+        >>> import jax.numpy as jnp, jdist
+        >>> s = jdist.MirroredStrategy(["cpu:0"])
+        >>> float(s.run(lambda x: x * 2, args=(jnp.float32(3),)))
+        6.0
         """
         if not callable(fn):
             raise errors.UnsupportedValueError(
@@ -104,15 +92,6 @@ class Strategy:
             or a plain array.
           axis: None to combine replicas element-wise; an int or tuple of ints to reduce inside
             each replica along those axes first (MEAN divides by the total count, no padding).
-
-        Returns:
-          The reduced array (a nest for a nest).
-
-        Example:
-          >>> import numpy as np, jdist
-          >>> s = jdist.get_strategy()
-          >>> float(s.reduce("mean", np.float32(4.0)))
-          4.0
         """
         context.require_cross_replica(self, "strategy.reduce")
         op = ReduceOp.from_any(reduce_op)
@@ -136,20 +115,13 @@ class Strategy:
     def gather(self, value: PyTree, axis: int) -> PyTree:
         """Concatenates the replicas' values along ``axis`` (cross-replica context).
 
-        Sizes along ``axis`` may differ between replicas; only real rows are returned.
+        Sizes along ``axis`` may differ between replicas; only real rows are returned. A plain
+        array comes back unchanged.
 
-        Args:
-          value: a `DistributedValues`, a plain array, or a nest of them.
-          axis: the per-replica axis to concatenate along.
-
-        Returns:
-          The gathered array (a nest for a nest); a plain array comes back unchanged.
-
-        Example:
-          >>> import numpy as np, jdist
-          >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
-          >>> s.gather(jdist.PerReplica([np.float32([1.0]), np.float32([2.0, 3.0])]), 0).tolist()
-          [1.0, 2.0, 3.0]
+        >>> import numpy as np, jdist
+        >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> s.gather(jdist.PerReplica([np.float32([1.0]), np.float32([2.0, 3.0])]), 0).tolist()
+        [1.0, 2.0, 3.0]
         """
         context.require_cross_replica(self, "strategy.gather")
         self._extended._check_gather(value, axis, "strategy.gather")
@@ -182,19 +154,12 @@ class Strategy:
     def experimental_local_results(self, value: PyTree) -> tuple:
         """Returns the per-replica components of ``value`` held by this process, as a tuple.
 
-        Args:
-          value: a `DistributedValues`, a nest (tuple, list, dict) that may contain them, or a
-            plain value.
+        A nest gives one copy per local replica with each distributed leaf replaced by that
+        replica's component; a plain value gives a 1-tuple.
 
-        Returns:
-          A tuple with one entry per local replica: for a nest, a copy of it per replica with
-          each distributed leaf replaced by that replica's component; a plain value gives a
-          1-tuple.
-
-        Example:
-          >>> import jdist
-          >>> jdist.MirroredStrategy(["cpu:0", "cpu:1"]).experimental_local_results({"a": 1})
-          ({'a': 1}, {'a': 1})
+        >>> import jdist
+        >>> jdist.MirroredStrategy(["cpu:0", "cpu:1"]).experimental_local_results({"a": 1})
+        ({'a': 1}, {'a': 1})
         """
         if isinstance(value, DistributedValues):
             return local_results(value)
@@ -209,30 +174,24 @@ class Strategy:
                 f"{self.num_replicas_in_sync}; use the strategy that produced them.")
         per_leaf = [local_results(x) if isinstance(x, DistributedValues) else None
                     for x in leaves]
-        return tuple(  # One per replica of this worker.
+        return tuple(
             jax.tree_util.tree_unflatten(tree, [x if r is None else r[i]
                                                 for x, r in zip(leaves, per_leaf)])
             for i in range(len(self._extended._local_replica_ids())))
 
     def experimental_distribute_values_from_function(
             self, value_fn: Callable[["context.ValueContext"], PyTree]) -> PyTree:
-        """Builds per-replica values by calling ``value_fn`` once per replica, in order.
+        """Builds per-replica values by calling ``value_fn(ValueContext)`` once per replica.
 
-        Args:
-          value_fn: a function of a `ValueContext` returning a nest of arrays (their shapes may
-            differ between replicas).
+        Shapes may differ between replicas. Returns the nest with `PerReplica` leaves (on one
+        replica, the value itself, as in TF).
 
-        Returns:
-          The nest with `PerReplica` leaves (on one replica of `OneDeviceStrategy` or the
-          default strategy, the value itself, as in TF).
-
-        Example:
-          >>> import jdist
-          >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
-          >>> v = s.experimental_distribute_values_from_function(
-          ...     lambda ctx: ctx.replica_id_in_sync_group)
-          >>> [int(x) for x in v.values]
-          [0, 1]
+        >>> import jdist
+        >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> v = s.experimental_distribute_values_from_function(
+        ...     lambda ctx: ctx.replica_id_in_sync_group)
+        >>> [int(x) for x in v.values]
+        [0, 1]
         """
         n = self.num_replicas_in_sync
         per_replica = [value_fn(context.ValueContext(i, n))
@@ -258,67 +217,35 @@ class Strategy:
             [python_numbers_as_tf(x) if is_python_number(x) else x for x in c]) for c in columns]
         return jax.tree_util.tree_unflatten(trees[0], leaves)
 
-    # Distributed input: delegations to the input wing (jdist._src.input.datasets).
     def experimental_distribute_dataset(self, dataset: Any, options: Optional[Any] = None) -> Any:
         """Distributes a dataset of GLOBAL batches over the replicas.
 
         Each global batch of ``B`` rows is cut into consecutive chunks of ``ceil(B / N)`` rows,
-        one per replica (trailing replicas get fewer or none), as TF does.
+        one per replica (trailing replicas get fewer or none), as TF does. ``dataset`` is a
+        ``tf.data.Dataset``, a `NumpyDataset`, a re-iterable of batches, a function of no
+        arguments returning a fresh iterable, or a one-shot iterator; ``options`` an
+        `InputOptions`. Returns a `DistributedDataset`.
 
-        Args:
-          dataset: a ``tf.data.Dataset``, a `NumpyDataset`, a re-iterable of batches, a function
-            of no arguments returning a fresh iterable, or a one-shot iterator.
-          options: an `InputOptions`.
-
-        Returns:
-          A `DistributedDataset`.
-
-        Example:
-          >>> import numpy as np, jdist
-          >>> s = jdist.get_strategy()
-          >>> [b.tolist() for b in s.experimental_distribute_dataset([np.arange(2), np.arange(1)])]
-          [[0, 1], [0]]
+        >>> import numpy as np, jdist
+        >>> s = jdist.get_strategy()
+        >>> [b.tolist() for b in s.experimental_distribute_dataset([np.arange(2), np.arange(1)])]
+        [[0, 1], [0]]
         """
         context.require_not_mixed(self, "experimental_distribute_dataset")
         return input_wing().distribute_dataset(self, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
                                           options: Optional[Any] = None) -> Any:
-        """Calls ``dataset_fn(InputContext)`` per input pipeline; deals its PER-REPLICA batches.
-
-        Args:
-          dataset_fn: a function of an `InputContext` returning a dataset of per-replica
-            batches (as `experimental_distribute_dataset` takes).
-          options: an `InputOptions`.
-
-        Returns:
-          A `DistributedDataset`; replicas left without data at the end get empty batches.
-        """
+        """Calls ``dataset_fn(InputContext)`` per input pipeline; deals its PER-REPLICA batches
+        (replicas left without data at the end get empty batches)."""
         context.require_not_mixed(self, "distribute_datasets_from_function")
         return input_wing().distribute_datasets_from_function(self, dataset_fn, options)
 
-    def experimental_distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
-                                                       options: Optional[Any] = None) -> Any:
-        """Former name of `distribute_datasets_from_function`."""
-        return self.distribute_datasets_from_function(dataset_fn, options)
+    experimental_distribute_datasets_from_function = distribute_datasets_from_function
 
     def experimental_make_numpy_dataset(self, numpy_input: PyTree,
                                         session: Optional[Any] = None) -> Any:
-        """An unbatched dataset of the rows of ``numpy_input`` (a nest of arrays).
-
-        Args:
-          numpy_input: a nest of arrays with one leading axis.
-          session: ignored (TF1's).
-
-        Returns:
-          A `NumpyDataset`.
-
-        Example:
-          >>> import numpy as np, jdist
-          >>> ds = jdist.get_strategy().experimental_make_numpy_dataset(np.arange(3)).batch(2)
-          >>> [b.tolist() for b in ds]
-          [[0, 1], [2]]
-        """
+        """An unbatched `NumpyDataset` of ``numpy_input``'s rows (``session``: TF1's, ignored)."""
         return input_wing().make_numpy_dataset(numpy_input)
 
     def __deepcopy__(self, memo):  # It owns devices and programs: copies share it, as in TF.
@@ -354,7 +281,6 @@ def _number_list_as_tf(op, numbers):
     return python_numbers_as_tf(numbers)
 
 
-def _is_number_list(value) -> bool:
-    """Whether ``value`` is a (nested) list or tuple of Python numbers (TF: one tensor)."""
+def _is_number_list(value) -> bool:  # TF makes one tensor of it.
     return isinstance(value, (list, tuple)) and all(
         isinstance(leaf, (bool, int, float)) for leaf in jax.tree_util.tree_leaves(value))

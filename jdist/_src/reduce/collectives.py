@@ -17,9 +17,7 @@ import numpy as np
 from jax import lax
 
 from jdist._src import errors
-from jdist._src.base import Axis
-from jdist._src.base import Lengths
-from jdist._src.base import PyTree
+from jdist._src.base import Axis, Lengths, PyTree
 from jdist._src.reduce_op import ReduceOp
 
 
@@ -46,12 +44,7 @@ def normalize_axis(axis: Axis, ndim: int) -> Optional[Tuple[int, ...]]:
 
 
 def gather_axis(axis, ndim: int) -> int:
-    """The one axis a gather concatenates along, normalized: TF takes an int only.
-
-    Example:
-      >>> gather_axis(-1, 2)
-      1
-    """
+    """The one axis a gather concatenates along, normalized: TF takes an int only."""
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         raise errors.InvalidArgumentError(
             f"gather and all_gather concatenate along one axis (an int), got {axis!r}.")
@@ -60,15 +53,9 @@ def gather_axis(axis, ndim: int) -> int:
     return axes[0]
 
 
-# ------------------------------------------------------------------------------ the rules
 def mean_dtype(dtype) -> np.dtype:
     """The dtype of a MEAN, TF's ``truediv``: floats keep theirs, 8- and 16-bit integers give
-    float32, wider ones float64 with ``jax_enable_x64`` (else float32, as ``jnp.mean``).
-
-    Example:
-      >>> str(mean_dtype("int8")), str(mean_dtype("float16")), str(mean_dtype("int32"))
-      ('float32', 'float16', 'float32')
-    """
+    float32, wider ones float64 with ``jax_enable_x64`` (else float32, as ``jnp.mean``)."""
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.inexact):
         return dtype
@@ -118,7 +105,7 @@ def _exact_reciprocal(count, total_dtype, dtype):
 
 @functools.lru_cache(maxsize=None)
 def _reciprocal_of(count, total_dtype, dtype):
-    """`_exact_reciprocal`, cached: a model's gradients ask once per leaf while tracing."""
+    """Cached: a model's gradients ask once per leaf while tracing."""
     if jnp.issubdtype(dtype, jnp.complexfloating):
         return None  # A complex product by (1/n + 0j) turns an infinite part's partner NaN.
     divisor = float(np.asarray(count).astype(total_dtype).astype(dtype))
@@ -134,12 +121,7 @@ def _reciprocal_of(count, total_dtype, dtype):
 def mean_count(shape: Sequence[int], axes: Optional[Tuple[int, ...]], num_replicas: int,
                total_rows=None):
     """How many values a MEAN divides by: ``num_replicas`` for ``axes=None``, else the elements
-    along ``axes`` over all replicas (``total_rows``, the real rows, for axis 0 when padded).
-
-    Example:
-      >>> mean_count((2, 3), (0,), 2), mean_count((2, 3), (0, 1), 2, total_rows=3)
-      (4, 9)
-    """
+    along ``axes`` over all replicas (``total_rows``, the real rows, for axis 0 when padded)."""
     if axes is None:
         return num_replicas
     with_rows = total_rows is not None and 0 in axes
@@ -159,16 +141,6 @@ def local_sum(x, axes: Optional[Tuple[int, ...]], valid_rows=None):
     return jnp.sum(x, axis=axes, dtype=accumulated).astype(x.dtype)
 
 
-def equal_lengths_or_raise(lengths: Tuple[int, ...], padded: int, what: str) -> Optional[int]:
-    """The common row count (None when it is ``padded``); `ShapeMismatchError` if they differ."""
-    if len(set(lengths)) != 1:
-        raise errors.ShapeMismatchError(
-            f"{what}: the replicas' values have different sizes along axis 0 ({list(lengths)} "
-            "rows), so they cannot be combined element-wise. Reduce or gather along axis 0 "
-            "(axis=0) to combine batches of different sizes.")
-    return lengths[0] if lengths[0] != padded else None
-
-
 def strip_padding(stacked, lengths: Lengths, axes: Optional[Tuple[int, ...]], what: str,
                   slice_rows: Optional[Callable] = None):
     """``(stacked, lengths)`` ready for a combine: along axis 0 the combine masks the padding
@@ -176,9 +148,14 @@ def strip_padding(stacked, lengths: Lengths, axes: Optional[Tuple[int, ...]], wh
     ``slice_rows(stacked, rows)`` when given, e.g. a compiled program on a mesh)."""
     if lengths is None or (axes is not None and 0 in axes):
         return stacked, lengths
-    common = equal_lengths_or_raise(lengths, stacked.shape[1], what)
-    if common is not None:
-        stacked = stacked[:, :common] if slice_rows is None else slice_rows(stacked, common)
+    if len(set(lengths)) != 1:
+        raise errors.ShapeMismatchError(
+            f"{what}: the replicas' values have different sizes along axis 0 ({list(lengths)} "
+            "rows), so they cannot be combined element-wise. Reduce or gather along axis 0 "
+            "(axis=0) to combine batches of different sizes.")
+    rows = lengths[0]
+    if rows != stacked.shape[1]:
+        stacked = stacked[:, :rows] if slice_rows is None else slice_rows(stacked, rows)
     return stacked, None
 
 
@@ -189,12 +166,9 @@ def reduce_empty(reduce_stacked: Callable, stacked_shape: Sequence[int], dtype):
 
 def empty_gather(shape: Sequence[int], dtype, axis: int, rows: int):
     """The gather of zero-size values: zeros with ``rows`` elements along ``axis``."""
-    shape = list(shape)
-    shape[axis] = rows
-    return jnp.zeros(shape, dtype)
+    return jnp.zeros(tuple(shape[:axis]) + (rows,) + tuple(shape[axis + 1:]), dtype)
 
 
-# ------------------------------------------------------------------- where they are applied
 # XLA computes bfloat16 arithmetic in float32 and may keep a chain of adds there, rounding once
 # at the end (its ``xla_allow_excess_precision``); TF's ``add_n`` rounds every partial sum to
 # bfloat16. An explicit ``reduce_precision`` is a rounding XLA keeps: (exponent, mantissa) bits.
@@ -272,9 +246,8 @@ def replica_all_reduce(axis_name: str, op: ReduceOp, value: PyTree) -> PyTree:
     n = lax.axis_size(axis_name)
     divisors: dict = {}
 
-    def reduce_leaf(x):
+    def reduce_leaf(x):  # Never a zero-size collective: the reduction of nothing is empty.
         x = jnp.asarray(x)
-        # Never a zero-size collective: the reduction of nothing is empty too.
         return finish(op, x if x.size == 0 else replica_sum(x, axis_name), n, divisors)
     return jax.tree_util.tree_map(reduce_leaf, value)
 
@@ -300,7 +273,7 @@ def all_reduce_with_tfs_gradient(reduce: Callable, op: ReduceOp, num_replicas: i
     leaves, tree = jax.tree_util.tree_flatten(value)
     rules = [_gradient_rule(x, op, sums_by_psum) for x in leaves]
     results = [None] * len(leaves)
-    for rule, combine in ((_BY_VJP, _reduce_by_vjp), (_BY_JVP, _mean_by_jvp),
+    for rule, combine in (("vjp", _reduce_by_vjp), ("jvp", _mean_by_jvp),
                           (None, lambda reduce, op, n, xs: reduce(op, xs))):
         chosen = [i for i, r in enumerate(rules) if r == rule]
         if chosen:
@@ -310,16 +283,13 @@ def all_reduce_with_tfs_gradient(reduce: Callable, op: ReduceOp, num_replicas: i
     return jax.tree_util.tree_unflatten(tree, results)
 
 
-_BY_VJP, _BY_JVP = "vjp", "jvp"
-
-
-def _gradient_rule(x, op, sums_by_psum):
+def _gradient_rule(x, op, sums_by_psum):  # "vjp", "jvp" or None: see the caller.
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.inexact):
         return None
     if _sums_in_order(dtype) or not sums_by_psum:
-        return _BY_VJP
-    return _BY_JVP if op is ReduceOp.MEAN else None  # XLA transposes a psum to a psum.
+        return "vjp"
+    return "jvp" if op is ReduceOp.MEAN else None  # XLA transposes a psum to a psum.
 
 
 def _reduce_by_vjp(reduce, op, num_replicas, xs):
@@ -370,17 +340,14 @@ def _gather_by_vjp(x, axis_name, axis):
     return lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
-def _gather_forward(x, axis_name, axis):
-    return _gather_by_vjp(x, axis_name, axis), None
-
-
 def _gather_backward(axis_name, axis, _, cotangent):
     rows = cotangent.shape[axis] // lax.axis_size(axis_name)
     summed = replica_sum(cotangent, axis_name)
     return (lax.dynamic_slice_in_dim(summed, lax.axis_index(axis_name) * rows, rows, axis),)
 
 
-_gather_by_vjp.defvjp(_gather_forward, _gather_backward)
+_gather_by_vjp.defvjp(lambda x, name, axis: (_gather_by_vjp(x, name, axis), None),
+                      _gather_backward)
 
 
 def replica_all_gather(axis_name: str, value: PyTree, axis: int) -> PyTree:
@@ -401,14 +368,9 @@ def replica_all_gather(axis_name: str, value: PyTree, axis: int) -> PyTree:
     return jax.tree_util.tree_map(gather_leaf, value)
 
 
-# ------------------------------------------------------------------ ragged values (TF's rules)
 def ragged_partials(components: Sequence, axis: Axis):
     """``(partials, count)`` for a ragged value along ``axis``: each replica's sum, and the
-    element count MEAN divides by (``axis=None`` raises: it needs one shape).
-
-    Raises:
-      ShapeMismatchError: ``axis`` is None, or the replicas' values differ in rank.
-    """
+    element count MEAN divides by (`ShapeMismatchError` for ``axis=None`` or mixed ranks)."""
     ndim = _common_rank(components, "reduce")
     if axis is None:
         raise errors.ShapeMismatchError(
@@ -421,12 +383,7 @@ def ragged_partials(components: Sequence, axis: Axis):
 
 
 def ragged_gather(components: Sequence, axis: int):
-    """Concatenates one value per replica along ``axis``, whose sizes may differ.
-
-    Raises:
-      InvalidArgumentError: the values are scalars.
-      ShapeMismatchError: they differ in rank or in a dimension other than ``axis``.
-    """
+    """Concatenates one value per replica along ``axis``, whose sizes may differ (only)."""
     ndim = _common_rank(components, "gather")
     if ndim == 0:
         raise errors.InvalidArgumentError(

@@ -1,11 +1,9 @@
 """CrossDeviceOps: how a strategy combines values across its devices.
 
-`ReductionToOneDevice` copies the replicas to one device and combines them there;
-`NcclAllReduce` / `HierarchicalCopyAllReduce` (and the default) run one ``jit(shard_map)``
-``lax.psum`` program, batches packed by `jdist._src.reduce.packing`. A `CrossDeviceOps` never sees a
-strategy: public methods resolve destinations once into a `destinations.Target` and find the
-values' devices from their shardings (`replica_mesh`), so the ops also work standalone.
-"""
+`ReductionToOneDevice` combines the replicas on one device; `NcclAllReduce` /
+`HierarchicalCopyAllReduce` (and the default) run one ``lax.psum`` program, batches packed by
+`packing`. An op never sees a strategy: destinations resolve once into a `Target` and values'
+devices come from their shardings (`replica_mesh`), so the ops also work standalone."""
 
 import abc
 import collections.abc
@@ -18,35 +16,24 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 
-from jdist._src.reduce import collectives
-from jdist._src.reduce import destinations as destinations_lib
-from jdist._src import devices as devices_lib
-from jdist._src import errors
-from jdist._src.reduce import packing
-from jdist._src.reduce import replica_mesh
-from jdist._src.base import Destinations
-from jdist._src.base import PyTree
+from jdist._src import devices as devices_lib, errors
+from jdist._src.base import Destinations, PyTree
+from jdist._src.reduce import collectives, destinations as destinations_lib, packing, replica_mesh
 from jdist._src.reduce.destinations import Target
-from jdist._src.reduce.packing import CommunicationOptions
-from jdist._src.reduce.packing import as_options
-from jdist._src.reduce_op import ReduceOp
-from jdist._src.reduce_op import check_reducible
+from jdist._src.reduce.packing import CommunicationOptions, as_options
 from jdist._src.reduce.replica_mesh import ReplicaMesh
-from jdist._src.values import DistributedValues
-from jdist._src.values import Mirrored
-from jdist._src.values import PerReplica
+from jdist._src.reduce_op import ReduceOp, check_reducible
+from jdist._src.values import DistributedValues, Mirrored, PerReplica
 
 
-# --------------------------------------------------------------------------------- the base
 class CrossDeviceOps(abc.ABC):
     """Base class of how values are combined across devices (``tf.distribute.CrossDeviceOps``).
 
-    Subclasses implement ``reduce_implementation`` (and may override
-    ``batch_reduce_implementation`` / ``broadcast_implementation``), which receive checked
-    arguments and resolved `destinations.Target` s. Destinations are a `DistributedValues`
-    (a `Mirrored` result on its devices), a device name or ``jax.Device`` (an array there; under
+    Subclasses implement ``reduce_implementation`` (the batch and broadcast ones have defaults),
+    given checked arguments and resolved `Target` s. Destinations are a `DistributedValues` (a
+    `Mirrored` result on its devices), a device name or ``jax.Device`` (an array there; under
     `MultiWorkerMirroredStrategy` this worker's), a ``jax.Array`` (an array on its devices) or a
-    `Target`. A plain array counts as a one-replica value.
+    `Target`. A plain array is a one-replica value.
 
     Example:
       >>> import jax, numpy as np, jdist
@@ -64,14 +51,8 @@ class CrossDeviceOps(abc.ABC):
                options: Optional[CommunicationOptions] = None) -> Any:
         """Reduces ``per_replica_value`` across replicas onto ``destinations``.
 
-        Args:
-          reduce_op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN`` (names are a ValueError here, as in TF).
-          per_replica_value: a `DistributedValues`, or an array (a one-replica value).
-          destinations: where the result goes (see the class docstring).
-          options: a `CommunicationOptions`, or None.
-
-        Returns:
-          A `Mirrored` value for `DistributedValues` destinations, else an array.
+        ``reduce_op`` is a `ReduceOp` (a name is a ValueError here, as in TF). Returns a
+        `Mirrored` value for `DistributedValues` destinations, else an array.
         """
         op = ReduceOp.from_any(reduce_op, allow_strings=False)
         target = destinations_lib.resolve(destinations)
@@ -84,17 +65,8 @@ class CrossDeviceOps(abc.ABC):
 
     def batch_reduce(self, reduce_op: ReduceOp, value_destination_pairs: Sequence[tuple],
                      options: Optional[CommunicationOptions] = None) -> List[Any]:
-        """Reduces a sequence of ``(value, destinations)`` pairs, packing them where it can.
-
-        Args:
-          reduce_op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN``.
-          value_destination_pairs: a list or tuple of ``(value, destinations)`` tuples (else
-            an `InvalidArgumentError`).
-          options: a `CommunicationOptions`, or None.
-
-        Returns:
-          A list with one result per pair, as `reduce` would give.
-        """
+        """Reduces a sequence of ``(value, destinations)`` pairs, packing them where it can;
+        returns one result per pair, as `reduce` would give."""
         op = ReduceOp.from_any(reduce_op, allow_strings=False)
         pairs = check_pairs(value_destination_pairs)
         pairs = [(value, destinations_lib.resolve(d)) for value, d in pairs]
@@ -146,8 +118,7 @@ class CrossDeviceOps(abc.ABC):
 
     def _replica_all_reduce(self, axis_name: str, num_replicas: int, op: ReduceOp, value: PyTree,
                            options: Optional[CommunicationOptions] = None) -> PyTree:
-        """``ReplicaContext.all_reduce`` inside ``run``: psum per leaf, or packed psums when
-        ``options.bytes_per_pack`` > 0."""
+        """``ReplicaContext.all_reduce`` inside ``run`` (packed if ``options.bytes_per_pack``)."""
         options = as_options(options)
         if options.bytes_per_pack <= 0:
             return collectives.replica_all_reduce(axis_name, op, value)
@@ -184,8 +155,7 @@ class CrossDeviceOps(abc.ABC):
         return [results[i] if i in results else self._reduce(op, v, t, options)
                 for i, (v, t) in enumerate(pairs)]
 
-    def _reduce_view(self, op, value):
-        """Reduces a merge_call view (replicas stacked on a traced array) inside a trace."""
+    def _reduce_view(self, op, value):  # A merge_call view: replicas stacked on a tracer.
         return collectives.stacked_reduce(op, value.stacked, None)
 
     def __repr__(self):
@@ -214,15 +184,13 @@ def check_pairs(value_destination_pairs: Sequence[tuple]) -> List[tuple]:
     return pairs
 
 
-# -------------------------------------------------------------------------- implementations
 class ReductionToOneDevice(CrossDeviceOps):
     """Copies values to one device, combines them there, and broadcasts the result.
 
-    ``tf.distribute.ReductionToOneDevice``: the replicas' values are copied to
-    ``reduce_to_device`` and combined there by ``accumulation_fn`` (MEAN divides by their
-    count). Inside ``run``, and for a value spread over several workers, every device gathers
-    the values in replica order and applies ``accumulation_fn`` (one SPMD program has no single
-    reducing device).
+    ``tf.distribute.ReductionToOneDevice``: ``accumulation_fn`` combines the values on
+    ``reduce_to_device`` (MEAN divides by their count). Inside ``run``, and for a value spread
+    over several workers, every device gathers the values in replica order and applies
+    ``accumulation_fn`` (one SPMD program has no single reducing device).
 
     Args:
       reduce_to_device: the device to reduce on: a name such as ``"CPU:0"`` (or, with several
@@ -255,27 +223,13 @@ class ReductionToOneDevice(CrossDeviceOps):
         self.accumulation_fn = accumulation_fn
         self._programs_cache = {}
 
-    def _accumulate(self, values):
-        if self.accumulation_fn is None:
-            return collectives.add_in_order(values)
-        return self.accumulation_fn(list(values))
-
     def _device(self, destinations):
-        if self.reduce_to_device is not None:
-            return devices_lib.resolve_any(self.reduce_to_device)
-        return destinations_lib.resolve(destinations).devices[0]
+        return (destinations_lib.resolve(destinations).devices[0] if self.reduce_to_device is None
+                else devices_lib.resolve_any(self.reduce_to_device))
 
     def _accumulate_fn(self, op, n):
-        """A function of the ``(n, ...)`` stacked values: accumulate them, MEAN divides by n."""
-        def accumulate(stacked):
-            return collectives.finish(op, self._accumulate([stacked[i] for i in range(n)]), n)
-        return accumulate
-
-    def _accumulate_program(self, op, n):
-        program = self._programs_cache.get((op, n))
-        if program is None:
-            program = self._programs_cache[(op, n)] = jax.jit(self._accumulate_fn(op, n))
-        return program
+        combine = collectives.add_in_order if self.accumulation_fn is None else self.accumulation_fn
+        return lambda stacked: collectives.finish(op, combine([stacked[i] for i in range(n)]), n)
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         value = per_replica_value
@@ -291,13 +245,14 @@ class ReductionToOneDevice(CrossDeviceOps):
                 "worker makes the call), or reduce on one of this worker's devices.")
         else:
             on_device = mesh.guard.dispatch(jax.device_put, stacked, SingleDeviceSharding(device))
-            reduced = mesh.guard.dispatch(self._accumulate_program(reduce_op, stacked.shape[0]),
-                                          on_device)
+            key = (reduce_op, stacked.shape[0])
+            if key not in self._programs_cache:
+                self._programs_cache[key] = jax.jit(self._accumulate_fn(*key))
+            reduced = mesh.guard.dispatch(self._programs_cache[key], on_device)
         return self.broadcast_implementation(reduced, destinations)
 
     def _accumulate_everywhere(self, mesh, op, stacked):
-        """A value over several processes, accumulated on every device from the gathered values
-        (one program every worker enters)."""
+        """Accumulates a value over several processes on every device (one program for all)."""
         n = stacked.shape[0]
         if stacked.size == 0:
             return collectives.reduce_empty(self._accumulate_fn(op, n), stacked.shape,
@@ -382,8 +337,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         return super()._replica_all_reduce(axis_name, num_replicas, op, value, options)
 
     def _check_tf_all_reduce(self, num_replicas: int, dtypes: Sequence) -> None:
-        """Raises `InvalidArgumentError` where TF's all-reduce of ``dtypes`` over
-        ``num_replicas`` devices raises, or returns a sum jdist does not reproduce."""
+        """Raises where TF's all-reduce of ``dtypes`` raises or gives a sum jdist does not match."""
         name = self._ALGORITHMS[self._all_reduce_alg]
         if self._all_reduce_alg == "xla" or num_replicas == 1:
             return
@@ -428,16 +382,11 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         for mesh, indices in by_mesh.items():
             values = [value_destination_pairs[i][0] for i in indices]
             stacked = [mesh.strip_padding(v.stacked, v._lengths, None)[0] for v in values]
-            reduced = self._packed_all_reduce(mesh, reduce_op, stacked, options)
+            program, _ = self._packed_program(mesh, reduce_op, stacked, options)
+            reduced = mesh.guard.dispatch(program, *stacked)
             for i, r in zip(indices, reduced):
                 results[i] = self._place(mesh, r, value_destination_pairs[i][1])
         return results
-
-    def _packed_all_reduce(self, mesh: ReplicaMesh, reduce_op: ReduceOp, stacked: Sequence,
-                          options: Optional[CommunicationOptions] = None) -> List[jax.Array]:
-        """All-reduces ``stacked`` arrays in one packed program; returns them replicated."""
-        program, _ = self._packed_program(mesh, reduce_op, stacked, as_options(options))
-        return list(mesh.guard.dispatch(program, *stacked))
 
     def _packed_program(self, mesh, op, stacked, options):
         return packing.all_reduce_program(mesh.per_replica_sharding, op, options.bytes_per_pack,
@@ -460,11 +409,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
 class NcclAllReduce(AllReduceCrossDeviceOps):
     """All-reduce with NCCL (``tf.distribute.NcclAllReduce``): XLA's psum, which is NCCL on GPUs.
 
-    Args:
-      num_packs: how many packs a batch of values is split into (>= 0; 0: no packing).
-
-    Raises:
-      InvalidArgumentError: ``num_packs`` < 0.
+    ``num_packs`` as in `AllReduceCrossDeviceOps`.
 
     Example:
       >>> import jax, numpy as np, jdist
@@ -482,11 +427,7 @@ class NcclAllReduce(AllReduceCrossDeviceOps):
 class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
     """``tf.distribute.HierarchicalCopyAllReduce``: XLA's all-reduce, whose algorithm XLA picks.
 
-    Args:
-      num_packs: how many packs a batch of values is split into (>= 0; 0: no packing).
-
-    Raises:
-      InvalidArgumentError: ``num_packs`` < 0.
+    ``num_packs`` as in `AllReduceCrossDeviceOps`.
 
     Example:
       >>> import jax, numpy as np, jdist
