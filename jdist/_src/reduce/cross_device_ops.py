@@ -210,7 +210,8 @@ class ReductionToOneDevice(CrossDeviceOps):
       [1.0, 5.0]
     """
 
-    def __init__(self, reduce_to_device=None, accumulation_fn=None):
+    def __init__(self, reduce_to_device: Any = None,
+                 accumulation_fn: Optional[Any] = None) -> None:
         if reduce_to_device is not None and not isinstance(reduce_to_device, (str, jax.Device)):
             raise errors.InvalidArgumentError(
                 "reduce_to_device must be a device name such as 'CPU:0' or a jax.Device, got "
@@ -221,7 +222,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             raise errors.InvalidArgumentError("accumulation_fn must be callable.")
         self.reduce_to_device = reduce_to_device
         self.accumulation_fn = accumulation_fn
-        self._programs_cache = {}
+        self._programs_cache: dict = {}
 
     def _device(self, destinations):
         return (destinations_lib.resolve(destinations).devices[0] if self.reduce_to_device is None
@@ -231,7 +232,8 @@ class ReductionToOneDevice(CrossDeviceOps):
         combine = collectives.add_in_order if self.accumulation_fn is None else self.accumulation_fn
         return lambda stacked: collectives.finish(op, combine([stacked[i] for i in range(n)]), n)
 
-    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+    def reduce_implementation(self, reduce_op: ReduceOp, per_replica_value: PerReplica,
+                              destinations: Any, options: Any) -> Any:
         value = per_replica_value
         mesh = replica_mesh.of_array(value.stacked, value.num_replicas)
         stacked, _ = mesh.strip_padding(value.stacked, value._lengths, None)
@@ -307,7 +309,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
                    "xla": "XLA all-reduce"}
     _NCCL_DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64"})
 
-    def __init__(self, all_reduce_alg="nccl", num_packs=1):
+    def __init__(self, all_reduce_alg: str = "nccl", num_packs: int = 1) -> None:
         if all_reduce_alg not in self._ALGORITHMS:
             raise errors.InvalidArgumentError(
                 f"unknown all_reduce_alg {all_reduce_alg!r}; use one of "
@@ -323,7 +325,8 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
     def _reduce_to_mesh(self, mesh, op, value, axes):
         return mesh.reduce(op, value.stacked, axes, value._lengths)
 
-    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+    def reduce_implementation(self, reduce_op: ReduceOp, per_replica_value: PerReplica,
+                              destinations: Any, options: Any) -> Any:
         mesh = replica_mesh.of_array(per_replica_value.stacked, per_replica_value.num_replicas)
         if mesh.devices[0].platform != "cpu" and set(destinations.devices) == set(mesh.devices):
             # TF all-reduces one value only there; elsewhere it reduces to one device.
@@ -420,7 +423,7 @@ class NcclAllReduce(AllReduceCrossDeviceOps):
       [1.5, 1.5, 1.5]
     """
 
-    def __init__(self, num_packs=1):
+    def __init__(self, num_packs: int = 1) -> None:
         super().__init__("nccl", num_packs)
 
 
@@ -439,7 +442,7 @@ class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
       [3.0, 3.0]
     """
 
-    def __init__(self, num_packs=1):
+    def __init__(self, num_packs: int = 1) -> None:
         super().__init__("hierarchical_copy", num_packs)
 
 
