@@ -23,9 +23,9 @@ from typing import Iterator
 import jax
 
 from jdist._src import errors
+from jdist._src import jax_internals
 from jdist._src.multi_worker.runtime import UNAVAILABLE_EXIT_CODE
 from jdist._src.multi_worker.runtime import Cluster
-from jdist._src.multi_worker.runtime import _client
 
 
 class Watchdog:
@@ -88,7 +88,7 @@ class Watchdog:
                        "died: the job cannot go on without it.")
 
     def _loop(self):
-        client, me, beat = _client(), self._cluster.index, 0
+        client, me, beat = jax_internals.distributed_client(), self._cluster.index, 0
         peers = {w: _Peer() for w in range(self._cluster.num_workers) if w != me}
         exit_since = None
         while True:
