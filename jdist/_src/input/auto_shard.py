@@ -38,11 +38,7 @@ class AutoShardPolicy(enum.IntEnum):
 
 
 def as_policy(value) -> Optional[AutoShardPolicy]:
-    """``value`` (None, an `AutoShardPolicy`, TF's enum member, its int or name) checked.
-
-    Raises:
-      InvalidArgumentError: not a policy.
-    """
+    """``value`` (None, an `AutoShardPolicy`, TF's enum member, its int or name) checked."""
     if value is None or isinstance(value, AutoShardPolicy):
         return value
     raw = getattr(value, "value", value)  # TF's enum member: its int value.
@@ -65,11 +61,8 @@ def tf_dataset_policy(dataset) -> Optional[AutoShardPolicy]:
 
 def effective_policy(asked: Optional[AutoShardPolicy],
                      on_dataset: Optional[AutoShardPolicy]) -> AutoShardPolicy:
-    """The policy the options (``asked``) and the dataset ask for; TF's ``AUTO`` if neither.
-
-    Raises:
-      InvalidArgumentError: the two ask for different policies.
-    """
+    """The policy the options (``asked``) and the dataset ask for (raises if they differ);
+    TF's ``AUTO`` if neither."""
     if asked is not None and on_dataset is not None and asked is not on_dataset:
         raise errors.InvalidArgumentError(
             f"InputOptions asks for AutoShardPolicy.{asked.name} but the tf.data dataset's "
@@ -111,13 +104,7 @@ def batch_sizes_for_worker(global_batch_size: int, num_workers: int,
 def rebatched_for_worker(batches: Iterator, num_workers: int, replicas_per_worker: int,
                         worker_index: int, full_rows: int) -> Iterator:
     """``OFF``'s per-replica batches for one worker: the rows of ``batches`` cut by TF's
-    sub-batch sizes (`batch_sizes_for_worker` of ``full_rows``, cycled), as TF's ``rebatch``.
-
-    Example:
-      >>> rows = [np.arange(7), np.arange(7, 10)]
-      >>> [b.tolist() for b in rebatched_for_worker(iter(rows), 2, 2, 1, 7)]
-      [[0, 1], [2], [3, 4], [5, 6], [7, 8], [9]]
-    """
+    sub-batch sizes (`batch_sizes_for_worker` of ``full_rows``, cycled), as TF's ``rebatch``."""
     pending: list = []
     tree, sizes, want = None, None, None
     for batch in batches:
@@ -128,19 +115,11 @@ def rebatched_for_worker(batches: Iterator, num_workers: int, replicas_per_worke
             want = next(sizes)
         pending = [np.concatenate([p, a]) for p, a in zip(pending, leaves)] if pending else [
             np.asarray(a) for a in leaves]
-        while pending and _rows(pending) >= want:
+        while pending and input_batches.batch_size(pending) >= want:
             yield jax.tree_util.tree_unflatten(tree, [a[:want] for a in pending])
             pending, want = [a[want:] for a in pending], next(sizes)
-    if pending and _rows(pending):  # The end of the data: a last, shorter sub-batch.
+    if pending and input_batches.batch_size(pending):  # The end: a last, shorter sub-batch.
         yield jax.tree_util.tree_unflatten(tree, pending)
-
-
-def _rows(leaves):
-    sizes = {np.shape(a)[0] for a in leaves}
-    if len(sizes) != 1:
-        raise errors.InvalidArgumentError(
-            f"the arrays of one batch must share their leading (batch) size, got {sorted(sizes)}.")
-    return sizes.pop()
 
 
 def off_batch_rows(source) -> int:
@@ -168,11 +147,8 @@ class Share(NamedTuple):
 
 def worker_share(source, asked: Optional[AutoShardPolicy], extended) -> Share:
     """This worker's share of the data, as TF's ``input_lib`` gives it (on one worker too).
-
-    Raises:
-      InvalidArgumentError: see `effective_policy`; workers with different replica counts;
-        ``FILE`` across workers on data without files; ``OFF`` without a full batch size.
-    """
+    Raises for workers with different replica counts, ``FILE`` across workers on data without
+    files, ``OFF`` without a full batch size (and see `effective_policy`)."""
     workers, index = extended._input_pipeline()
     local = len(extended._local_replica_ids())
     if local * workers == 1:  # TF neither rebatches nor shards for one replica.
@@ -226,13 +202,7 @@ _FILE_SHARDING_OPS = (b"ArrayRecordDataset", b"FixedLengthRecordDataset", b"Reco
 def reads_files(dataset) -> bool:
     """Whether TF's ``AUTO`` might shard ``dataset`` by file: its serialised graph names a reader
     op or a ``Placeholder`` (a false positive only leaves the decision to TF's own rewrite).
-    The bytes are searched, not parsed: an in-memory dataset's graph holds its data.
-
-    Example:
-      >>> import tensorflow as tf  # doctest: +SKIP
-      >>> reads_files(tf.data.Dataset.range(8).batch(4))  # doctest: +SKIP
-      False
-    """
+    The bytes are searched, not parsed: an in-memory dataset's graph holds its data."""
     try:
         graph = dataset._as_serialized_graph().numpy()  # pylint: disable=protected-access
     except Exception:  # pylint: disable=broad-except  # Not serialisable: TF's rewrite decides.
@@ -241,9 +211,7 @@ def reads_files(dataset) -> bool:
 
 
 def _tf_worker_dataset(dataset, asked, num_workers, replicas_per_worker, worker_index):
-    """This worker's ``tf.data`` pipeline, built by TF's own functions as ``input_lib`` builds
-    it: ``rebatch`` (legacy without a batch op), then ``auto_shard_dataset``."""
-    # Not TF's public API: the functions its input_lib calls (TF is installed: this is tf.data).
+    """This worker's ``tf.data`` pipeline by TF's (private) ``rebatch``, ``auto_shard_dataset``."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tensorflow.python.data.experimental.ops import distribute  # pylint: disable=import-outside-toplevel
     from tensorflow.python.distribute import input_ops  # pylint: disable=import-outside-toplevel

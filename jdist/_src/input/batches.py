@@ -1,13 +1,13 @@
-"""From host batches to per-replica values: sources, TF's splitting rule, placement.
+"""From host batches to per-replica values: `Source` adapts what users bring,
+`GlobalBatchSplitter` and `PerReplicaDealer` apply TF's rules, `Placer` transfers each element.
 
 A leaf whose replica chunks share a shape becomes ONE array ``(N, rows, *inner)`` sharded over
-the replicas; the last partial batch's differing chunks become a ragged `PerReplica`, which
-``strategy.run`` computes on exactly (``docs/design.md``, "Partial and uneven batches").
-`Source` adapts what users bring, `GlobalBatchSplitter` and `PerReplicaDealer` apply TF's rules,
-and `Placer` transfers each element in one ``jax.device_put`` call straight from host memory.
+the replicas; a partial batch's differing chunks become a ragged `PerReplica`, which ``run``
+computes on exactly (``docs/design.md``, "Partial and uneven batches").
 """
 
 import collections.abc
+import itertools
 
 import jax
 import numpy as np
@@ -74,11 +74,8 @@ class Source:
             return _host_batches(self._obj, stash)
         if isinstance(self._obj, NumpyDataset):
             return _host_batches(iter(self._checked_numpy()), (), convert=False)
-        if self.is_tf:
-            return _host_batches(self._obj.as_numpy_iterator(), ())
-        if self._callable:
-            return _host_batches(iter(self._obj()), ())
-        return _host_batches(iter(self._obj), ())
+        return _host_batches(self._obj.as_numpy_iterator() if self.is_tf else iter(
+            self._obj() if self._callable else self._obj), ())
 
     def open_blocks(self, count):
         """A batched `NumpyDataset`'s ``(arrays, blocks(count), placements)``."""
@@ -96,18 +93,13 @@ class Source:
         if isinstance(self._obj, NumpyDataset):
             return self._obj.element_spec
         if self.is_tf:
-            static = self._tf_static_spec()
+            static = self._tf_spec(unknown_as_zero=False)
             if static is not None:
                 return static
         if self.one_shot:
-            if self._opened:
-                return None
-            if not self._stash:
-                try:
-                    self._stash.append(next(self._obj))
-                except StopIteration:
-                    return None
-            return to_host(self._stash[0])
+            if not (self._opened or self._stash):
+                self._stash.extend(itertools.islice(self._obj, 1))
+            return to_host(self._stash[0]) if self._stash and not self._opened else None
         it = self.open()
         try:
             return next(it, None)
@@ -120,12 +112,11 @@ class Source:
             return int(self._obj.cardinality())
         if isinstance(self._obj, NumpyDataset):
             return self._obj.cardinality()
-        if not self.one_shot and isinstance(self._obj, collections.abc.Sized):
-            try:
-                return len(self._obj)
-            except TypeError:
-                return UNKNOWN
-        return UNKNOWN
+        sized = not self.one_shot and isinstance(self._obj, collections.abc.Sized)
+        try:
+            return len(self._obj) if sized else UNKNOWN
+        except TypeError:
+            return UNKNOWN
 
     def static_rows(self):
         """The leading size of a full batch when the source declares it, else None."""
@@ -137,8 +128,7 @@ class Source:
         return None
 
     def fixed_shapes(self):
-        """Whether the source declares one shape for every element (TF's statically shaped
-        dataset); None when it declares nothing."""
+        """Whether the source declares one shape for every element (None: it declares none)."""
         if isinstance(self._obj, NumpyDataset):
             return self._obj.fixed_shapes
         if self.is_tf:
@@ -153,12 +143,8 @@ class Source:
             return any(s is not None and len(s) == 0 for s in self._tf_shapes())
         return False
 
-    def _tf_static_spec(self):
-        return self._tf_spec(unknown_as_zero=False)
-
     def empty_spec(self):
-        """A tf.data source's element spec, unknown dimensions 0 (TF's dummies for a worker
-        without data); None for other sources or an unknown rank."""
+        """A tf.data spec, unknown dimensions 0 (TF's dummy for a worker without data), or None."""
         return self._tf_spec(unknown_as_zero=True) if self.is_tf else None
 
     def _tf_spec(self, unknown_as_zero):
@@ -176,25 +162,20 @@ class Source:
 
     def _tf_shapes(self):
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
-        shapes = []
-        for spec in tf.nest.flatten(self._obj.element_spec):
-            shape = getattr(spec, "shape", None)
-            shapes.append(None if shape is None or shape.rank is None else tuple(shape.as_list()))
-        return shapes
+        shapes = [getattr(spec, "shape", None) for spec in tf.nest.flatten(self._obj.element_spec)]
+        return [None if s is None or s.rank is None else tuple(s.as_list()) for s in shapes]
 
 
 def _host_batches(it, stash, convert=True):
-    """Yields each element of ``it`` (after ``stash``) as a NumPy nest (``convert=False``: they
-    are, checked already); closes ``it`` at the end."""
+    """``stash`` then ``it`` as NumPy nests (``convert=False``: checked already); closes ``it``."""
     try:
         for element in stash:
             yield to_host(element)
         for element in it:
             yield to_host(element) if convert else element
     finally:
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
+        if hasattr(it, "close"):
+            it.close()
 
 
 def to_host(element):
@@ -234,9 +215,8 @@ class Placer:
         self.plain = extended.mesh is None  # The default strategy: no mesh of its own.
         if self.plain:
             self._targets = {WHOLE: None}
-        else:
+        else:  # A whole leaf goes where `run` wants it, so `run` does not place it again.
             spec = jax.sharding.PartitionSpec
-            # A whole leaf goes where `run` wants it, so `run` does not place it again.
             self._targets = {WHOLE: jax.sharding.NamedSharding(extended.mesh, spec()),
                              RAGGED: list(extended.replica_devices),
                              STACKED: jax.sharding.NamedSharding(
@@ -248,8 +228,7 @@ class Placer:
         return (array, None, WHOLE)
 
     def split(self, chunks, rows):
-        """A leaf from one chunk per replica: stacked when their shapes agree, else ragged
-        (``rows`` is for the multi-worker placer)."""
+        """A leaf from one chunk per replica: stacked if their shapes agree, else ragged."""
         if len({c.shape for c in chunks}) == 1:
             return (np.stack(chunks), None, STACKED)
         return (list(chunks), None, RAGGED)
@@ -266,8 +245,6 @@ class Placer:
         return [PerReplica._from_stacked(a, lengths) if kind == STACKED
                 else PerReplica._from_components(a) if kind == RAGGED else a
                 for a, (_, lengths, kind) in zip(arrays, leaves)]
-
-
 
 class GlobalBatchSplitter:
     """Splits global batches by TF's rule: consecutive chunks of ``ceil(B / N)`` rows, trailing
@@ -308,13 +285,7 @@ class GlobalBatchSplitter:
 
     def spec(self, batch):
         """The per-replica element spec that ``batch`` would give (nothing is transferred)."""
-        leaves, tree = jax.tree_util.tree_flatten(batch)
-        if is_unbatched(leaves) or not leaves:
-            return jax.tree_util.tree_unflatten(tree, [_struct(a.shape, a.dtype) for a in leaves])
-        rows = -(-batch_size(leaves) // self.n)
-        rows = rows if self.rows is None else max(rows, self.rows)
-        return jax.tree_util.tree_unflatten(
-            tree, [_struct((rows,) + a.shape[1:], a.dtype) for a in leaves])
+        return _batch_spec(batch, lambda size: max(-(-size // self.n), self.rows or 0))
 
 
 def batch_size(leaves):
@@ -333,8 +304,7 @@ def unbatched_error(n):
 
 
 class PerReplicaDealer:
-    """Deals a group of up to ``N`` per-replica batches to the replicas in order (None, or
-    missing: a replica without data, which gets an empty batch)."""
+    """Deals up to ``N`` per-replica batches to the replicas in order (None, missing: empty)."""
 
     def __init__(self, placer, full_rows=None):
         self.placer = placer
@@ -350,11 +320,11 @@ class PerReplicaDealer:
         group += [None] * (self.n - len(group))
         present = [b for b in group if b is not None]
         tree = jax.tree_util.tree_structure(present[0])
-        for b in present[1:]:
-            if jax.tree_util.tree_structure(b) != tree:
-                raise errors.InvalidArgumentError(
-                    "the per-replica datasets yielded batches of different structures: "
-                    f"{tree} and {jax.tree_util.tree_structure(b)}.")
+        other = next((t for t in map(jax.tree_util.tree_structure, present) if t != tree), None)
+        if other is not None:
+            raise errors.InvalidArgumentError(
+                "the per-replica datasets yielded batches of different structures: "
+                f"{tree} and {other}.")
         template = jax.tree_util.tree_leaves(present[0])
         columns = [jax.tree_util.tree_leaves(b) if b is not None else None for b in group]
         scalar = is_unbatched(present[0])
@@ -364,20 +334,21 @@ class PerReplicaDealer:
         placer, parts = self.placer, []
         for j, t in enumerate(template):
             chunks = [c[j] if c is not None else _empty_like(t) for c in columns]
-            if placer.plain or self.n == 1:
-                parts.append(placer.whole(chunks[0]))
-            else:
-                parts.append(placer.split(chunks, None if scalar else self.rows))
+            parts.append(placer.whole(chunks[0]) if placer.plain or self.n == 1
+                         else placer.split(chunks, None if scalar else self.rows))
         return jax.tree_util.tree_unflatten(tree, placer.place(parts))
 
     def spec(self, batch):
-        leaves, tree = jax.tree_util.tree_flatten(batch)
-        rows = None
-        if leaves and all(a.ndim >= 1 for a in leaves):
-            rows = max(batch_size(leaves), self.rows or 0)
-        return jax.tree_util.tree_unflatten(
-            tree, [_struct(a.shape if rows is None else (rows,) + a.shape[1:], a.dtype)
-                   for a in leaves])
+        return _batch_spec(batch, lambda size: max(size, self.rows or 0))
+
+
+def _batch_spec(batch, rows_of):
+    """``batch``'s spec, a batched one's leading size ``rows_of(its size)``."""
+    leaves, tree = jax.tree_util.tree_flatten(batch)
+    rows = None if not leaves or is_unbatched(leaves) else rows_of(batch_size(leaves))
+    return jax.tree_util.tree_unflatten(
+        tree, [_struct(a.shape if rows is None else (rows,) + a.shape[1:], a.dtype)
+               for a in leaves])
 
 
 def is_unbatched(element):
@@ -386,18 +357,13 @@ def is_unbatched(element):
 
 
 def makes_a_step(group, fixed_shapes=None):
-    """Whether per-replica elements (None: that replica's data ended) make one more step.
-
-    TF's rule: statically shaped elements (``fixed_shapes``; None: rank-0 elements are) only
-    when every replica has one, as an empty batch would break their shape (seven batches on
-    four replicas: one step); other batches while any replica has data.
-    """
+    """Whether per-replica elements (None: that replica's data ended) make one more step. TF's
+    rule: statically shaped elements (``fixed_shapes``; None: rank-0 elements are) only when
+    every replica has one, as an empty batch would break their shape; others while any has."""
     present = [b for b in group if b is not None]
-    if not present:
-        return False
     if fixed_shapes is None:
-        fixed_shapes = is_unbatched(present[0])
-    return len(present) == len(group) or not fixed_shapes
+        fixed_shapes = bool(present) and is_unbatched(present[0])
+    return bool(present) and (len(present) == len(group) or not fixed_shapes)
 
 
 class TrailingRound(list):

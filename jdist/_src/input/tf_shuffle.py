@@ -52,9 +52,7 @@ class Samples:
         while count:
             if self._next == len(self._samples):  # Every block this call needs, at once.
                 blocks = max(_BLOCKS, -(-count // 4))
-                key, counter_hi = self._seeds
-                self._samples = philox_blocks(key, counter_hi, self._block, blocks).astype(
-                    np.int64)
+                self._samples = philox_blocks(*self._seeds, self._block, blocks).astype(np.int64)
                 self._block, self._next = self._block + blocks, 0
             part = self._samples[self._next:self._next + count]
             parts.append(part)
@@ -95,8 +93,7 @@ def _tf_global_seed():
 
 
 class IterationSeeds:
-    """The seeds of each new iterator of one shuffled dataset (TF's seed generator resource);
-    ``seeds``: `op_seeds`' (None: random ones)."""
+    """Each new iterator's seeds, from `op_seeds`' (None: random): TF's seed generator."""
 
     def __init__(self, seeds: Optional[tuple], reshuffle: bool):
         if seeds is None:
@@ -106,15 +103,13 @@ class IterationSeeds:
         self._count = 0  # Iterators made: with `_seeds`, the generator's state (`state`).
 
     def next(self) -> tuple:
-        """The seeds of the next iterator."""
         self._count += 1
         if self._generator is None:
             return self._seeds
         return self._generator(), self._generator()
 
     def state(self) -> list:
-        """``[seed, seed2, iterators made]``, what `restore` continues from (the seeds too: a
-        ``shuffle(seed=None)``'s differ per process)."""
+        """``[seed, seed2, iterators made]`` for `restore` (``shuffle(seed=None)``'s seeds too)."""
         return [int(self._seeds[0]), int(self._seeds[1]), self._count]
 
     def restore(self, state) -> None:
@@ -145,21 +140,19 @@ def shuffled(make_items, buffer_size: int, seeds: tuple):
 
 
 def shuffled_runs(make_items, buffer_size: int, seeds: tuple):
-    """`shuffled`'s items in runs: lists, or int64 arrays for row indices (a batch after it cuts
-    them with no Python int each).
+    """`shuffled`'s items in runs: lists, or int64 arrays of row indices (for a batch to cut).
 
     TF fills its ring buffer before every output, then outputs the item ``sample % count``
     places after the oldest, which takes its place. While the input lasts, each output lets one
-    item in: row indices go through chunks of those steps at once (`_full_ring_steps`, 8x the
-    list loop's speed), other items a few list operations each. Then the buffer drains
-    (`_drain_order`)."""
-    samples, items = Samples(*seeds), _Items(make_items())
-    buffer = items.take(min(buffer_size, sys.maxsize))  # Made before the first output.
+    item in: row indices in chunks of steps at once (`_full_ring_steps`, 8x the list loop's
+    speed). Then the buffer drains (`_drain_order`)."""
+    samples, take = Samples(*seeds), _taker(make_items())
+    buffer = take(min(buffer_size, sys.maxsize))  # Made before the first output.
     size, oldest, count, chunk = buffer_size, 0, len(buffer), _CHUNK
     rows = _are_rows(buffer)
     buffer = np.asarray(buffer, np.int64) if rows else buffer
     while count == size:  # Full: one item in (at the oldest's place) per item out.
-        incoming = items.take(chunk)
+        incoming = take(chunk)
         if len(incoming) == 0:
             break
         offsets = samples.take(len(incoming)) % size
@@ -182,7 +175,7 @@ def shuffled_runs(make_items, buffer_size: int, seeds: tuple):
 
 class Rows:
     """Row indices in order: ``rows`` repeated ``times`` times (None: forever). Iterated, the
-    ints; a shuffle reads them as int64 arrays (`take`).
+    ints; a shuffle reads them as int64 arrays (`take`), a batch in `runs`.
 
     Example:
       >>> rows = Rows(range(3), 2)
@@ -190,6 +183,10 @@ class Rows:
       ([0, 1, 2, 0, 1, 2], [0, 1, 2, 0], [1, 2])
       >>> list(Rows(range(2), 2).repeated(3))
       [0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1]
+      >>> list(Rows(range(10)).sliced(slice(2, None, 3))), Rows(range(3), 2).sliced(slice(1))
+      ([2, 5, 8], None)
+      >>> [run.tolist() for run in Rows(range(5)).runs(2)]
+      [[0, 1], [2, 3], [4]]
     """
 
     def __init__(self, rows: range, times: Optional[int] = 1):
@@ -198,16 +195,11 @@ class Rows:
 
     def repeated(self, times: Optional[int]) -> "Rows":
         """These rows ``times`` times over (None: forever), as a ``repeat`` of them reads."""
-        total = None if times is None or self._times is None else self._times * times
-        return Rows(self._rows, total)
+        return Rows(self._rows, None if times is None or self._times is None
+                    else self._times * times)
 
     def sliced(self, rows: slice) -> Optional["Rows"]:
-        """These rows read once, cut by ``rows`` (a take, skip or shard); None if repeated.
-
-        Example:
-          >>> list(Rows(range(10)).sliced(slice(2, None, 3))), Rows(range(3), 2).sliced(slice(1))
-          ([2, 5, 8], None)
-        """
+        """These rows read once, cut by ``rows`` (a take, skip or shard); None if repeated."""
         return Rows(self._rows[rows]) if self._times == 1 else None
 
     def __iter__(self):
@@ -217,16 +209,8 @@ class Rows:
         return itertools.chain.from_iterable(epochs)
 
     def runs(self, size: int):
-        """The rows as int64 arrays of ``size`` (the last one shorter), as a batch reads them.
-
-        Example:
-          >>> [run.tolist() for run in Rows(range(5)).runs(2)]
-          [[0, 1], [2, 3], [4]]
-        """
-        while True:
-            run = self.take(size)
-            if not len(run):
-                return
+        """The rows as int64 arrays of ``size`` (the last one shorter)."""
+        while len(run := self.take(size)):
             yield run
 
     def take(self, count: int) -> np.ndarray:
@@ -242,17 +226,12 @@ class Rows:
         return parts[-1] if len(parts) == 2 else np.concatenate(parts)
 
 
-class _Items:
-    """A shuffle's input, ``count`` items at a time: `Rows` as int64 arrays, others as lists."""
-
-    def __init__(self, source):
-        self._rows = source if isinstance(source, Rows) else None
-        self._items = None if self._rows is not None else iter(source)
-
-    def take(self, count):
-        if self._rows is None:
-            return list(itertools.islice(self._items, count))
-        return self._rows.take(count)
+def _taker(source):
+    """A shuffle's input, ``count`` items a call: `Rows` as int64 arrays, others as lists."""
+    if isinstance(source, Rows):
+        return source.take
+    items = iter(source)
+    return lambda count: list(itertools.islice(items, count))
 
 
 def _are_rows(items):
@@ -272,18 +251,13 @@ def _ring_steps(buffer, oldest, offsets, incoming):
 
 
 def _full_ring_steps(buffer, oldest, offsets, incoming):
-    """`_ring_steps` at once for row indices (``buffer`` an int64 array): step ``t`` outputs
-    the item ``offsets[t]`` places after its oldest (at ``oldest + t``), moves the oldest there
-    and puts ``incoming[t]`` in at the oldest's place.
+    """`_ring_steps` at once for row indices (``buffer`` an int64 array, updated).
 
-    A position's item is replaced by a step's incoming item once per lap of the oldest, and
-    in between by the items steps move there: a move at step ``j`` lands where the item of
-    step ``j + offsets[j]`` comes in (its target), so what a step finds at its oldest is what
-    the last move targeting that step brought, else the item that came in a lap before, else
-    the ring's own; and what step ``t`` takes is what the move before it with its target
-    brought, else what came in there, else the ring's own. Moves bring what their step's
-    oldest held: references to earlier steps, followed by pointer jumping.
-    """
+    A move at step ``j`` lands where step ``j + offsets[j]`` (its target) puts its incoming
+    item, so step ``t``'s oldest holds what the last move targeting ``t`` brought, else what
+    came in a lap before, else the ring's own; it takes what the move before it with its target
+    brought, else what came in there, else the ring's own. Moves bring what their step's oldest
+    held: references to earlier steps, followed by pointer jumping."""
     size, n = len(buffer), len(offsets)
     steps = np.arange(n)
     pool = np.concatenate([buffer, incoming])  # Items named by index: the ring's, then n in.
@@ -304,8 +278,7 @@ def _full_ring_steps(buffer, oldest, offsets, incoming):
 
 
 def _follow(found, reference):
-    """Sets ``found[k] = found[reference[k]]`` where ``reference[k] >= 0``, following chains to
-    their end by pointer jumping (``reference`` is used up)."""
+    """``found[k] = found[reference[k]]`` where ``reference[k] >= 0``, by pointer jumping."""
     pending = np.flatnonzero(reference >= 0)
     while pending.size:
         to = reference[pending]
@@ -314,34 +287,37 @@ def _follow(found, reference):
 
 
 def _moves_by_target(offsets, n):
-    """For `_full_ring_steps`' moves (steps with a nonzero offset), grouped by target step
-    ``j + offsets[j]``: the move before each step in its group (-1: none), the last move
-    targeting each step (-1: none), and the last move of each group targeting a step past
-    the ``n`` steps."""
+    """`_full_ring_steps`' moves (nonzero offsets) by target step: the move before each in its
+    group, the last move targeting each step (-1: none), the last ones targeting steps past n."""
     moves = np.flatnonzero(offsets)
-    targets = moves + offsets[moves]
-    order = np.argsort(targets * n + moves)  # By target, then step: unique keys.
-    targets, moves = targets[order], moves[order]
-    same = targets[1:] == targets[:-1]
-    earlier = np.full(n, -1)
-    earlier[moves[1:][same]] = moves[:-1][same]
-    last = np.ones(len(moves), bool)  # The last move of its group.
-    last[:-1] = ~same
+    moves, targets, earlier, last = _by_target(moves, moves + offsets[moves], n)
     last_move = np.full(n, -1)
     inside = last & (targets < n)
     last_move[targets[inside]] = moves[inside]
     return earlier, last_move, moves[last & (targets >= n)]
 
 
-def _drain_order(offsets: np.ndarray) -> np.ndarray:
-    """Which of the buffer's ``n`` items (oldest first) each output of a draining shuffle takes,
-    computed at once: output ``i`` takes position ``j = i + offsets[i]``, whose item then moves
-    to position ``i`` (a Fisher-Yates shuffle).
+def _by_target(steps, targets, n):
+    """``steps`` (increasing) and ``targets`` sorted by target, then step; per step the one
+    before it with its target (-1: none); whether each sorted step is its target's last."""
+    order = (np.argsort(targets * n + steps) if n < 2**31  # Unique keys sort three times
+             else np.argsort(targets, kind="stable"))  # as fast as a stable sort.
+    steps, targets = steps[order], targets[order]
+    same = targets[1:] == targets[:-1]
+    earlier = np.full(n, -1)
+    earlier[steps[1:][same]] = steps[:-1][same]
+    last = np.ones(len(steps), bool)
+    last[:-1] = ~same
+    return steps, targets, earlier, last
 
-    Position ``j`` holds, at step ``i``, its own item unless an earlier step ``k`` (the last)
-    targeted it, which left there what position ``k`` held at step ``k``; and what a position
-    ``k`` holds at its own step follows the same rule back to an item never moved. Those chains
-    are followed by pointer jumping, so the loop runs about log2(n) times, not n.
+
+def _drain_order(offsets: np.ndarray) -> np.ndarray:
+    """Which of the buffer's ``n`` items (oldest first) each output of a draining shuffle takes:
+    output ``i`` takes position ``j = i + offsets[i]``, whose item moves to ``i`` (Fisher-Yates).
+
+    Position ``j`` holds at step ``i`` its own item unless an earlier step ``k`` (the last)
+    targeted it, which left there what position ``k`` held at step ``k``: chains back to an
+    item never moved, followed by pointer jumping (about log2(n) passes, not n).
 
     Example:
       >>> _drain_order(np.array([2, 0, 0])).tolist()  # Take 2; then 1; then 0, moved to 2.
@@ -350,14 +326,7 @@ def _drain_order(offsets: np.ndarray) -> np.ndarray:
     n = len(offsets)
     steps = np.arange(n)
     targets = steps + offsets
-    order = (np.argsort(targets * n + steps) if n < 2**31  # By target, then step: unique
-             else np.argsort(targets, kind="stable"))  # keys sort three times as fast.
-    grouped = targets[order]
-    same = np.zeros(n, bool)
-    same[1:] = grouped[1:] == grouped[:-1]
-    earlier = np.full(n, -1)  # The previous step to target the same position.
-    earlier[order[same]] = order[np.flatnonzero(same) - 1]
-    ends = np.append(~same[1:], True)
+    order, grouped, earlier, ends = _by_target(steps, targets, n)
     last = np.full(n, -1)  # The last step to target each position.
     last[grouped[ends]] = order[ends]
     # What a position held at its own step came from the last EARLIER step to target it.

@@ -46,17 +46,17 @@ class MultiProcessMesh(replica_mesh.ReplicaMesh):
 
     def place_per_replica(self, stacked):
         if isinstance(stacked, jax.Array) and not stacked.is_fully_addressable:
-            if stacked.sharding == self.per_replica_sharding:
-                return stacked
-            return self.guard.dispatch(_reshard(self.per_replica_sharding), stacked)
+            return self._resharded(stacked, self.per_replica_sharding)
         return super().place_per_replica(np.asarray(stacked))
 
     def place_replicated(self, value):
         if isinstance(value, jax.Array) and not value.is_fully_addressable:
-            if value.sharding == self.replicated_sharding:
-                return value
-            return self.guard.dispatch(_reshard(self.replicated_sharding), value)
+            return self._resharded(value, self.replicated_sharding)
         return super().place_replicated(np.asarray(value))
+
+    def _resharded(self, value, sharding):
+        return value if value.sharding == sharding else self.guard.dispatch(
+            _reshard(sharding), value)
 
 
 # bytes_per_pack that puts every value of a dtype into one pack: one all-reduce per dtype.
@@ -64,8 +64,7 @@ _ONE_PACK = 1 << 40
 
 
 def _in_step_options(options, cluster, platform):
-    """The default options of ``ReplicaContext.all_reduce``: across CPU processes one pack per
-    dtype unless ``bytes_per_pack`` is set (gloo costs about a millisecond per array)."""
+    """``all_reduce``'s default options: across CPU processes one pack per dtype (gloo: ~1 ms)."""
     if cluster.num_workers == 1 or platform != "cpu" or options.bytes_per_pack:
         return options
     return packing.CommunicationOptions(_ONE_PACK, options.timeout_seconds,
@@ -83,14 +82,7 @@ def _max_program(sharding):
 
 
 class MultiWorkerExtended(MirroredExtended):
-    """`MirroredExtended` over the devices of every worker (see the module doc).
-
-    Args:
-      container_strategy: the `MultiWorkerMirroredStrategy`.
-      devices: the global devices, process by process.
-      cluster: the `multi_worker_runtime.Cluster`.
-      options: the strategy's `CommunicationOptions`.
-    """
+    """`MirroredExtended` over the global ``devices`` of every worker, process by process."""
 
     _mesh_class = MultiProcessMesh
     _ops_per_value = False  # TF's collective strategy all-reduces every value alike.
@@ -107,8 +99,7 @@ class MultiWorkerExtended(MirroredExtended):
         if cluster.num_workers > 1:  # "/job:worker/task:1/device:CPU:0" names worker 1's device.
             devices_lib.register_cluster(cluster.tasks)
 
-    def _by_collective_ops(self, dtype, reduces_one=False):
-        # TF's multi-worker strategy reduces and gathers every value with its collective ops.
+    def _by_collective_ops(self, dtype, reduces_one=False):  # TF's, for every value.
         return self._num_replicas > 1
 
     def _as_worker_values(self, value):
@@ -169,12 +160,12 @@ class MultiWorkerExtended(MirroredExtended):
 
     @property
     def cluster(self) -> runtime.Cluster:
-        """The `multi_worker_runtime.Cluster` this worker belongs to."""
+        """The `multi_worker_runtime.Cluster` of this worker."""
         return self._cluster
 
     @property
     def agreement(self) -> Optional[runtime.Agreement]:
-        """The `multi_worker_runtime.Agreement`, or None with one worker."""
+        """The `multi_worker_runtime.Agreement` (None with one worker)."""
         return self._agreement
 
     def _any_worker(self, flag: bool) -> bool:
@@ -211,8 +202,7 @@ class MultiWorkerExtended(MirroredExtended):
             uneven_multi_worker.agree_step(self._agreement, self._cluster, signature)
 
     def _combinable(self, value):
-        """A ragged value whose replicas other workers hold, as a padded one, which reduce and
-        gather combine exactly across hosts (`uneven_multi_worker.as_padded`)."""
+        """A ragged value spanning workers, padded: reduce and gather combine it across hosts."""
         if not value.ragged or not spans_workers(value):
             return value
         return uneven_multi_worker.as_padded(self.mesh, self.replica_axis, value)
@@ -237,21 +227,15 @@ class MultiWorkerExtended(MirroredExtended):
 
 def _check_one_dtype(cluster, shapes):
     """Raises (on every worker alike) unless every worker's replica values share one dtype."""
-    flat = [(w, tuple(s), d) for w, worker in enumerate(shapes) for s, d in worker]
-    dtypes = sorted({d for _, _, d in flat})
-    if len(dtypes) != 1:
-        raise errors.InvalidArgumentError(
-            f"replica values must share a dtype, got {_by_worker(cluster, flat, 2)}.")
-
-
-def _by_worker(cluster, flat, field):
-    return "; ".join(f"{cluster.name(w)}: {[x[field] for x in flat if x[0] == w]}"
-                     for w in range(cluster.num_workers))
+    if len({d for worker in shapes for _, d in worker}) != 1:
+        by_worker = "; ".join(f"{cluster.name(w)}: {[d for _, d in worker]}"
+                              for w, worker in enumerate(shapes))
+        raise errors.InvalidArgumentError(f"replica values must share a dtype, got {by_worker}.")
 
 
 def _tf_name(cluster, device):
-    job, task = cluster.tasks[device.process_index] if cluster.num_workers > 1 else ("localhost",
-                                                                                      0)
+    one = cluster.num_workers == 1
+    job, task = ("localhost", 0) if one else cluster.tasks[device.process_index]
     local = [d for d in jax.devices() if d.process_index == device.process_index]
     return (f"/job:{job}/replica:0/task:{task}/device:{device.platform.upper()}:"
             f"{local.index(device)}")
@@ -275,7 +259,7 @@ def _runtime_services(cluster, options, guard):
 
 
 def _register_exit(fn):
-    # Before jax.distributed's own atexit shutdown barrier: threading's exit hooks run first.
+    """Before jax.distributed's own atexit shutdown barrier: threading's exit hooks run first."""
     try:
         import threading  # pylint: disable=import-outside-toplevel
         threading._register_atexit(fn)  # pylint: disable=protected-access
@@ -297,15 +281,12 @@ class MultiWorkerMirroredStrategy(Strategy):
     status 14 (``docs/multi_worker.md``).
 
     Args:
-      cluster_resolver: where the cluster comes from; default `TFConfigClusterResolver`
-        (``TF_CONFIG``; unset means one local worker, as `MirroredStrategy`).
+      cluster_resolver: default `TFConfigClusterResolver` (``TF_CONFIG``; unset: one worker).
       communication_options: a `CommunicationOptions` (``timeout_seconds``: see above).
 
     Raises:
-      ClusterMismatchError: JAX was started already with another cluster, or used before the
-        strategy was created.
-      InvalidArgumentError: the cluster has tasks other than chief/worker, or does not contain
-        this task.
+      ClusterMismatchError: JAX was started already with another cluster, or used before.
+      InvalidArgumentError: the cluster has tasks other than chief/worker, or lacks this task.
 
     Example:
       >>> import jdist
@@ -336,20 +317,17 @@ class MultiWorkerMirroredStrategy(Strategy):
                   task_type: Optional[str] = None, task_id: Optional[int] = None) -> None:
         """Checks that ``cluster_spec`` / ``task_type`` / ``task_id`` describe this strategy's job.
 
-        JAX's distributed runtime starts once per process, when the strategy is created, so the
-        cluster cannot change afterwards; ``session_config`` has no JAX meaning.
-
-        Raises:
-          ClusterMismatchError: the arguments describe another cluster or another task.
+        JAX's distributed runtime starts once per process, with the strategy, so the cluster
+        cannot change (`errors.ClusterMismatchError`); ``session_config`` has no JAX meaning.
         """
         if cluster_spec is None:
             return
         from jdist._src.multi_worker.cluster_resolver import SimpleClusterResolver  # pylint: disable=import-outside-toplevel
         cluster = self._extended._cluster
+        own_type, own_id = cluster.tasks[cluster.index]
         asked = runtime.Cluster(SimpleClusterResolver(
-            cluster_spec, task_type=task_type if task_type is not None else cluster.tasks[
-                cluster.index][0], task_id=task_id if task_id is not None else cluster.tasks[
-                    cluster.index][1]))
+            cluster_spec, task_type=own_type if task_type is None else task_type,
+            task_id=own_id if task_id is None else task_id))
         if (asked.tasks, asked.index) != (cluster.tasks, cluster.index) and (
                 asked.num_workers > 1 or cluster.num_workers > 1):
             raise errors.ClusterMismatchError(

@@ -45,21 +45,14 @@ def _leaf_spec(leaf):
 
 
 def tree_spec(tree: Any) -> list:
-    """Every leaf's ``[key path, shape, dtype name]`` (JSON), in flattening order.
-
-    Example:
-      >>> import numpy as np
-      >>> tree_spec({"w": np.zeros((2, 3), np.float32)})
-      [["['w']", [2, 3], 'float32']]
-    """
+    """Every leaf's ``[key path, shape, dtype name]`` (JSON), in flattening order."""
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)[0]
     return [[jax.tree_util.keystr(path)] + _leaf_spec(leaf) for path, leaf in leaves]
 
 
 def _check_spec(saved, target, step):
     """Raises unless ``target``'s leaves have the saved paths, shapes and dtypes."""
-    saved_paths = [p for p, _, _ in saved]
-    target_paths = [p for p, _, _ in target]
+    saved_paths, target_paths = [p for p, _, _ in saved], [p for p, _, _ in target]
     if saved_paths != target_paths:
         missing = sorted(set(saved_paths) - set(target_paths))
         extra = sorted(set(target_paths) - set(saved_paths))
@@ -80,10 +73,8 @@ def _check_spec(saved, target, step):
 class CheckpointManager:
     """Saves and restores a strategy's Mirrored state in ``directory`` (``tf.train.CheckpointManager``).
 
-    Args:
-      directory: where the numbered checkpoints go (created if missing).
-      strategy: the strategy whose state is saved and restored into; default: the current one.
-      max_to_keep: how many of the newest checkpoints to keep (None keeps all).
+    ``directory`` (created if missing) holds the numbered checkpoints, ``max_to_keep`` of the
+    newest (None: all); ``strategy`` (default: the current one) is restored into.
 
     Example:
       >>> import tempfile, numpy as np, jdist
@@ -103,8 +94,7 @@ class CheckpointManager:
         ocp = _orbax()
         self._strategy = context.get_strategy() if strategy is None else strategy
         self._directory = os.path.abspath(os.fspath(directory))
-        # Only the chief writes: orbax must not wait at a barrier for the others.
-        process = jax.process_index()
+        process = jax.process_index()  # The only writer: orbax must not wait at a barrier.
         os.makedirs(self._directory, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=False,
@@ -137,21 +127,10 @@ class CheckpointManager:
         return progress.is_chief(self._strategy)
 
     def save(self, step: int, state: Any, iterator: Optional[Any] = None) -> bool:
-        """Starts writing ``state`` as checkpoint ``step`` in the background, on the chief (host
-        copies are taken first, so the next step may overwrite it).
-
-        Args:
-          step: the checkpoint number, larger than every saved one.
-          state: a pytree of `Mirrored` values, replicated arrays, NumPy arrays or scalars.
-          iterator: a `DistributedIterator` whose position is saved in the same step.
-
-        Returns:
-          True if this process started a write (the chief), False otherwise.
-
-        Raises:
-          UnsupportedValueError: a leaf is a `PerReplica` value.
-          InvalidArgumentError: ``iterator`` cannot be positioned (on every process).
-        """
+        """Starts writing ``state`` (`Mirrored` values, arrays or scalars; `PerReplica` raises)
+        as checkpoint ``step`` (larger than every saved one) in the background, with the
+        position of ``iterator``, a `DistributedIterator`. Host copies are taken first, so the
+        next step may overwrite the state. Returns whether this process (the chief) wrote."""
         position = None if iterator is None else iterator_state.iterator_state(iterator)
         if not self.should_checkpoint:
             return False
@@ -167,20 +146,10 @@ class CheckpointManager:
                 iterator: Optional[Any] = None) -> Any:
         """Reads checkpoint ``step`` (default: the latest) as Mirrored state of the strategy.
 
-        Args:
-          target: a pytree with the state's structure, shapes and dtypes (or its
-            ``jax.eval_shape``).
-          step: which checkpoint; default the latest.
-          iterator: the `DistributedDataset` whose iterator `save` was given (any replica count).
-
-        Returns:
-          ``target``'s structure with `Mirrored` leaves; with ``iterator``,
-          ``(state, distributed_iterator)`` positioned where it was saved.
-
-        Raises:
-          InvalidArgumentError: no such checkpoint, its structure or dtypes differ, or it holds
-            no (or another pipeline's) iterator position.
-          ShapeMismatchError: a leaf's shape differs from ``target``'s.
+        ``target`` has the state's structure, shapes and dtypes (or is its ``jax.eval_shape``);
+        a difference raises, as does a missing step. Returns ``target``'s structure with
+        `Mirrored` leaves; given ``iterator``, the `DistributedDataset` whose iterator `save`
+        was given (any replica count), ``(state, distributed_iterator)`` positioned as saved.
         """
         ocp = _orbax()
         step = self.latest_step if step is None else int(step)

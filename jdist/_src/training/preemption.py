@@ -30,13 +30,10 @@ class TerminationConfig:
     (``tf.distribute.experimental.TerminationConfig``).
 
     Args:
-      termination_watcher_fn: returns True once the job is to stop, asked at every step
-        boundary (besides the signals).
-      exit_fn: called after the checkpoint is saved, instead of ``sys.exit(exit_code)``.
+      termination_watcher_fn: returns True once the job is to stop (asked at every boundary).
+      exit_fn, save_fn: called instead of ``sys.exit(exit_code)``, of the handler's save.
       grace_period: kept for TF's interface (the next boundary must come within it).
-      save_fn: called instead of the handler's save.
-      exit_code: the exit status without ``exit_fn`` (jdist's; TF's is 42).
-      signals: the signals that mean "stop" (jdist's): SIGTERM by default.
+      exit_code, signals: jdist's: the exit status (TF's: 42), the signals meaning "stop".
       check_every: with several workers, how many boundaries apart they agree on stopping
         (jdist's; each agreement is a collective read back on the host). Default 1 on CPU,
         where the dispatch guard waits for every step anyway; 10 elsewhere.
@@ -64,8 +61,7 @@ class TerminationConfig:
 
 
 def _agreement(strategy, check_every):
-    """``(any_worker, every)``: how the workers agree to stop, how many boundaries apart;
-    ``(None, 1)`` on one process. Raises for several processes under a one-process strategy."""
+    """``(any_worker, every)``: how and how often workers agree to stop; ``(None, 1)`` alone."""
     extended = strategy.extended
     if getattr(extended, "num_workers", 1) > 1:
         default = 1 if extended._guard.enabled else 10  # pylint: disable=protected-access
@@ -76,12 +72,6 @@ def _agreement(strategy, check_every):
             "MultiWorkerMirroredStrategy spanning them (its workers agree on the step to stop "
             f"at); the checkpoint manager's strategy is a {type(strategy).__name__}.")
     return None, 1
-
-
-def _first_iterator(args, kwargs):
-    """The first argument with a position (a `DistributedIterator`), or None."""
-    return next((v for v in (*args, *kwargs.values()) if isinstance(v, DistributedIterator)),
-                None)
 
 
 class PreemptionCheckpointHandler:
@@ -96,14 +86,9 @@ class PreemptionCheckpointHandler:
     sequence of `run` and `save_checkpoint_if_preempted` calls.
 
     Args:
-      cluster_resolver: kept for TF's interface (None is fine).
+      cluster_resolver, checkpoint_dir: kept for TF's interface (the manager's are used).
       checkpoint_or_checkpoint_manager: a `jdist.checkpoint.CheckpointManager`.
-      checkpoint_dir: kept for TF's interface; the manager's directory is used.
       termination_config: a `TerminationConfig`; default: SIGTERM, exit code 42.
-
-    Raises:
-      InvalidArgumentError: not a `CheckpointManager`, or several processes under a strategy
-        that does not span them.
 
     Example:
       >>> import os, signal, tempfile, numpy as np, jdist
@@ -139,11 +124,8 @@ class PreemptionCheckpointHandler:
         self._boundaries = 0
         self._total_run_calls = manager.latest_step or 0
         self._signalled = threading.Event()
-        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self._config.signals}
-
-    def _on_signal(self, signum, frame):
-        del signum, frame
-        self._signalled.set()
+        self._previous = {sig: signal.signal(sig, lambda *_: self._signalled.set())
+                          for sig in self._config.signals}
 
     @property
     def total_run_calls(self) -> int:
@@ -161,10 +143,10 @@ class PreemptionCheckpointHandler:
 
     def run(self, distributed_train_function: Callable, *args, **kwargs) -> Any:
         """``distributed_train_function(*args, **kwargs)``, after saving ``args[0]`` (and the
-        first `DistributedIterator` argument's position) and exiting if told to stop.
-        """
-        self.save_checkpoint_if_preempted(args[0] if args else None,
-                                          iterator=_first_iterator(args, kwargs))
+        first `DistributedIterator` argument's position) and exiting if told to stop."""
+        iterator = next((v for v in (*args, *kwargs.values())
+                         if isinstance(v, DistributedIterator)), None)
+        self.save_checkpoint_if_preempted(args[0] if args else None, iterator=iterator)
         result = distributed_train_function(*args, **kwargs)
         self._total_run_calls += 1
         return result

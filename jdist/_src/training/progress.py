@@ -29,13 +29,7 @@ PLAIN_SECONDS = 30.0  # Off a terminal, the number of steps unknown: one line pe
 
 def is_chief(strategy: Optional[Any] = None) -> bool:
     """Whether this process prints and writes checkpoints: ``strategy.extended.should_checkpoint``
-    (``strategy`` default: the current one).
-
-    Example:
-      >>> import jdist
-      >>> jdist.is_chief()
-      True
-    """
+    (``strategy`` default: the current one; see `print_once`'s example)."""
     strategy = context.get_strategy() if strategy is None else strategy
     return bool(strategy.extended.should_checkpoint)
 
@@ -69,37 +63,27 @@ def _emit(write, values, strategy):
 
 def print_once(*values: Any, sep: str = " ", file: Optional[TextIO] = None,
                strategy: Optional[Any] = None) -> None:
-    """``print(*values)`` once per step for the whole job: on the chief, from one replica.
-
-    Args:
-      *values: what to print; `Mirrored` values and arrays are read from one local copy.
-      sep: the separator, as for ``print``.
-      file: where to print; default ``sys.stdout``.
-      strategy: the strategy deciding who is chief; default: the current one.
-
-    Raises:
-      UnsupportedValueError: a value is `PerReplica` (reduce it first, on every worker).
+    """``print(*values, sep=sep, file=file)`` once per step for the whole job: on the chief
+    (of ``strategy``, default the current one), from one replica. `Mirrored` values and arrays
+    are read from one local copy; a `PerReplica` raises `errors.UnsupportedValueError` (reduce
+    it first, on every worker).
 
     Example:
       >>> import jax.numpy as jnp, jdist
       >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
       >>> jdist.print_once("loss", s.run(lambda: jnp.float32(0.5)))
       loss 0.5
+      >>> jdist.is_chief(s)
+      True
     """
-    def write(host_values):
-        print(*host_values, sep=sep, file=sys.stdout if file is None else file, flush=True)
-    _emit(write, values, strategy)
+    _emit(lambda host_values: print(*host_values, sep=sep, flush=True,
+                                    file=sys.stdout if file is None else file), values, strategy)
 
 
 def log_once(msg: str, *args: Any, level: int = logging.INFO,
              logger: Optional[logging.Logger] = None, strategy: Optional[Any] = None) -> None:
     """``logger.log(level, msg, *args)`` once for the whole job (see `print_once`); ``logger``
-    default: ``logging.getLogger("jdist")``.
-
-    Example:
-      >>> import logging, jdist
-      >>> jdist.log_once("step %d", 3, level=logging.DEBUG)
-    """
+    default: ``logging.getLogger("jdist")``."""
     logger = logging.getLogger("jdist") if logger is None else logger
     _emit(lambda host_args: logger.log(level, msg, *host_args), args, strategy)
 
@@ -107,8 +91,7 @@ def log_once(msg: str, *args: Any, level: int = logging.INFO,
 def _total(dataset):
     try:
         return len(dataset)
-    except TypeError:
-        # A property on distributed datasets (TF 2.21), a method on tf.data and NumpyDataset.
+    except TypeError:  # cardinality: a property on distributed datasets, else a method.
         count = getattr(dataset, "cardinality", None)
         count = count() if callable(count) else count
         try:
@@ -125,10 +108,6 @@ class _Discard(io.TextIOBase):
         return len(text)
 
 
-def _is_terminal(file):
-    return callable(getattr(file, "isatty", None)) and file.isatty()
-
-
 class ProgressBar:
     """A tqdm progress bar over a (distributed) dataset, drawn by the chief only (``progress`` extra).
 
@@ -140,12 +119,10 @@ class ProgressBar:
       dataset: what to iterate, usually ``strategy.experimental_distribute_dataset(...)``.
       strategy: the strategy deciding who is chief; default: the current one.
       total: the number of steps; default ``len(dataset)`` or its known cardinality.
-      desc: the bar's label.
-      examples_per_step: the global batch size, for examples/s (the rate is steps/s times it).
-      file: where to draw; default ``sys.stderr``.
-      mininterval: seconds between redraws (and loss reads).
-      compile_notice: print the compile notice before the first step; pass False when the step
-        already ran with these shapes (a later epoch).
+      examples_per_step: the global batch size, for examples/s.
+      file, mininterval: where to draw (default ``sys.stderr``); seconds between redraws.
+      compile_notice: print `COMPILE_NOTICE` first; False when the step already ran with these
+        shapes (a later epoch).
 
     Example:
       >>> import io, numpy as np, jdist
@@ -170,12 +147,12 @@ class ProgressBar:
         self._dataset = dataset
         self._chief = is_chief(strategy)
         self._examples = examples_per_step
-        self._loss = None
-        self._last_postfix = -float("inf")
+        self._loss, self._last_postfix = None, -float("inf")
         self._mininterval = mininterval
         self._notice = compile_notice and self._chief
         self._file = sys.stderr if file is None else file
-        self._plain = self._chief and not _is_terminal(self._file)
+        self._plain = self._chief and not (callable(getattr(self._file, "isatty", None))
+                                           and self._file.isatty())
         self._line_step, self._line_time = 0, time.monotonic()  # Off a terminal: the last line.
         self._bar = tqdm.tqdm(total=_total(dataset) if total is None else total, desc=desc,
                               unit="step", file=_Discard() if self._plain else self._file,
@@ -183,18 +160,14 @@ class ProgressBar:
                               dynamic_ncols=True, ascii=self._plain or None)
 
     def set_loss(self, loss: Any) -> None:
-        """Records the latest loss (a float, an array or a `Mirrored` value) for the bar.
-
-        Raises:
-          UnsupportedValueError: ``loss`` is `PerReplica`; reduce it first (on every worker).
-        """
+        """Records the latest loss (a float, an array or a `Mirrored` value, not `PerReplica`)."""
         if isinstance(loss, DistributedValues) and not isinstance(loss, Mirrored):
             _host_value(loss)
         self._loss = loss
 
-    def _postfix(self):
+    def _postfix(self, force=False):
         now = time.monotonic()
-        if now - self._last_postfix < self._mininterval:
+        if now - self._last_postfix < self._mininterval and not force:
             return
         self._last_postfix = now
         fields = {}
@@ -206,25 +179,21 @@ class ProgressBar:
         self._bar.set_postfix(fields, refresh=False)
 
     def _plain_line(self, last):
-        """Off a terminal: prints the bar at each tenth of the steps (or every `PLAIN_SECONDS`)
-        and at the end (``last``)."""
+        """Off a terminal: prints the bar each tenth of the steps (or `PLAIN_SECONDS`), last."""
         n, total, now = self._bar.n, self._bar.total, time.monotonic()
         if n == self._line_step:
             return
         due = n % -(-total // PLAIN_LINES) == 0 if total else now - self._line_time >= PLAIN_SECONDS
         if due or last:
-            self._last_postfix = -float("inf")
-            self._postfix()
+            self._postfix(force=True)
             print(self._bar, file=self._file, flush=True)
             self._line_step, self._line_time = n, now
 
     def __iter__(self) -> Iterator:
-        first = True
-        for element in self._dataset:
-            if first and self._notice:
+        for i, element in enumerate(self._dataset):
+            if i == 0 and self._notice:
                 self._bar.write(COMPILE_NOTICE, file=self._file)
             yield element
-            first = False
             if self._chief:
                 self._postfix()
             self._bar.update(1)
@@ -233,8 +202,7 @@ class ProgressBar:
         if self._plain:
             self._plain_line(last=True)
         elif self._chief:
-            self._last_postfix = -float("inf")
-            self._postfix()
+            self._postfix(force=True)
             self._bar.refresh()
 
     def close(self) -> None:
