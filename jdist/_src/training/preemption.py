@@ -141,7 +141,7 @@ class PreemptionCheckpointHandler:
         told = self._signalled.is_set() or bool(watcher is not None and watcher())
         return told if self._any_worker is None else self._any_worker(told)
 
-    def run(self, distributed_train_function: Callable, *args, **kwargs) -> Any:
+    def run(self, distributed_train_function: Callable, *args: Any, **kwargs: Any) -> Any:
         """``distributed_train_function(*args, **kwargs)``, after saving ``args[0]`` (and the
         first `DistributedIterator` argument's position) and exiting if told to stop."""
         iterator = next((v for v in (*args, *kwargs.values())
