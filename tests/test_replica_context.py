@@ -143,8 +143,7 @@ def _total_of_ids(strategy, ids):
     return strategy.reduce("SUM", ids, axis=None)
 
 
-@pytest.mark.parametrize("n", [2, 3, 8])
-@pytest.mark.parametrize("uneven", [False, True])
+@pytest.mark.parametrize("n, uneven", [(2, False), (3, True), (8, False)])
 @pytest.mark.parametrize("source", ["captured", "plain argument", "python number", "merge result"])
 def test_a_value_that_is_not_per_replica_is_the_same_on_every_replica(n, uneven, source):
     # One rule (docs/design.md): an array the step captured, a plain argument of run, a Python
