@@ -94,7 +94,9 @@ def _pump(stream, index, out):
     """Copies ``stream`` to ``out`` line by line, prefixed with the worker index."""
     prefix = f"[worker {index}] ".encode()
     for line in iter(stream.readline, b""):
-        if _GLOO_CONNECTED.fullmatch(line):
+        # gloo's C++ print can share a line with the script's output (one pipe, two writers).
+        line, dropped = _GLOO_CONNECTED.subn(b"", line)
+        if dropped and not line.strip():
             continue
         out.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
         out.flush()
