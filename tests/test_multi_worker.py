@@ -6,11 +6,13 @@ test starts is ended by that test, by PID. One run of ``_multi_worker_program.py
 results at once (written to JSON and compared here) so that processes start few times.
 """
 
+import io
 import json
 import os
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ import pytest
 import jdist
 from jdist._src.multi_worker import strategy as multi_worker
 from jdist._src.multi_worker import runtime
+from jdist._src.multi_worker.launcher import _pump
 from jdist.launch import free_ports
 from jdist.launch import worker_env
 
@@ -434,6 +437,23 @@ def test_worker_env():
     assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=2"
     a, b = free_ports(2)
     assert a != b
+
+
+def test_the_launcher_drops_gloos_messages_wherever_they_land():
+    """gloo prints "Rank i is connected" in pieces, one thread per device: a message can land
+    inside the script's line or inside another device's message (as CI once saw)."""
+    def message(rank):
+        return (b"[Gloo] Rank %d is connected to 3 peer ranks. "
+                b"Expected number of connected peer ranks is : 3\n" % rank)
+    inside_another = b"[Gloo] Rank " + message(3) + message(2)[len(b"[Gloo] Rank "):]
+    inside_a_line = b"epoch 1" + message(0) + b" loss 1.5\n"
+    newline_after = b"step 2" + message(1) + b"\n"
+    kept = message(1).replace(b"to 3", b"to 2")  # Kept: the counts differ.
+    out = types.SimpleNamespace(buffer=io.BytesIO(), flush=lambda: None)
+    _pump(io.BytesIO(inside_another + inside_a_line + newline_after + kept + b"last"), 1, out)
+    assert out.buffer.getvalue().decode().splitlines() == [
+        "[worker 1] epoch 1 loss 1.5", "[worker 1] step 2", "[worker 1] " + kept.decode().strip(),
+        "[worker 1] last"]
 
 
 def test_single_worker_is_mirrored_over_local_devices(monkeypatch):

@@ -91,14 +91,25 @@ def _die_with_parent():
 
 
 def _pump(stream, index, out):
-    """Copies ``stream`` to ``out`` line by line, prefixed with the worker index."""
+    """Copies ``stream`` to ``out`` line by line, prefixed with the worker index.
+
+    Drops gloo's "Rank i is connected" messages. gloo prints each in several pieces, from one
+    thread per local device, so a message can land inside another line: inside the script's
+    output or inside another device's message. When removing one takes a line's newline with it,
+    the rest of that line waits for the next one (``carry``), which holds its continuation.
+    """
     prefix = f"[worker {index}] ".encode()
+    carry = b""
     for line in iter(stream.readline, b""):
-        # gloo's C++ print can share a line with the script's output (one pipe, two writers).
-        line, dropped = _GLOO_CONNECTED.subn(b"", line)
-        if dropped and not line.strip():
-            continue
-        out.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+        line, dropped = _GLOO_CONNECTED.subn(b"", carry + line)
+        carry = b""
+        if dropped and not line.endswith(b"\n"):
+            carry = line
+        elif line.strip() or not dropped:
+            out.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            out.flush()
+    if carry:
+        out.buffer.write(prefix + carry + b"\n")
         out.flush()
     stream.close()
 
