@@ -72,11 +72,13 @@ def test_reads_ahead_of_the_consumer_but_bounded(buffer_size):
 
 @pytest.mark.parametrize("source,threads", [
     ("list", 1), ("loader", 1), ("generator function", 1),
-    ("numpy", 0)])  # In-memory blocks, placed by the loop (`batch_blocks`).
+    ("numpy", 0),  # In-memory blocks, placed by the loop (`batch_blocks`).
+    ("numpy, batches of 3", 0)])  # No blocks (3 rows on 2 replicas): still the loop's thread.
 def test_by_default_every_streamed_source_gets_a_thread(source, threads):
     s = mirrored(2)
     rows = np.arange(16, dtype=np.float32).reshape(8, 2)
     data = {"numpy": s.experimental_make_numpy_dataset({"x": rows}).batch(4),
+            "numpy, batches of 3": s.experimental_make_numpy_dataset({"x": rows}).batch(3),
             "list": [{"x": rows[:4]}, {"x": rows[4:]}],
             "loader": ListLoader([{"x": rows[:4]}, {"x": rows[4:]}]),
             "generator function": lambda: iter([{"x": rows[:4]}, {"x": rows[4:]}])}[source]

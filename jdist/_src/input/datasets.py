@@ -92,11 +92,12 @@ class _GlobalPlan:
         self.full_rows = source.static_rows()
         self.order = order  # Replica i's chunk of each batch (`auto_shard.chunk_order`).
         self.blocks = _block_feed(strategy, source, self.placer)
-
-    @property
-    def on_loop_thread(self):
-        """Whether the loop's own thread places the data (blocks on CPU devices)."""
-        return self.blocks is not None and self.blocks.on_loop_thread
+        # A numpy dataset on CPU devices is placed by the loop's own thread (in blocks on one
+        # process, this worker's rows batch by batch across workers): a helper thread would
+        # take a core the devices' collectives wait on (`docs/design.md`, "Who places a block").
+        # The default strategy has no mesh: its one replica takes plain arrays.
+        self.on_loop_thread = isinstance(source.dataset, NumpyDataset) and (
+            self.placer.plain or batch_blocks.on_host_cores(strategy.extended.mesh))
 
     def open(self):
         splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows, self.order)
