@@ -186,12 +186,13 @@ class Strategy:
         Shapes may differ between replicas. Returns the nest with `PerReplica` leaves (on one
         replica, the value itself, as in TF).
 
-        >>> import jdist
-        >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
-        >>> v = s.experimental_distribute_values_from_function(
-        ...     lambda ctx: ctx.replica_id_in_sync_group)
-        >>> [int(x) for x in v.values]
-        [0, 1]
+        Example:
+          >>> import jdist
+          >>> s = jdist.MirroredStrategy(["cpu:0", "cpu:1"])
+          >>> v = s.experimental_distribute_values_from_function(
+          ...     lambda ctx: ctx.replica_id_in_sync_group)
+          >>> [int(x) for x in v.values]
+          [0, 1]
         """
         n = self.num_replicas_in_sync
         per_replica = [value_fn(context.ValueContext(i, n))
@@ -226,10 +227,11 @@ class Strategy:
         arguments returning a fresh iterable, or a one-shot iterator; ``options`` an
         `InputOptions`. Returns a `DistributedDataset`.
 
-        >>> import numpy as np, jdist
-        >>> s = jdist.get_strategy()
-        >>> [b.tolist() for b in s.experimental_distribute_dataset([np.arange(2), np.arange(1)])]
-        [[0, 1], [0]]
+        Example:
+          >>> import numpy as np, jdist
+          >>> s = jdist.get_strategy()
+          >>> [b.tolist() for b in s.experimental_distribute_dataset([np.arange(2), np.arange(1)])]
+          [[0, 1], [0]]
         """
         context.require_not_mixed(self, "experimental_distribute_dataset")
         return input_wing().distribute_dataset(self, dataset, options)

@@ -31,9 +31,11 @@ class TerminationConfig:
 
     Args:
       termination_watcher_fn: returns True once the job is to stop (asked at every boundary).
-      exit_fn, save_fn: called instead of ``sys.exit(exit_code)``, of the handler's save.
+      exit_fn: called instead of ``sys.exit(exit_code)``.
+      save_fn: called instead of the handler's save.
       grace_period: kept for TF's interface (the next boundary must come within it).
-      exit_code, signals: jdist's: the exit status (TF's: 42), the signals meaning "stop".
+      exit_code: jdist's: the exit status (TF's: 42).
+      signals: jdist's: the signals meaning "stop".
       check_every: with several workers, how many boundaries apart they agree on stopping
         (jdist's; each agreement is a collective read back on the host). Default 1 on CPU,
         where the dispatch guard waits for every step anyway; 10 elsewhere.
@@ -86,7 +88,8 @@ class PreemptionCheckpointHandler:
     sequence of `run` and `save_checkpoint_if_preempted` calls.
 
     Args:
-      cluster_resolver, checkpoint_dir: kept for TF's interface (the manager's are used).
+      cluster_resolver: kept for TF's interface (the manager's is used).
+      checkpoint_dir: kept for TF's interface (the manager's is used).
       checkpoint_or_checkpoint_manager: a `jdist.checkpoint.CheckpointManager`.
       termination_config: a `TerminationConfig`; default: SIGTERM, exit code 42.
 

@@ -120,7 +120,8 @@ class ProgressBar:
       strategy: the strategy deciding who is chief; default: the current one.
       total: the number of steps; default ``len(dataset)`` or its known cardinality.
       examples_per_step: the global batch size, for examples/s.
-      file, mininterval: where to draw (default ``sys.stderr``); seconds between redraws.
+      file: where to draw (default ``sys.stderr``).
+      mininterval: seconds between redraws.
       compile_notice: print `COMPILE_NOTICE` first; False when the step already ran with these
         shapes (a later epoch).
 
