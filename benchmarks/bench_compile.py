@@ -235,12 +235,13 @@ def host_overheads(strategy, adam=False):
     outputs it returns as they come (a flat tuple, which ``run`` itself wraps and nests) where
     the raw call nests them as the step returns them (each timed as JAX's dispatch builds it:
     the program's output tree unflattened). Beside it, the same for `minimal_wrapper` (its
-    Python around a replayed flat program, and the flat tuple the program returns; it takes the
-    raw call's plain arrays): the floor. CPU work timed as ``timeit`` times it: the fastest
-    of several rounds, each the mean of many calls; the leaf counts take turns in every round,
-    so the machine's slow spells (this one's speed drifts by a third over minutes) reach all of
-    them alike. With ``adam``, the step also updates ``optax.adam``'s state of the parameters
-    (two more leaves each, and an int32 step count). Per leaf count: ``{"jdist": us, "floor": us}``."""
+    Python around a replayed flat program, and the flat tuple the program returns, built as
+    JAX's dispatch builds it; it takes the raw call's plain arrays): the floor. CPU work timed
+    as ``timeit`` times it: the fastest of several rounds, each the mean of many calls; the
+    leaf counts take turns in every round, so the machine's slow spells (this one's speed
+    drifts by a third over minutes) reach all of them alike. With ``adam``, the step also
+    updates ``optax.adam``'s state of the parameters (two more leaves each, and an int32 step
+    count). Per leaf count: ``{"jdist": us, "floor": us}``."""
     with common.replayed_launches(strategy) as replayed:
         calls = {n: _host_calls(strategy, n, adam, replayed) for n in LEAF_COUNTS}
         rounds = {n: {name: [] for name in calls[n]} for n in LEAF_COUNTS}
@@ -276,9 +277,10 @@ def _host_calls(strategy, leaves, adam, replayed):
     strategy.run(step, args=args)
     direct = jax.tree_util.tree_structure(replayed[-1])  # What the jdist program returns.
     flat_outputs = tuple(outputs)
+    flat = jax.tree_util.tree_structure(flat_outputs)  # The floor program's outputs.
     floor = minimal_wrapper(lambda *_: flat_outputs, raw_nest, len(outputs) - 1)
     return {"floor_python": lambda: floor(*plain, stacked),
-            "floor_outputs": lambda: tuple(outputs),
+            "floor_outputs": lambda: flat.unflatten(outputs),
             "jdist_dispatch": lambda: nothing(args, {}),
             "raw_dispatch": lambda: nothing(*plain, stacked),
             "python": lambda: strategy.run(step, args=args),

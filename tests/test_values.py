@@ -581,19 +581,30 @@ def test_a_sum_of_int64_values_is_int32_without_x64_and_tfs_int64_with_it(n, ent
         np.testing.assert_array_equal(got, [n * 2**30])
 
 
-@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
 def test_a_mirrored_knows_whether_run_returned_it(n):
     """TF's run returns a value every replica computed alike as a PerReplica of equal values,
-    which reduce treats apart from a Mirrored (`values.is_step_output`); the mark survives what
-    keeps the value."""
+    which reduce treats apart from a Mirrored (`values.is_step_output`): its SUM adds the
+    copies, where a Mirrored's raises. Copies and pickles keep the mark; a Mirrored JAX rebuilds
+    (tree_map, jax.jit) has none, and reduces as run's outputs do, on the strategy's count."""
     s = mirrored(n)
-    step_output = s.run(lambda: jnp.ones(2))
-    declared = jdist.Mirrored([np.ones(2, np.float32)] * n)
-    keep = [lambda m: m, lambda m: pickle.loads(pickle.dumps(m)), copy.deepcopy,
-            lambda m: jax.tree_util.tree_map(lambda x: x, m)]
-    for value, expected in ((step_output, True), (declared, False)):
-        assert isinstance(value, jdist.Mirrored) and value.num_replicas == n
-        assert [values.is_step_output(k(value)) for k in keep] == [expected] * 4
+    x = np.array([1.5, -2.25], np.float32)
+    step_output = s.run(lambda: jnp.asarray(x))
+    declared = jdist.Mirrored([x] * n)
+    kept = [lambda m: m, lambda m: pickle.loads(pickle.dumps(m)), copy.deepcopy]
+    rebuilt = [lambda m: jax.tree_util.tree_map(lambda v: v, m), jax.jit(lambda m: m)]
+    copies_added = np.sum([x] * n, axis=0, dtype=np.float32)
+    mirrored_values = ((step_output, True), (declared, False)) if n > 1 else ((declared, False),)
+    for value, from_run in mirrored_values:  # One replica's run returns its one value.
+        for keep in kept:
+            m = keep(value)
+            assert type(m) is jdist.Mirrored and m.num_replicas == n
+            assert values.is_step_output(m) == from_run
+        for rebuild in rebuilt:
+            m = rebuild(value)
+            assert type(m) is jdist.Mirrored and values.is_step_output(m)
+            np.testing.assert_array_equal(s.reduce("sum", m, axis=None), copies_added)
+            np.testing.assert_array_equal(s.reduce("mean", m, axis=None), copies_added / n)
 
 
 @pytest.mark.parametrize("n", [1, 3, 8])

@@ -134,7 +134,7 @@ class Strategy:
             check_replica_count(value, self.num_replicas_in_sync, "strategy.gather")
         if isinstance(value, Mirrored):
             value = PerReplica._from_stacked(
-                jnp.broadcast_to(value.value, (value.num_replicas,) + value.value.shape))
+                jnp.broadcast_to(value.value, (self.num_replicas_in_sync,) + value.value.shape))
         if not isinstance(value, PerReplica):
             return value
         if value.num_replicas == 1 == self.num_replicas_in_sync:
@@ -167,11 +167,8 @@ class Strategy:
         distributed = [x for x in leaves if isinstance(x, DistributedValues)]
         if not distributed and not isinstance(value, (tuple, list, collections.abc.Mapping)):
             return (value,)
-        if any(x.num_replicas != self.num_replicas_in_sync for x in distributed):
-            raise errors.InvalidArgumentError(
-                f"experimental_local_results got a nest holding values of "
-                f"{sorted({x.num_replicas for x in distributed})} replicas from a strategy with "
-                f"{self.num_replicas_in_sync}; use the strategy that produced them.")
+        for x in distributed:
+            check_replica_count(x, self.num_replicas_in_sync, "experimental_local_results")
         per_leaf = [local_results(x) if isinstance(x, DistributedValues) else None
                     for x in leaves]
         return tuple(

@@ -9,7 +9,7 @@ Both are pytree nodes, so they pass through ``jax.jit``, ``jax.tree_util`` and `
 """
 
 import functools
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
@@ -176,12 +176,11 @@ class Mirrored(DistributedValues):
     """
 
     __slots__ = ("_value", "_copies")
-    _copies: "_Copies"
+    _copies: "Optional[_Copies]"  # None where JAX rebuilt it (`_Copies`).
 
-    def __init__(self, values: Any = None, *, _value: Any = _UNSET,
-                 _copies: Any = None) -> None:
-        if _value is not _UNSET:  # JAX unflattening the node.
-            self._value, self._copies = _value, _copies
+    def __init__(self, values: Any = None, *, _value: Any = _UNSET) -> None:
+        if _value is not _UNSET:  # JAX rebuilding the node (`_Copies` says why it keeps no count).
+            self._value, self._copies = _value, None
             return
         if values is None:
             raise errors.InvalidArgumentError("Mirrored needs a value (or one per replica).")
@@ -209,7 +208,7 @@ class Mirrored(DistributedValues):
         return self
 
     def __reduce__(self):
-        return Mirrored._from_value, (self._value, *self._copies)
+        return Mirrored._from_value, (self._value, self.num_replicas, is_step_output(self))
 
     @property
     def value(self) -> Any:
@@ -218,19 +217,21 @@ class Mirrored(DistributedValues):
 
     @property
     def num_replicas(self) -> int:
-        return self._copies.num_replicas
+        """How many replicas hold it (for a `Mirrored` JAX rebuilt, `_Copies`: its devices)."""
+        copies = self._copies
+        return copies.num_replicas if copies is not None else _replicas_held(self._value) or 1
 
     def _local_results(self):
         value = self._value
         shards = None if isinstance(value, jax.core.Tracer) else getattr(
             value, "addressable_shards", None)
-        if shards is not None and (len(shards) == self._copies.num_replicas
+        if shards is not None and (len(shards) == self.num_replicas
                                    or _spans_processes(value)):  # Each device's copy.
             return tuple(shard.data for shard in shards)
-        return (value,) * self._copies.num_replicas
+        return (value,) * self.num_replicas
 
     def __repr__(self):
-        return (f"Mirrored(num_replicas={self._copies.num_replicas}, shape={np.shape(self._value)}, "
+        return (f"Mirrored(num_replicas={self.num_replicas}, shape={np.shape(self._value)}, "
                 f"dtype={getattr(self._value, 'dtype', type(self._value).__name__)})")
 
     def __jax_array__(self):
@@ -392,20 +393,38 @@ def _check_not_sliced(shape, stacked):
 
 
 class _Copies(NamedTuple):
-    """A `Mirrored` value's pytree metadata; one object per pair (`copies_of`), so JAX compares
-    two calls' metadata by identity."""
+    """How many replicas hold a `Mirrored` and whether ``run`` returned it; one object per pair
+    (`copies_of`).
+
+    Not pytree metadata: any metadata field costs every `Mirrored` that ``jax.jit`` dispatches
+    0.04 us (a tuple per node, compared per call), which ``run`` pays per parameter per step.
+    A `Mirrored` JAX rebuilds (``jax.jit``'s outputs, ``tree_map``, ``lax.scan``) has none: it
+    reduces as ``run``'s outputs do, on as many replicas as devices hold it (a host value: the
+    count of the strategy that uses it).
+    """
     num_replicas: int
     step_output: bool
 
 
 copies_of = functools.lru_cache(maxsize=None)(_Copies)
-jax.tree_util.register_dataclass(Mirrored, data_fields=["_value"], meta_fields=["_copies"])
+jax.tree_util.register_dataclass(Mirrored, data_fields=["_value"], meta_fields=[])
+
+
+def _replicas_held(value):
+    """How many devices hold ``value``, the count of a `Mirrored` JAX rebuilt; None where no
+    device was chosen for it (a host value, an uncommitted array, a tracer outside a mesh):
+    such a value is replicated on whichever strategy's devices use it."""
+    if isinstance(value, jax.core.Tracer):
+        return jax.typeof(value).sharding.mesh.size or None  # 0 outside a mesh.
+    if isinstance(value, jax.Array) and value.committed:
+        return len(value.sharding.device_set)
+    return None
 
 
 def is_step_output(value: Any) -> bool:
     """Whether ``value`` is a `Mirrored` that ``run`` returned (TF's `PerReplica` of equal values,
     whose MEAN sums then divides); any other `Mirrored` is TF's, whose MEAN is itself."""
-    return isinstance(value, Mirrored) and value._copies.step_output
+    return isinstance(value, Mirrored) and (value._copies is None or value._copies.step_output)
 
 
 def wrap_at(leaves: list, mirrored_at: Sequence[int], num_replicas: int,
@@ -422,8 +441,11 @@ def wrap_at(leaves: list, mirrored_at: Sequence[int], num_replicas: int,
 
 
 def check_replica_count(value: DistributedValues, num_replicas: int, what: str) -> None:
-    """Raises where a value made by a strategy of another replica count reaches ``what``."""
-    if value.num_replicas != num_replicas:
+    """Raises where a value made by a strategy of another replica count reaches ``what`` (a
+    `Mirrored` JAX rebuilt on no chosen device takes any count: `_Copies`)."""
+    rebuilt_unplaced = isinstance(value, Mirrored) and value._copies is None and not (
+        _replicas_held(value._value))
+    if value.num_replicas != num_replicas and not rebuilt_unplaced:
         kind = type(value).__name__ if isinstance(value, PerReplica) else "Mirrored"
         raise errors.InvalidArgumentError(
             f"{what} got a {kind} value of {value.num_replicas} replicas on a strategy of "

@@ -84,7 +84,7 @@ def placed(leaf, place):
     check_replica_count(leaf, place.num_replicas, "strategy.run")
     value = place.place_replicated(leaf.value)
     return leaf if value is leaf.value else Mirrored._from_value(
-        value, leaf.num_replicas, is_step_output(leaf))
+        value, place.num_replicas, is_step_output(leaf))
 
 
 def trace_statics(leaves: list, kinds: tuple) -> list:

@@ -85,12 +85,6 @@ def _replicated_sharding(devices):
     return NamedSharding(Mesh(np.array(devices), (REPLICA_AXIS,)), P())
 
 
-@functools.lru_cache(maxsize=None)
-def _mirrored_treedef(num_replicas):
-    # Unflattening wraps a placed array without checking N copies for equality.
-    return jax.tree_util.tree_structure(Mirrored([np.int8(0)] * num_replicas))
-
-
 def mirror(tree: Any, strategy: Optional[Any] = None) -> Any:
     """Places every leaf of ``tree`` as `Mirrored` state on ``strategy``'s replicas: one
     replicated array each (`replicated_sharding`), as ``run`` returns it; placed leaves are
@@ -112,13 +106,13 @@ def mirror(tree: Any, strategy: Optional[Any] = None) -> Any:
     """
     strategy = context.get_strategy() if strategy is None else strategy
     sharding = replicated_sharding(strategy)
-    treedef = _mirrored_treedef(strategy.num_replicas_in_sync)
+    n = strategy.num_replicas_in_sync
 
     def place(leaf):
         array = leaf.value if isinstance(leaf, Mirrored) else leaf
         host_values.check_array(array, "mirror")
         host_values.check_host_numbers(array)
-        return treedef.unflatten([jax.device_put(array, sharding)])
+        return Mirrored._from_value(jax.device_put(array, sharding), n)
     return _map_leaves(place, tree, "mirror")
 
 
