@@ -217,9 +217,12 @@ class Mirrored(DistributedValues):
 
     @property
     def num_replicas(self) -> int:
-        """How many replicas hold it (for a `Mirrored` JAX rebuilt, `_Copies`: its devices)."""
+        """How many replicas hold it (1 for a host value JAX rebuilt: `_Copies`)."""
+        return self._known_replicas() or 1
+
+    def _known_replicas(self) -> Optional[int]:
         copies = self._copies
-        return copies.num_replicas if copies is not None else _replicas_held(self._value) or 1
+        return copies.num_replicas if copies is not None else _replicas_held(self._value)
 
     def _local_results(self):
         value = self._value
@@ -422,8 +425,8 @@ def _replicas_held(value):
 
 
 def is_step_output(value: Any) -> bool:
-    """Whether ``value`` is a `Mirrored` that ``run`` returned (TF's `PerReplica` of equal values,
-    whose MEAN sums then divides); any other `Mirrored` is TF's, whose MEAN is itself."""
+    """Whether ``value`` is a `Mirrored` that ``run`` returned or JAX rebuilt (TF's `PerReplica` of
+    equal values, whose MEAN sums then divides); any other `Mirrored` is TF's (MEAN: itself)."""
     return isinstance(value, Mirrored) and (value._copies is None or value._copies.step_output)
 
 
@@ -442,13 +445,12 @@ def wrap_at(leaves: list, mirrored_at: Sequence[int], num_replicas: int,
 
 def check_replica_count(value: DistributedValues, num_replicas: int, what: str) -> None:
     """Raises where a value made by a strategy of another replica count reaches ``what`` (a
-    `Mirrored` JAX rebuilt on no chosen device takes any count: `_Copies`)."""
-    rebuilt_unplaced = isinstance(value, Mirrored) and value._copies is None and not (
-        _replicas_held(value._value))
-    if value.num_replicas != num_replicas and not rebuilt_unplaced:
+    host value JAX rebuilt as a `Mirrored` takes any count: `_Copies`)."""
+    count = value._known_replicas() if isinstance(value, Mirrored) else value.num_replicas
+    if count is not None and count != num_replicas:
         kind = type(value).__name__ if isinstance(value, PerReplica) else "Mirrored"
         raise errors.InvalidArgumentError(
-            f"{what} got a {kind} value of {value.num_replicas} replicas on a strategy of "
+            f"{what} got a {kind} value of {count} replicas on a strategy of "
             f"{num_replicas}: it was made by another strategy. Make it with this one (pass it "
             "through this strategy's run, or jdist.mirror(value.value, strategy) for state).")
 
