@@ -592,7 +592,8 @@ def test_a_mirrored_knows_whether_run_returned_it(n):
     step_output = s.run(lambda: jnp.asarray(x))
     declared = jdist.Mirrored([x] * n)
     kept = [lambda m: m, lambda m: pickle.loads(pickle.dumps(m)), copy.deepcopy]
-    rebuilt = [lambda m: jax.tree_util.tree_map(lambda v: v, m), jax.jit(lambda m: m)]
+    rebuilt = [lambda m: jax.tree_util.tree_map(lambda v: v, m), jax.jit(lambda m: m),
+               lambda m: pickle.loads(pickle.dumps(jax.device_get(m)))]  # Saved host state.
     copies_added = np.sum([x] * n, axis=0, dtype=np.float32)
     mirrored_values = ((step_output, True), (declared, False)) if n > 1 else ((declared, False),)
     for value, from_run in mirrored_values:  # One replica's run returns its one value.

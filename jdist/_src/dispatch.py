@@ -284,16 +284,6 @@ def _returned(outputs):
         outputs, is_leaf=is_distributed)
 
 
-def _as_python(fun, args, kwargs):
-    """``fun(*args, **kwargs)`` uncompiled, for ragged arguments (`check_traced_run` then raises
-    on a ``strategy.run`` traced inside)."""
-    _function_trace.as_python += 1
-    try:
-        return _returned(fun(*args, **kwargs))
-    finally:
-        _function_trace.as_python -= 1
-
-
 class _RaggedArguments(errors.UnevenValuesError):
     """Raised while `function` traces ragged arguments (its call then runs them as Python)."""
 

@@ -31,6 +31,7 @@ def dtype_kind(dtype: Any) -> Optional[str]:
 
 
 _NUMPY = (np.ndarray, np.generic)  # Host values: what JAX converts to its own dtypes.
+SCALARS = (bool, int, float, complex)  # Python numbers (NumPy's are arrays).
 
 
 def held_narrower(value: Any) -> "np.dtype | None":
@@ -188,14 +189,12 @@ def _caller_level() -> int:
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../jdist
 
 
-def check_host_leaves(leaves: Sequence[Any], types: Optional[set] = None) -> None:
-    """`check_host_numbers` of each of ``leaves`` (``types``: their types, where known), cheap
-    where none is a NumPy value (``jdist.function`` checks its arguments on every call)."""
+def check_host_leaves(leaves: Sequence[Any]) -> None:
+    """`check_host_numbers` of each of ``leaves``, cheap where none is a NumPy value
+    (``jdist.function`` checks its arguments on every call)."""
     if jax.config.read("jax_enable_x64"):
         return  # JAX holds every host value as it is.
-    if types is None:
-        types = set(map(type, leaves))
-    if any(issubclass(kind, _NUMPY) for kind in types):
+    if any(issubclass(kind, _NUMPY) for kind in set(map(type, leaves))):
         for leaf in leaves:
             check_host_numbers(leaf)
 
@@ -250,7 +249,7 @@ def is_placeable(value: Any) -> bool:
         return True
     dtype = getattr(value, "dtype", None)
     if dtype is None:
-        return isinstance(value, (bool, int, float, complex))
+        return isinstance(value, SCALARS)
     try:
         dtype = np.dtype(dtype)
     except TypeError:  # Another library's dtype (a tf.DType): its NumPy value's.

@@ -15,12 +15,11 @@ import jax
 import numpy as np
 
 from jdist._src import errors
-from jdist._src.host_values import (check_arrays, check_host_numbers, python_numbers_as_tf,
-                                    dtype_kind)
+from jdist._src.host_values import (SCALARS, check_arrays, check_host_numbers,
+                                    python_numbers_as_tf, dtype_kind)
 
 
 ARRAYS = (jax.Array, np.ndarray, np.generic)  # What jdist takes as an array leaf.
-SCALARS = (bool, int, float, complex)  # Python numbers (NumPy's are arrays).
 
 
 class DistributedValues:
@@ -203,12 +202,14 @@ class Mirrored(DistributedValues):
 
     @classmethod
     def _from_value(cls, value, num_replicas, step_output=False):
+        """A `Mirrored` of ``value``; ``num_replicas`` None: one JAX rebuilt (`_Copies`)."""
         self = object.__new__(cls)
-        self._value, self._copies = value, copies_of(num_replicas, step_output)
+        self._value = value
+        self._copies = None if num_replicas is None else copies_of(num_replicas, step_output)
         return self
 
     def __reduce__(self):
-        return Mirrored._from_value, (self._value, self.num_replicas, is_step_output(self))
+        return Mirrored._from_value, (self._value, self._known_replicas(), is_step_output(self))
 
     @property
     def value(self) -> Any:
@@ -308,7 +309,7 @@ def _components(values):
         elif isinstance(v, (np.ndarray, np.generic)):
             check_host_numbers(v)
             arrays.append(np.asarray(v))
-        elif isinstance(v, (bool, int, float, complex)):
+        elif isinstance(v, SCALARS):
             arrays.append(python_numbers_as_tf(v))  # TF's types: a float is float32.
         else:
             raise errors.UnsupportedValueError(

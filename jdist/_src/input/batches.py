@@ -97,9 +97,11 @@ class Source:
             if static is not None:
                 return static
         if self.one_shot:
-            if not (self._opened or self._stash):
+            if self._opened:
+                return None
+            if not self._stash:
                 self._stash.extend(itertools.islice(self._obj, 1))
-            return to_host(self._stash[0]) if self._stash and not self._opened else None
+            return to_host(self._stash[0]) if self._stash else None
         it = self.open()
         try:
             return next(it, None)
@@ -320,7 +322,8 @@ class PerReplicaDealer:
         group += [None] * (self.n - len(group))
         present = [b for b in group if b is not None]
         tree = jax.tree_util.tree_structure(present[0])
-        other = next((t for t in map(jax.tree_util.tree_structure, present) if t != tree), None)
+        other = next((t for t in map(jax.tree_util.tree_structure, present[1:]) if t != tree),
+                     None)
         if other is not None:
             raise errors.InvalidArgumentError(
                 "the per-replica datasets yielded batches of different structures: "
@@ -361,9 +364,11 @@ def makes_a_step(group, fixed_shapes=None):
     rule: statically shaped elements (``fixed_shapes``; None: rank-0 elements are) only when
     every replica has one, as an empty batch would break their shape; others while any has."""
     present = [b for b in group if b is not None]
+    if not present:
+        return False
     if fixed_shapes is None:
-        fixed_shapes = bool(present) and is_unbatched(present[0])
-    return bool(present) and (len(present) == len(group) or not fixed_shapes)
+        fixed_shapes = is_unbatched(present[0])
+    return len(present) == len(group) or not fixed_shapes
 
 
 class TrailingRound(list):

@@ -39,8 +39,9 @@ def _take(block, position):
 
 
 def on_host_cores(mesh) -> bool:
-    """Whether ``mesh``'s devices are the host's CPU cores (blocks placed by the loop's thread)."""
-    return mesh.devices.flat[0].platform == "cpu"
+    """Whether ``mesh``'s devices (JAX's default device for the default strategy's None) are
+    the host's CPU cores (blocks placed by the loop's thread)."""
+    return (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform == "cpu"
 
 
 class BlockFeed:

@@ -95,9 +95,8 @@ class _GlobalPlan:
         # A numpy dataset on CPU devices is placed by the loop's own thread (in blocks on one
         # process, this worker's rows batch by batch across workers): a helper thread would
         # take a core the devices' collectives wait on (`docs/design.md`, "Who places a block").
-        # The default strategy has no mesh: its one replica takes plain arrays.
         self.on_loop_thread = isinstance(source.dataset, NumpyDataset) and (
-            self.placer.plain or batch_blocks.on_host_cores(strategy.extended.mesh))
+            batch_blocks.on_host_cores(strategy.extended.mesh))
 
     def open(self):
         splitter = input_batches.GlobalBatchSplitter(self.placer, self.full_rows, self.order)
@@ -288,8 +287,8 @@ class _SyncFeed:
         self._source, self._transform = source, transform
 
     def get(self):
-        item = _EMPTY if self._source is None else next(self._source, _EMPTY)
-        return prefetch.END if item is _EMPTY else self._transform(item)
+        item = prefetch.END if self._source is None else next(self._source, prefetch.END)
+        return item if item is prefetch.END else self._transform(item)
 
     def close(self):
         source, self._source = self._source, None
@@ -314,16 +313,13 @@ class DistributedIterator:
         # Counted as elements are handed out: what a checkpoint saves (`iterator_state`).
         self._position = iterator_state.Position(dataset) if position is None else position
         self._finished = False
-        self._step = None  # A multi-worker dataset's consumer-side step (`_DealtPlan.open`).
         self._ready: Any = None  # A block's later elements, in order.
         self._no_optional = None  # Worked out at the first get_next_as_optional.
-        self._start()
-
-    def _start(self):
-        source, transform, self._step = self._dataset._plan.open()
-        size = self._dataset._options.experimental_per_replica_buffer_size
-        if size == 0 or self._dataset._plan.on_loop_thread:
-            self._feed = _SyncFeed(source, transform)
+        # ``_step``: a multi-worker dataset's consumer-side step (`_DealtPlan.open`).
+        source, transform, self._step = dataset._plan.open()
+        size = dataset._options.experimental_per_replica_buffer_size
+        if size == 0 or dataset._plan.on_loop_thread:
+            self._feed: Any = _SyncFeed(source, transform)
         else:
             self._feed = prefetch.Prefetcher(source, transform, size, on_close=_close_source)
         self._finalizer = weakref.finalize(self, self._feed.close)

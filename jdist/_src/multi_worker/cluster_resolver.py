@@ -172,18 +172,6 @@ class ClusterResolver:
         return ""
 
 
-def _setting(attr, key, convert, doc):
-    """A property: ``attr`` where set, else ``TF_CONFIG``'s ``task`` entry ``key`` (or its own
-    ``rpc_layer``), else None; read at each access, as TF does."""
-    def get(self: Any) -> Any:
-        value = getattr(self, attr)
-        if value is None:
-            config = _tf_config()
-            value = config.get(key) if key == "rpc_layer" else config.get("task", {}).get(key)
-        return value if value is None or convert is None else convert(value)
-    return property(get, lambda self, value: setattr(self, attr, value), doc=doc)
-
-
 class TFConfigClusterResolver(ClusterResolver):
     """Reads the cluster from the ``TF_CONFIG`` environment variable, at each access (as TF).
 
@@ -212,12 +200,40 @@ class TFConfigClusterResolver(ClusterResolver):
         self._rpc_layer = rpc_layer
         self._environment = environment
 
-    task_type = _setting("_task_type", "type", str,  # type: ignore[assignment]
-                         "This task's job name: the override, else ``TF_CONFIG``'s task.type.")
-    task_id = _setting("_task_id", "index", int,  # type: ignore[assignment]
-                       "This task's index in its job: the override, else ``task.index``.")
-    rpc_layer = _setting("_rpc_layer", "rpc_layer", None,  # type: ignore[assignment]
-                         "The override, else ``TF_CONFIG``'s ``rpc_layer``, else None.")
+    @property  # type: ignore[override]
+    def task_type(self) -> Optional[str]:
+        """This task's job name: the override, else ``TF_CONFIG``'s ``task.type``, else None."""
+        if self._task_type is not None:
+            return str(self._task_type)
+        task = _tf_config().get("task", {})
+        return str(task["type"]) if "type" in task else None
+
+    @task_type.setter
+    def task_type(self, task_type: Optional[str]) -> None:
+        self._task_type = task_type
+
+    @property  # type: ignore[override]
+    def task_id(self) -> Optional[int]:
+        """This task's index in its job: the override, else ``task.index``, else None."""
+        if self._task_id is not None:
+            return int(self._task_id)
+        task = _tf_config().get("task", {})
+        return int(task["index"]) if "index" in task else None
+
+    @task_id.setter
+    def task_id(self, task_id: Optional[int]) -> None:
+        self._task_id = task_id
+
+    @property  # type: ignore[override]
+    def rpc_layer(self) -> Optional[str]:
+        """The override, else ``TF_CONFIG``'s ``rpc_layer``, else None."""
+        if self._rpc_layer is not None:
+            return self._rpc_layer
+        return _tf_config().get("rpc_layer")
+
+    @rpc_layer.setter
+    def rpc_layer(self, rpc_layer: Optional[str]) -> None:
+        self._rpc_layer = rpc_layer
 
     @property
     def environment(self) -> Optional[str]:  # type: ignore[override]

@@ -93,9 +93,6 @@ def initialize(cluster: Cluster, timeout_seconds: float) -> None:
             "arrays, jit) in this process.") from e
 
 
-_client = jax_internals.distributed_client  # The coordination service's key-value store.
-
-
 class Agreement:
     """Exchanges small JSON payloads between all workers, in lockstep (see module doc)."""
 
@@ -113,7 +110,7 @@ class Agreement:
           InvalidArgumentError: a peer reached another exchange here (the workers run
             different sequences of distributed calls).
         """
-        client, me = _client(), self._cluster.index
+        client, me = jax_internals.distributed_client(), self._cluster.index
         with self._lock:
             seq, self._seq = self._seq, self._seq + 1
             client.key_value_set(f"jdist/agree/{seq}/{me}", json.dumps([what, payload]))

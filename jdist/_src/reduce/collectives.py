@@ -273,9 +273,8 @@ def all_reduce_with_tfs_gradient(reduce: Callable, op: ReduceOp, num_replicas: i
     leaves, tree = jax.tree_util.tree_flatten(value)
     rules = [_gradient_rule(x, op, sums_by_psum) for x in leaves]
     results = [None] * len(leaves)
-    for rule, combine in (("vjp", _reduce_by_vjp), ("jvp", _mean_by_jvp),
-                          (None, lambda reduce, op, n, xs: reduce(op, xs))):
-        chosen = [i for i, r in enumerate(rules) if r == rule]
+    for combine in (_reduce_by_vjp, _mean_by_jvp, _reduce_as_is):
+        chosen = [i for i, r in enumerate(rules) if r is combine]
         if chosen:
             reduced = combine(reduce, op, num_replicas, [leaves[i] for i in chosen])
             for i, x in zip(chosen, reduced):
@@ -283,13 +282,19 @@ def all_reduce_with_tfs_gradient(reduce: Callable, op: ReduceOp, num_replicas: i
     return jax.tree_util.tree_unflatten(tree, results)
 
 
-def _gradient_rule(x, op, sums_by_psum):  # "vjp", "jvp" or None: see the caller.
+def _gradient_rule(x, op, sums_by_psum):
+    """Which of the caller's three combiners reduces leaf ``x``."""
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.inexact):
-        return None
+        return _reduce_as_is
     if _sums_in_order(dtype) or not sums_by_psum:
-        return "vjp"
-    return "jvp" if op is ReduceOp.MEAN else None  # XLA transposes a psum to a psum.
+        return _reduce_by_vjp
+    # XLA transposes a psum to a psum.
+    return _mean_by_jvp if op is ReduceOp.MEAN else _reduce_as_is
+
+
+def _reduce_as_is(reduce, op, num_replicas, xs):
+    return reduce(op, xs)
 
 
 def _reduce_by_vjp(reduce, op, num_replicas, xs):

@@ -233,7 +233,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         return lambda stacked: collectives.finish(op, combine([stacked[i] for i in range(n)]), n)
 
     def reduce_implementation(self, reduce_op: ReduceOp, per_replica_value: PerReplica,
-                              destinations: Any, options: Any) -> Any:
+                              destinations: Target, options: CommunicationOptions) -> Any:
         value = per_replica_value
         mesh = replica_mesh.of_array(value.stacked, value.num_replicas)
         stacked, _ = mesh.strip_padding(value.stacked, value._lengths, None)
@@ -326,7 +326,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         return mesh.reduce(op, value.stacked, axes, value._lengths)
 
     def reduce_implementation(self, reduce_op: ReduceOp, per_replica_value: PerReplica,
-                              destinations: Any, options: Any) -> Any:
+                              destinations: Target, options: CommunicationOptions) -> Any:
         mesh = replica_mesh.of_array(per_replica_value.stacked, per_replica_value.num_replicas)
         if mesh.devices[0].platform != "cpu" and set(destinations.devices) == set(mesh.devices):
             # TF all-reduces one value only there; elsewhere it reduces to one device.
@@ -371,8 +371,10 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
             return Mirrored._from_value(reduced, mesh.num_replicas)
         return self.broadcast_implementation(reduced, target)
 
-    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        by_mesh = {}
+    def batch_reduce_implementation(self, reduce_op: ReduceOp,
+                                    value_destination_pairs: Sequence[Tuple[PerReplica, Target]],
+                                    options: CommunicationOptions) -> List[Any]:
+        by_mesh: dict = {}
         for i, (value, _) in enumerate(value_destination_pairs):
             by_mesh.setdefault(replica_mesh.of_array(value.stacked, value.num_replicas),
                                []).append(i)

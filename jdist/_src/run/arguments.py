@@ -23,7 +23,6 @@ from jdist._src.values import is_step_output
 from jdist._src.values import ragged_components
 
 
-
 def classify_leaf(leaf, place) -> tuple:
     """``(kind, value, signature entry, traced)`` of one argument leaf; ``value`` is what the
     program takes (placed on ``place``'s mesh when concrete), None for a static leaf."""
@@ -35,7 +34,7 @@ def classify_leaf(leaf, place) -> tuple:
     if isinstance(leaf, (PerReplica, Mirrored)):
         check_replica_count(leaf, place.num_replicas, "strategy.run")
         per_replica = isinstance(leaf, PerReplica)
-        value = leaf.stacked if isinstance(leaf, PerReplica) else leaf.value
+        value = leaf.stacked if isinstance(leaf, PerReplica) else leaf.value  # (mypy narrows this.)
         traced = isinstance(value, jax.core.Tracer)
         if not traced:
             value = (place.place_per_replica if per_replica else place.place_replicated)(value)

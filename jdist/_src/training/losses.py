@@ -109,24 +109,22 @@ def _tensor(value):
     if isinstance(value, (np.ndarray, np.generic)):
         host_values.check_host_numbers(value)
         return jnp.asarray(value)
-    if isinstance(value, (list, tuple)) and any(not isinstance(v, _NUMBERS) for v in value):
+    if isinstance(value, (list, tuple)) and any(
+            not isinstance(v, host_values.SCALARS) for v in value):
         return _packed(value)  # TF's `model.losses`: a list of scalar tensors.
     return jnp.asarray(host_values.python_numbers_as_tf(value))
 
 
-_NUMBERS = (bool, int, float, complex)
-
-
 def _packed(values):
     """A list holding tensors as TF auto-packs it: stacked, Python numbers in their dtype."""
-    parts = [v if isinstance(v, _NUMBERS) else _tensor(v) for v in values]
-    dtypes = {p.dtype for p in parts if not isinstance(p, _NUMBERS)}
+    parts = [v if isinstance(v, host_values.SCALARS) else _tensor(v) for v in values]
+    dtypes = {p.dtype for p in parts if not isinstance(p, host_values.SCALARS)}
     if len(dtypes) > 1:
         raise errors.InvalidArgumentError(
             f"a list of losses mixes dtypes {sorted(map(str, dtypes))}; TF packs a list into one "
             "tensor of one dtype: cast them alike.")
     dtype = dtypes.pop()
-    parts = [jnp.asarray(p, dtype) if isinstance(p, _NUMBERS) else p for p in parts]
+    parts = [jnp.asarray(p, dtype) if isinstance(p, host_values.SCALARS) else p for p in parts]
     if len({p.shape for p in parts}) > 1:
         raise errors.ShapeMismatchError(
             f"a list of losses of shapes {[p.shape for p in parts]}; TF packs a list into one "

@@ -41,7 +41,7 @@ class MeshPieces:
     def __init__(self, programs, replica_programs, local, collective_cuts, output_specs):
         self._sharding = programs.replicated_sharding
         self._local = local
-        self._devices = [tuple(programs.mesh.devices.flat)[r] for r in local]
+        self._devices = [programs.devices[r] for r in local]
         self._guard = programs.guard
         self._owner = [replica_programs[r] for r in local]
         self._distinct = list({id(p): p for p in replica_programs}.values())

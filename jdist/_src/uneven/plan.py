@@ -137,7 +137,7 @@ class _CollectiveStep:
 
     def __call__(self, envs, eqns, k):
         n, local = len(eqns), list(envs)
-        devices = [_devices(self.programs)[r] for r in local]
+        devices = [self.programs.devices[r] for r in local]
         blocks = [[envs[r].pop(("in", k, i)) for i in range(len(eqns[r].invars))]
                   for r in local]
         stacked = [jax.make_array_from_single_device_arrays(
@@ -181,7 +181,7 @@ class _MergeStep:
     merge: Any  # An `uneven_trace.Merge`.
 
     def __call__(self, envs, eqns, k):
-        devices, local = list(_devices(self.programs)), list(envs)
+        devices, local = list(self.programs.devices), list(envs)
         blocks = {r: [envs[r].pop(("in", k, i)) for i in range(len(eqns[r].invars))]
                   for r in local}
         if len(local) == len(eqns):  # One process holds every replica's arguments.
@@ -203,10 +203,6 @@ def _by_device(array, devices):
     return [shards[d] for d in devices]
 
 
-def _devices(programs):
-    return tuple(programs.mesh.devices.flat)
-
-
 # ------------------------------------------------------------------------------ the plan
 @dataclasses.dataclass(frozen=True)
 class _Plan:
@@ -226,7 +222,7 @@ class _Plan:
 
     @classmethod
     def build(cls, programs, traces, merges, dynamic, kinds):
-        devices = _devices(programs)
+        devices = programs.devices
         distinct = list({id(t): t for t in traces}.values())
         uneven_trace.check_cuts(distinct)
         out_kinds = _out_kinds(traces, distinct)
@@ -242,9 +238,6 @@ class _Plan:
             if first.jaxpr.eqns[i].primitive is merge_p
             else _collective_step(programs, first.jaxpr.eqns[i]) for i in first.cuts)
         local = tuple(r for r, d in enumerate(devices) if d.process_index == jax.process_index())
-        consts = {r: tuple(jax.device_put(np.asarray(v), devices[r]) if kind == "const" else None
-                           for kind, v in traces[r].sources) for r in local}
-        ids = {r: jax.device_put(np.int32(r), devices[r]) for r in local}
         replica_programs = tuple(by_trace[id(t)] for t in traces)
         mesh_pieces = None
         if uneven_mesh.serves(replica_programs):
@@ -254,6 +247,10 @@ class _Plan:
                                  if kind == STACKED else P() for kind in out_kinds)
             mesh_pieces = uneven_mesh.MeshPieces(programs, replica_programs, local,
                                                  collective_cuts, output_specs)
+        by_device = mesh_pieces is None  # Only running one device at a time reads these.
+        consts = {r: tuple(jax.device_put(np.asarray(v), devices[r]) if kind == "const" else None
+                           for kind, v in traces[r].sources) for r in local} if by_device else {}
+        ids = {r: jax.device_put(np.int32(r), devices[r]) for r in local} if by_device else {}
         return cls(programs, replica_programs, local, consts, ids, steps, out_kinds,
                    first.out_tree, _regroup(programs, traces), ragged_args, stacked_args,
                    mesh_pieces)
@@ -370,7 +367,7 @@ def _replicated(x, programs):
 def _per_device(x, ragged, replicated, programs, local):
     """A dynamic argument as one array per local replica's device: a ragged one's components,
     an even per-replica one's blocks, a ``replicated`` one's copies."""
-    devices = [_devices(programs)[r] for r in local]
+    devices = [programs.devices[r] for r in local]
     if ragged:
         components = ragged_components(x)
         return jax.device_put([components[r] for r in local], devices)

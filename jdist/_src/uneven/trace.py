@@ -18,7 +18,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend import core, source_info_util
 
 from jdist._src import context, errors, host_values
-from jdist._src.base import STATIC
+from jdist._src.base import PER_REPLICA, STATIC
 from jdist._src.uneven import schedule as uneven_schedule
 from jdist._src.uneven.merge import MergeBody, merge_p
 from jdist._src.values import ARRAYS, DistributedValues, Mirrored, PerReplica, is_distributed
@@ -373,7 +373,7 @@ def dynamic_kinds(kinds: tuple) -> list:
 def _row_counts(abstract, kinds):
     """The leading sizes (rows) of the replica's per-replica inputs."""
     return {a.shape[1] for a, k in zip(abstract, dynamic_kinds(kinds))
-            if k == "per_replica" and len(a.shape) >= 2}
+            if k == PER_REPLICA and len(a.shape) >= 2}
 
 
 # Added to an error the replica function raised on an empty batch: JAX's does not say why.
